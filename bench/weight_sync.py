@@ -1,0 +1,164 @@
+"""Weight-sync bandwidth: SmolLM2-135M pushed from a Megatron trainer into vLLM, per transport.
+
+    Megatron (TP=1, SmolLM2 weights + a simulated update) --export_hf_weights--> buckets (timed once)
+    for each transport: build engine (from the checkpoint) -> push the same buckets `repeats` times
+    baseline: a plain copy of the same bytes into preallocated tensors (same process, same run)
+
+Reported per transport: median push seconds, GB/s (bytes in the engine dtype), the ratio to the
+plain copy's GB/s, and the max |log-prob(engine) - log-prob(trainer)| over sampled tokens after the
+push (plus the same before the push, which shows the push changed what the engine serves). The
+output ends with one JSON line per transport.
+
+    python bench/weight_sync.py [--dtype bf16|fp32] [--repeats 3] [--transports colocated,separate]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+QUESTIONS = ["What is 12 + 30?", "Name three colors.", "Write one sentence about the sea.", "What is a prime number?"]
+TEMPERATURE, MAX_TOKENS, PAD = 1.0, 32, 0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="trainer and engine dtype")
+    parser.add_argument("--repeats", type=int, default=3, help="timed pushes per transport (median reported)")
+    parser.add_argument("--transports", default="colocated,separate", help="comma-separated transports")
+    parser.add_argument("--bucket-mb", type=int, default=256, help="exporter bucket size in MiB")
+    return parser.parse_args()
+
+
+def build_trainer(model_dir: str, dtype: torch.dtype):
+    """SmolLM2 in Megatron (one rank), with a small deterministic perturbation standing in for an
+    optimizer step, so the push changes what the engine (started from the checkpoint) serves."""
+    from megatron_gtpo.convert.load import load_hf_weights
+    from megatron_gtpo.parallel.dims import init_distributed
+    from megatron_gtpo.train.model import build_model, hf_config_from_dir
+
+    dims = init_distributed(tp=1, seed=1234)
+    hf_config = hf_config_from_dir(model_dir)
+    chunks = build_model(hf_config, dims=dims, dtype=dtype)
+    load_hf_weights(chunks, hf_dir=model_dir, hf_config=hf_config, dims=dims)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * 0.02 * p.float().std())
+    return dims, chunks, hf_config
+
+
+def export_buckets(chunks, hf_config: dict, dims, bucket_bytes: int):
+    from megatron_gtpo.convert.export import export_hf_weights
+
+    start = time.perf_counter()
+    buckets = [[(n, t.clone()) for n, t in b]  # TP=1 exports may alias the parameters
+               for b in export_hf_weights(chunks, hf_config=hf_config, dims=dims, bucket_bytes=bucket_bytes)]
+    return buckets, time.perf_counter() - start
+
+
+def plain_copy(buckets, repeats: int) -> tuple[float, int]:
+    """Median seconds to copy every exported byte into preallocated, already-touched tensors."""
+    sources = [t for b in buckets for _, t in b]
+    targets = [torch.empty_like(t) for t in sources]
+    times = []
+    for _ in range(repeats + 1):  # the first pass faults the target pages in; not timed
+        start = time.perf_counter()
+        for dst, src in zip(targets, sources):
+            dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]), sum(t.numel() * t.element_size() for t in sources)
+
+
+def make_transport(name: str, model_dir: str, vllm: dict):
+    from megatron_gtpo.rollout import RolloutEngine
+    from megatron_gtpo.sync import ColocatedSync, SeparateEngine, SeparateSync
+
+    if name == "colocated":
+        engine = RolloutEngine(model_dir=model_dir, vllm_kwargs=vllm, seed=0)
+        return engine, ColocatedSync(engine)
+    engine = SeparateEngine(model_dir=model_dir, vllm_kwargs=vllm, seed=0)
+    return engine, SeparateSync(engine)
+
+
+def to_batch(completions):
+    from megatron_gtpo.types import TrainBatch
+
+    rows = [c.prompt_token_ids + c.token_ids for c in completions]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask, sampler = torch.zeros(len(rows), width), torch.zeros(len(rows), width)
+    for b, c in enumerate(completions):
+        ids[b, :len(rows[b])] = torch.tensor(rows[b])
+        mask[b, len(c.prompt_token_ids):len(rows[b])] = 1.0
+        sampler[b, len(c.prompt_token_ids):len(rows[b])] = torch.tensor(c.logprobs)
+    zeros = torch.zeros(len(rows))
+    return TrainBatch(input_ids=ids, loss_mask=mask, position_ids=torch.arange(width).expand(len(rows), width).clone(),
+                      group_ids=torch.tensor([c.prompt_index for c in completions]), rewards=zeros, advantages=zeros,
+                      sampler_logprobs=sampler, pad_id=PAD)
+
+
+def logprob_diff(engine, chunks, dims, hf_config: dict) -> dict[str, float]:
+    """Engine vs trainer log-probs of tokens the engine samples now (temperature 1)."""
+    from megatron_gtpo.rollout import chat_prompt, logprob_mismatch
+    from megatron_gtpo.train.step import compute_logprobs
+
+    prompts = [chat_prompt(engine.tokenizer, q, uid=str(i)) for i, q in enumerate(QUESTIONS)]
+    completions = engine.generate(prompts, n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=MAX_TOKENS, seed=1)
+    batch = to_batch(completions)
+    trainer = compute_logprobs(chunks, batch, dims=dims, micro_batch_size=len(completions), temperature=TEMPERATURE,
+                               vocab_size=int(hf_config["vocab_size"])).logp
+    out = logprob_mismatch(batch.sampler_logprobs, trainer, batch.loss_mask > 0)
+    return {"max": out["train_infer/logprob_abs_diff_max"], "mean": out["train_infer/logprob_abs_diff_mean"]}
+
+
+def bench_transport(name: str, *, model_dir: str, vllm: dict, buckets, repeats: int, copy_gbps: float,
+                    trainer) -> dict:
+    start = time.perf_counter()
+    engine, syncer = make_transport(name, model_dir, vllm)
+    startup = time.perf_counter() - start
+    before = logprob_diff(engine, *trainer)
+    _ = engine.weight_spec  # read config.json once, outside the timed pushes
+    stats = [syncer.push(buckets, version=v) for v in range(1, repeats + 1)]
+    seconds = statistics.median(s.seconds for s in stats)
+    gb_per_s = stats[0].num_bytes / seconds / 1e9
+    after = logprob_diff(engine, *trainer)
+    engine.close()
+    syncer.close()
+    return {"transport": name, "seconds": round(seconds, 4), "gb_per_s": round(gb_per_s, 3),
+            "ratio_vs_copy": round(gb_per_s / copy_gbps, 3), "max_abs_logprob_diff": after["max"],
+            "mean_abs_logprob_diff": after["mean"], "max_abs_logprob_diff_before_push": before["max"],
+            "gigabytes": round(stats[0].num_bytes / 1e9, 4), "tensors": stats[0].num_tensors,
+            "push_seconds_all": [round(s.seconds, 4) for s in stats], "engine_startup_seconds": round(startup, 1)}
+
+
+def main() -> None:
+    args = parse_args()
+    from megatron_gtpo.models.smollm2 import ensure_smollm2
+
+    model_dir = str(ensure_smollm2())
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    dims, chunks, hf_config = build_trainer(model_dir, dtype)
+    buckets, export_s = export_buckets(chunks, hf_config, dims, args.bucket_mb << 20)
+    copy_s, nbytes = plain_copy(buckets, args.repeats)
+    copy_gbps = nbytes / copy_s / 1e9
+    print(f"model {model_dir} dtype {args.dtype}: {nbytes / 1e9:.3f} GB in {sum(map(len, buckets))} tensors, "
+          f"{len(buckets)} buckets; export {export_s:.3f} s; plain copy {copy_s:.4f} s = {copy_gbps:.2f} GB/s", flush=True)
+    vllm = {"dtype": {"bf16": "bfloat16", "fp32": "float32"}[args.dtype], "max_model_len": 512,
+            "kv_cache_memory_bytes": 256 << 20}
+    results = []
+    for name in args.transports.split(","):
+        results.append(bench_transport(name, model_dir=model_dir, vllm=vllm, buckets=buckets, repeats=args.repeats,
+                                       copy_gbps=copy_gbps, trainer=(chunks, dims, hf_config)))
+        print(f"{name}: {results[-1]}", flush=True)
+    for row in results:
+        print(json.dumps({**row, "dtype": args.dtype, "copy_gb_per_s": round(copy_gbps, 3),
+                          "export_seconds": round(export_s, 3)}))
+
+
+if __name__ == "__main__":  # the separate transport spawns a process that re-imports this module
+    main()

@@ -1,0 +1,73 @@
+"""Loss aggregation: the one place where per-token losses become a scalar (style (c) 3).
+
+GRPO, DAPO and Dr. GRPO differ mainly in this normaliser [spec 2-4, S8/S9 ``agg_loss``]:
+
+=========================  ==========================================================  =========
+mode                       value                                                       used by
+=========================  ==========================================================  =========
+token-mean                 ``sum_{i,t} x / num_tokens``                                DAPO
+seq-mean-token-mean        ``sum_i (sum_t x_{i,t} / |o_i|) / num_seqs``                GRPO, GTPO
+seq-mean-token-sum         ``sum_{i,t} x / num_seqs``
+seq-mean-token-sum-norm    ``sum_{i,t} x / (num_seqs * constant)``  (constant = L)     Dr. GRPO
+=========================  ==========================================================  =========
+
+Distributed contract: a global batch is split over data-parallel ranks and micro-batches. Pass the
+GLOBAL ``num_tokens`` (masked tokens of the whole global batch) and ``num_seqs`` (completions of the
+whole global batch); then the per-micro-batch results SUM to the single-process loss, because every
+term is a per-token or per-sequence quantity divided by a batch-wide constant. ``|o_i|`` is always
+local to its row (sequences are never split). When a normaliser is omitted the local one is used
+(single-process use). Dr. GRPO's ``constant`` must be given explicitly: it is the max completion
+length L (rollout ``max_tokens``), a run constant, never the padded width of a micro-batch. Note that
+verl's ``seq-mean-token-sum-norm`` omits ``1/num_seqs``; we follow the Dr. GRPO objective ``1/(G L)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_gtpo.algo.checks import as_mask, check_shape
+
+Tensor = torch.Tensor
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def aggregate(per_token_loss: Tensor, mask: Tensor, *, mode: str, num_tokens: float | Tensor | None = None,
+              num_seqs: float | Tensor | None = None, constant: float | None = None) -> Tensor:
+    """Reduces ``per_token_loss`` [B, T] over the masked tokens to a 0-d tensor (see module table).
+
+    ``num_tokens``/``num_seqs`` override the local counts with global ones (python numbers or 0-d
+    tensors, e.g. all-reduced). A python-number normaliser smaller than the local count is rejected:
+    it cannot be a global count. Normalisers are clamped to >= 1 so an empty batch gives 0, not NaN.
+    Masked-out positions never contribute, even if they hold NaN or inf.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"mode={mode!r} must be one of {AGG_MODES}")
+    mask = as_mask(mask)
+    check_shape(per_token_loss, tuple(mask.shape), name="per_token_loss", what="[B, T], like mask")
+    masked = torch.where(mask, per_token_loss, torch.zeros((), dtype=per_token_loss.dtype,
+                                                           device=per_token_loss.device))
+    if mode == "token-mean":
+        denom = _normaliser(num_tokens, int(mask.sum()), "num_tokens", "masked tokens of the global batch")
+        return masked.sum() / denom
+    seqs = _normaliser(num_seqs, mask.shape[0], "num_seqs", "completions of the global batch")
+    if mode == "seq-mean-token-mean":
+        per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return per_seq.sum() / seqs
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / seqs
+    if constant is None or not (0 < float(constant) < float("inf")):
+        raise ValueError(f"constant={constant!r}: mode 'seq-mean-token-sum-norm' (Dr. GRPO) needs the "
+                         "constant L > 0, the max completion length (rollout max_tokens)")
+    return masked.sum() / (seqs * float(constant))
+
+
+def _normaliser(value, local: int, name: str, what: str):
+    if value is None:
+        return max(local, 1)
+    if isinstance(value, Tensor):
+        return value.clamp(min=1)
+    if not (float(value) >= local):
+        raise ValueError(f"{name}={value!r} is smaller than this micro-batch's own count ({local}); "
+                         f"pass the number of {what}")
+    return max(float(value), 1.0)

@@ -1,0 +1,260 @@
+"""Training checkpoints (Megatron dist-checkpointing) and loading converted model weights.
+
+Layout under ``root``::
+
+    root/step_00000100/   one torch_dist checkpoint: model ("model" or "model0..k" with VPP),
+                          optimizer (Megatron's sharded format), per-rank RNG, and in
+                          common.pt the step and the caller's ``extra_state`` (data cursor,
+                          tracking run id, scheduler state ...)
+    root/.tmp_step_*/     a save in progress; renamed to step_* only once every rank finished
+
+Contracts: a step directory exists only when complete (rename is the commit), so
+``latest_step`` never returns a torn save; the last ``keep_last`` steps are kept. A run resumes
+at another DP size with the same TP/PP (optimizer state in Megatron's ``dp_reshardable``
+format); model weights alone reload at any layout (``load_model_weights``). RNG states are per
+(PP, TP) coordinate, shared by the DP replicas. Every rank must call save/load.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+# Distributed-optimizer state format (Megatron-LM's default): every rank writes its own buffers
+# without gathers, and the state reloads at another DP size. (Megatron 0.16.1's TP/PP-reshardable
+# formats fail on CPU without apex/TE: "fully_reshardable" loads hit KeyError 'step', and
+# "fully_sharded_model_space" needs flattened_range, which it no longer supports.)
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def latest_step(root: str | Path) -> int | None:
+    """Highest fully written step under ``root``, or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    steps = [int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return max(steps) if steps else None
+
+
+def model_sharded_state_dict(model_chunks: list[torch.nn.Module]) -> dict:
+    """``{"model": ...}`` or ``{"model0": ..., "model1": ...}`` (VPP), as Megatron-LM names them.
+    Built from the bare GPTModel (the stored keys are the same through DDP/Float16Module), so
+    the loaded dicts fit ``GPTModel.load_state_dict``."""
+    from megatron_gtpo.train.model import unwrap
+
+    if len(model_chunks) == 1:
+        return {"model": unwrap(model_chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+
+
+def _load_into_models(model_chunks: list[torch.nn.Module], state: dict) -> None:
+    from megatron_gtpo.train.model import unwrap
+
+    keys = ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
+    for chunk, key in zip(model_chunks, keys):
+        # Non-strict only for ``_extra_state`` a converted checkpoint may not carry (TE spec).
+        # Into the bare GPTModel: DDP/Float16Module wrappers do not return the key lists.
+        missing, unexpected = unwrap(chunk).load_state_dict(state[key], strict=False)
+        missing = [k for k in missing if not k.endswith("._extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}")
+
+
+def _drop_objects_missing_from(sharded: dict, ckpt_dir: Path) -> list[str]:
+    """Removes ShardedObjects the checkpoint does not hold (TE ``_extra_state`` when loading a
+    checkpoint converted for the local spec); returns their keys."""
+    from megatron.core.dist_checkpointing import ShardedObject
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = set(FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata)
+    dropped = []
+
+    def walk(node):
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in list(items):
+            if isinstance(value, ShardedObject) and value.unique_key not in stored:
+                dropped.append(value.unique_key)
+                node[key] = None
+            elif isinstance(value, (dict, list)):
+                walk(value)
+
+    walk(sharded)
+    return dropped
+
+
+def load_model_weights(model_chunks: list[torch.nn.Module], ckpt_dir: str | Path) -> None:
+    """Loads only the model weights from a dist checkpoint (a converted ``<dir>/model`` or a
+    training step dir) into chunks built at any TP/PP/VPP layout (Megatron reshards at load)."""
+    from megatron.core import dist_checkpointing
+
+    sharded = model_sharded_state_dict(model_chunks)
+    _drop_objects_missing_from(sharded, Path(ckpt_dir))
+    _load_into_models(model_chunks, dist_checkpointing.load(sharded, str(ckpt_dir)))
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _layout(model_chunks) -> dict:
+    from megatron_gtpo.parallel.dims import current_dims
+
+    dims = current_dims()
+    return {"tp": dims.tp, "pp": dims.pp, "model_chunks": len(model_chunks)}
+
+
+def _rng_sharded():
+    """This rank's RNG as a ShardedObject over the (PP, TP) grid; DP replicas share DP rank 0's."""
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    from megatron_gtpo.parallel.dims import current_dims
+
+    dims = current_dims()
+    return ShardedObject("rng_state", _rng_state(), (dims.pp, dims.tp), (dims.pp_rank, dims.tp_rank),
+                         replica_id=dims.dp_rank)
+
+
+def _full_state(model_chunks, optimizer, *, is_loading: bool) -> dict:
+    state = model_sharded_state_dict(model_chunks)
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_OPTIM_METADATA)
+    state["rng_state"] = _rng_sharded()
+    return state
+
+
+def save_checkpoint(root: str | Path, *, step: int, model_chunks: list[torch.nn.Module], optimizer,
+                    extra_state: dict, keep_last: int) -> Path:
+    """Saves model, optimizer, RNG, ``step`` and ``extra_state`` as ``root/step_<step>``
+    atomically, then deletes all but the newest ``keep_last`` steps. Returns the step dir."""
+    from megatron.core import dist_checkpointing
+
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} must be >= 1")
+    root, rank = Path(root), dist.get_rank()
+    final, tmp = step_dir(root, step), root / f".tmp_step_{step:08d}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left over by a crashed save
+        tmp.mkdir()
+    dist.barrier()
+    state = _full_state(model_chunks, optimizer, is_loading=False)
+    # Plain values: written once, to common.pt.
+    state.update(step=step, extra_state=extra_state, layout=_layout(model_chunks))
+    dist_checkpointing.save(state, str(tmp))
+    dist.barrier()
+    if rank == 0:
+        _commit(tmp, final)
+        _prune(root, keep_last)
+    dist.barrier()
+    return final
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    if final.exists():  # the same step saved again after a resume: replace it
+        old = final.with_name(f".old_{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
+    for old in steps[:-keep_last]:
+        shutil.rmtree(step_dir(root, old), ignore_errors=True)
+
+
+def _prime_optimizer_state(optimizer) -> None:
+    """Gives a fresh optimizer zeroed Adam state incl. ``step`` (the load overwrites all of it).
+
+    Megatron's DistributedOptimizer.state_dict() reads ``step`` from the inner torch optimizer's
+    per-parameter state when neither apex nor TE is installed (the CPU fallback), and asserts
+    if no step was ever taken; its own ``init_state_fn`` creates the moments but not ``step``.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner, init = getattr(opt, "optimizer", None), getattr(opt, "init_state_fn", None)
+        if inner is None or init is None or any(len(s) for s in inner.state.values()):
+            continue
+        init(inner, opt.config)
+        for state in inner.state.values():
+            state.setdefault("step", torch.tensor(0.0))
+
+
+def _restore_adam_steps(optimizer, loaded: dict) -> None:
+    """Sets each parameter's torch-Adam ``step`` to the saved iteration, as its own tensor.
+
+    On the torch fallback (no apex/TE) Megatron's DistributedOptimizer.load_state_dict gives
+    every parameter the *same* step tensor and then overwrites it from the dp_reshardable
+    buffers, which hold the freshly initialised value: the bias correction would restart.
+    The saved iteration is the ``step`` it stores in its param groups.
+    """
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [loaded] if len(opts) == 1 else [loaded[key] for key in sorted(loaded)]
+    for opt, state in zip(opts, states):
+        groups = state.get("optimizer", {}).get("param_groups", []) if isinstance(state, dict) else []
+        steps = {g["step"] for g in groups if g.get("step") is not None}
+        if len(steps) != 1 or getattr(opt, "optimizer", None) is None:
+            continue
+        step = float(steps.pop())
+        for param_state in opt.optimizer.state.values():
+            if "step" in param_state:
+                param_state["step"] = torch.tensor(step)
+
+
+def load_checkpoint(root: str | Path, *, model_chunks: list[torch.nn.Module], optimizer,
+                    step: int | None = None) -> tuple[int, dict] | None:
+    """Restores ``root/step_<step>`` (the latest when None) into the model chunks, optimizer and
+    RNG. Returns ``(step, extra_state)``, or None when there is no checkpoint. The TP/PP/VPP
+    layout must be the saved one (ValueError otherwise); the DP size may differ."""
+    from megatron.core import dist_checkpointing
+
+    step = latest_step(root) if step is None else step
+    if step is None:
+        return None
+    directory = step_dir(root, step)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} does not exist; available: latest is step {latest_step(root)}")
+    saved, now = dist_checkpointing.load_common_state_dict(str(directory)).get("layout"), _layout(model_chunks)
+    if saved != now:
+        raise ValueError(f"{directory} was saved with layout {saved}, this run has {now}: resume with the same "
+                         "TP/PP/VPP (the DP size may differ), or load only the weights with load_model_weights")
+    _prime_optimizer_state(optimizer)
+    state = _full_state(model_chunks, optimizer, is_loading=True)
+    _drop_objects_missing_from(state, directory)
+    loaded = dist_checkpointing.load(state, str(directory))
+    _load_into_models(model_chunks, loaded)
+    with torch.no_grad():  # fp32 main params can be views of the (grad-requiring) model params
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(optimizer, loaded["optimizer"])
+    _set_rng_state(loaded["rng_state"])
+    return int(loaded["step"]), loaded["extra_state"]

@@ -1,0 +1,53 @@
+"""The ``megatron-gtpo`` command: train, demo, eval, convert, dry-run, config.
+
+Each subcommand parses its own arguments (``megatron-gtpo SUBCOMMAND --help``); heavy imports
+(torch, Megatron, vLLM) happen only inside the subcommand that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SUBCOMMANDS = {
+    "train": ("megatron_gtpo.launch.train_cli", "train a policy from a YAML recipe (launches torchrun ranks)"),
+    "demo": ("megatron_gtpo.launch.demo", "short GTPO run on CPU with SmolLM2-135M-Instruct, then plots"),
+    "eval": ("megatron_gtpo.eval.cli", "pass@k / maj@k / mean@k on GSM8K, MATH-500, AIME, AMC, MMLU-STEM"),
+    "convert": ("megatron_gtpo.convert.cli", "convert checkpoints between Hugging Face and Megatron-Core"),
+    "dry-run": ("megatron_gtpo.launch.dryrun", "validate a recipe and print the parallel layout and memory"),
+    "config": ("megatron_gtpo.launch.config_cli", "print every config field with its default and doc"),
+}
+
+
+def quiet_warnings() -> None:
+    """Megatron warns at import time that TE/apex are missing: expected on CPU, said once in the README."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+
+
+def main(argv: list[str] | None = None) -> int:
+    quiet_warnings()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="megatron-gtpo",
+        description="GTPO / GRPO / Dr. GRPO / DAPO post-training on Megatron-Core with vLLM rollouts.",
+        epilog="\n".join(f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items())
+        + "\n\nRun `megatron-gtpo SUBCOMMAND --help` for the options of each.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("subcommand", choices=sorted(SUBCOMMANDS), metavar="SUBCOMMAND",
+                        help="one of: " + ", ".join(SUBCOMMANDS))
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    args = parser.parse_args(argv[:1])
+    import importlib
+
+    module = importlib.import_module(SUBCOMMANDS[args.subcommand][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

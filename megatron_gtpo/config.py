@@ -1,0 +1,85 @@
+"""``RunConfig``: one recipe, composed of the sub-configs that live next to the code they configure.
+
+    load_config("configs/gtpo.yaml", ["algo.entropy_threshold=0.7"]) -> RunConfig (validated)
+
+A recipe is YAML (``base:`` inherits another file); overrides are dotted ``key.path=value`` pairs
+parsed as YAML. Unknown keys, wrong types and out-of-range values raise :class:`ConfigError`
+naming the key path, the value and what is allowed. ``megatron-gtpo config`` prints every field.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_gtpo.algo.config import AlgoConfig
+from megatron_gtpo.data.config import DataConfig
+from megatron_gtpo.models.config import ModelConfig
+from megatron_gtpo.parallel.dims import ParallelConfig
+from megatron_gtpo.reward.config import RewardConfig
+from megatron_gtpo.rollout.config import RolloutConfig
+from megatron_gtpo.sync.config import SyncConfig
+from megatron_gtpo.tracking import TrackingConfig
+from megatron_gtpo.train.optim import OptimConfig
+from megatron_gtpo.trainer import TrainConfig
+from megatron_gtpo.utils.configuration import (ConfigError, apply_overrides, build, load_recipe, to_dict,
+                                               write_yaml_atomic)
+
+__all__ = ["RunConfig", "load_config", "ConfigError", "dump_resolved"]
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """A whole training run."""
+
+    output_dir: str = "runs/default"
+    """Run directory: resolved config, checkpoints, MLflow SQLite store, plots, logs."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model (see megatron_gtpo/models/config.py)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Trainer TP / PP / VPP / DP layout."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Algorithm and its hyper-parameters (GTPO, GRPO, Dr. GRPO, DAPO)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling of G completions per prompt with vLLM (native vLLM settings under rollout.vllm)."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Weight transport from the trainer into the engines."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training prompts."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function and scoring workers."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Megatron optimizer, DDP and LR schedule (native Megatron fields)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, batch sizes, checkpoints, periodic evaluation."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """MLflow tracking."""
+
+    def __post_init__(self):
+        algo = self.algo.resolved()
+        if algo.overlong_buffer_len and algo.overlong_buffer_len > self.rollout.max_tokens:
+            raise ConfigError(f"algo.overlong_buffer_len={algo.overlong_buffer_len} is not allowed: expected "
+                              f"<= rollout.max_tokens ({self.rollout.max_tokens}), the L_max of DAPO's punishment")
+        rows = self.train.prompts_per_step * self.rollout.n
+        if rows % (self.parallel.dp * self.train.micro_batch_size):
+            raise ConfigError(
+                f"train.micro_batch_size={self.train.micro_batch_size} is not allowed: the global batch of "
+                f"train.prompts_per_step * rollout.n = {rows} completions must split evenly into parallel.dp="
+                f"{self.parallel.dp} ranks x micro-batches of that size")
+        if self.rollout.n < 2:
+            raise ConfigError(f"rollout.n={self.rollout.n} is not allowed: group-relative advantages need >= 2 "
+                              "completions per prompt")
+
+
+def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:
+    """Reads a recipe (None = all defaults), applies dotted overrides and validates the result."""
+    data = load_recipe(recipe) if recipe is not None else {}
+    data = apply_overrides(data, list(overrides or []))
+    return build(RunConfig, data)
+
+
+def dump_resolved(cfg: RunConfig, path: str | os.PathLike | None = None) -> Path:
+    """Writes the fully resolved config (defaults filled in) atomically; default <output_dir>/config.yaml."""
+    path = Path(path) if path else Path(cfg.output_dir) / "config.yaml"
+    return write_yaml_atomic(to_dict(cfg), path)

@@ -1,0 +1,145 @@
+"""convert_hf_checkpoint: HF safetensors <-> Megatron-Core dist checkpoint, streamed.
+
+Examples::
+
+    tools/convert_hf_checkpoint --to megatron --input HF_DIR --output MCORE_DIR --tp 2 --pp 2
+    tools/convert_hf_checkpoint --to hf --input MCORE_DIR --output HF_DIR
+    tools/convert_hf_checkpoint --to hf --input runs/x/checkpoints/step_00000100 \\
+        --hf-config MCORE_DIR --output HF_DIR          # a training checkpoint (model weights only)
+
+The output is built in a hidden temp directory next to ``--output`` and renamed at the end, so
+a failure never leaves a partial output. Bad input exits with status 2 and names the file/field.
+Prints seconds, MB/s and peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="convert_hf_checkpoint", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--to", required=True, choices=("megatron", "hf"), help="direction of the conversion")
+    parser.add_argument("--input", required=True, type=Path,
+                        help="HF model dir (--to megatron) or Megatron checkpoint dir (--to hf)")
+    parser.add_argument("--output", required=True, type=Path, help="directory to create; must not exist")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size the checkpoint is meant for "
+                        "(validated; Megatron reshards at load, so any layout can load it)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (validated, recorded)")
+    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per PP rank (validated)")
+    parser.add_argument("--hf-config", type=Path, default=None,
+                        help="--to hf: dir with config.json + tokenizer files when --input lacks them")
+    parser.add_argument("--max-shard-mb", type=float, default=5000.0,
+                        help="--to hf: largest safetensors shard in MB (default 5000)")
+    return parser
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _import_converters() -> None:
+    import megatron_gtpo.convert.offline  # noqa: F401  (torch, safetensors, torch.distributed.checkpoint)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    from megatron_gtpo.utils.configuration import ConfigError
+
+    for name in ("tp", "pp"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name}={getattr(args, name)} must be >= 1")
+    if args.vpp is not None and args.vpp < 1:
+        raise ConfigError(f"--vpp={args.vpp} must be >= 1")
+    if args.max_shard_mb <= 0:
+        raise ConfigError(f"--max-shard-mb={args.max_shard_mb} must be > 0")
+    if not args.input.is_dir():
+        raise ConfigError(f"--input {args.input} is not a directory")
+    if args.output.exists():
+        raise ConfigError(f"--output {args.output} already exists; choose a new directory or remove it first")
+
+
+def _to_hf(args: argparse.Namespace, tmp: Path) -> int:
+    """Streams the checkpoint's model tensors into HF safetensors shards; returns bytes written."""
+    from megatron_gtpo.convert.hf_io import HFWriter, copy_side_files
+    from megatron_gtpo.convert.offline import MANIFEST, checkpoint_model_dir, iter_hf_tensors, validate_checkpoint
+    from megatron_gtpo.train.model import hf_config_from_dir
+
+    config_dir = args.hf_config or args.input
+    hf_config = hf_config_from_dir(config_dir)
+    ckpt_dir = checkpoint_model_dir(args.input)
+    validate_checkpoint(ckpt_dir, hf_config)
+    writer = HFWriter(tmp, shard_bytes=int(args.max_shard_mb * 2**20))
+    for name, tensor in iter_hf_tensors(ckpt_dir, hf_config):
+        writer.add(name, tensor)
+    writer.close()
+    copy_side_files(config_dir, tmp, exclude=(MANIFEST,))
+    return writer.total_bytes
+
+
+def _convert(args: argparse.Namespace, tmp: Path) -> int:
+    if args.to == "megatron":
+        from megatron_gtpo.convert.offline import hf_to_megatron
+
+        return hf_to_megatron(args.input, tmp, tp=args.tp, pp=args.pp, vpp=args.vpp)["bytes"]
+    return _to_hf(args, tmp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one conversion; returns the exit status (0 ok, 2 bad input, 1 unexpected error)."""
+    from megatron_gtpo.utils.configuration import ConfigError
+
+    args = build_parser().parse_args(argv)
+    tmp = None
+    try:
+        _check_args(args)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=args.output.parent, prefix=f".{args.output.name}.tmp-"))
+        _import_converters()  # so that the RSS baseline below includes torch and the libraries
+        rss_before, start = _rss_mb(), time.perf_counter()
+        total = _convert(args, tmp)
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; the output gets normal permissions
+        os.rename(tmp, args.output)  # atomic on one filesystem; fails if --output appeared meanwhile
+        tmp = None
+    except ConfigError as err:
+        print(f"convert_hf_checkpoint: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    seconds = time.perf_counter() - start
+    stats = {"direction": args.to, "seconds": round(seconds, 3), "mb": round(total / 2**20, 2),
+             "mb_per_s": round(total / 2**20 / max(seconds, 1e-9), 2), "peak_rss_mb": round(_peak_rss_mb(), 1),
+             "rss_before_mb": round(rss_before, 1), "output": str(args.output)}
+    print(f"converted {args.input} -> {args.output} ({args.to}): {stats['mb']} MB of tensors in "
+          f"{stats['seconds']} s ({stats['mb_per_s']} MB/s); peak RSS {stats['peak_rss_mb']} MB "
+          f"(RSS before converting {stats['rss_before_mb']} MB)")
+    print("stats: " + json.dumps(stats), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

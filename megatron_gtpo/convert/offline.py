@@ -1,0 +1,194 @@
+"""Offline conversion HF safetensors <-> Megatron torch_dist checkpoint, streamed tensor by tensor.
+
+Megatron checkpoint directory produced by ``hf_to_megatron`` (and read by ``megatron_to_hf``)::
+
+    OUT/config.json, tokenizer*, generation_config.json ...   HF side files, copied verbatim
+    OUT/megatron_gtpo.json                                    manifest (format, family, dtype, layout)
+    OUT/model/{.metadata, __0_0.distcp, common.pt, metadata.json}   the dist checkpoint
+
+The dist checkpoint is layout-free (global tensors, see ``mcore_ckpt``): ``--tp/--pp/--vpp`` are
+validated against config.json and recorded as the intended layout, and Megatron loads the same
+files at any layout. ``megatron_to_hf`` also reads training checkpoints (model keys only).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from megatron_gtpo.convert import mapping as mp
+from megatron_gtpo.convert.hf_io import HFReader, copy_side_files, torch_dtype_name
+from megatron_gtpo.convert.mcore_ckpt import CheckpointReader, Chunk, ObjectItem, write_checkpoint
+from megatron_gtpo.train.model import architecture_of, check_layout, tied_embeddings
+from megatron_gtpo.utils.configuration import ConfigError
+
+MANIFEST = "megatron_gtpo.json"
+FORMAT = "megatron_gtpo.mcore_torch_dist.v1"
+MODEL_SUBDIR = "model"
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def _expected_shapes(hf_config: dict, family: str, tied: bool) -> dict[str, list[int]]:
+    """HF tensor shapes implied by config.json (checked before any output is written)."""
+    h, v, f = int(hf_config["hidden_size"]), int(hf_config["vocab_size"]), int(hf_config["intermediate_size"])
+    s = mp.shapes_of(hf_config)
+    per_layer = {
+        "input_layernorm.weight": [h], "post_attention_layernorm.weight": [h],
+        "self_attn.q_proj.weight": [s.heads * s.head_dim, h], "self_attn.k_proj.weight": [s.groups * s.head_dim, h],
+        "self_attn.v_proj.weight": [s.groups * s.head_dim, h], "self_attn.o_proj.weight": [h, s.heads * s.head_dim],
+        "self_attn.q_proj.bias": [s.heads * s.head_dim], "self_attn.k_proj.bias": [s.groups * s.head_dim],
+        "self_attn.v_proj.bias": [s.groups * s.head_dim], "self_attn.q_norm.weight": [s.head_dim],
+        "self_attn.k_norm.weight": [s.head_dim], "mlp.gate_proj.weight": [f, h], "mlp.up_proj.weight": [f, h],
+        "mlp.down_proj.weight": [h, f],
+    }
+    out = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h]}
+    if not tied:
+        out["lm_head.weight"] = [v, h]
+    for layer in range(int(hf_config["num_hidden_layers"])):
+        for pm in mp.layer_maps(family):
+            for short, full in zip(pm.hf, mp.hf_names(pm, layer)):
+                out[full] = per_layer[short]
+    return out
+
+
+def _chunk_for(pm: mp.ParamMap, reader: HFReader, names: tuple[str, ...], *, layer: int | None,
+               num_layers: int, shapes: mp.Shapes) -> list[tuple[Chunk, object]]:
+    """Planned chunks (+ producers) of one Megatron parameter; fc1 is stored as gate and up chunks."""
+    dtype = _DTYPES[reader.dtype(names[0])]
+    hf_shapes = [reader.shape(n) for n in names]
+    stack = () if layer is None else (num_layers,)
+    at = () if layer is None else (layer,)
+    one = () if layer is None else (1,)
+
+    def read(name):
+        return lambda: reader.get(name).to(dtype).reshape(*one, *reader.shape(name))
+
+    if pm.kind == mp.FC1:  # gate rows then up rows, as Megatron's swiglu sharded factory stores them
+        rows = hf_shapes[0][0]
+        full = (*stack, 2 * rows, *hf_shapes[0][1:])
+        return [(Chunk(pm.ckpt_key, full, (*at, i * rows, *[0] * (len(full) - len(at) - 1)),
+                       (*one, *hf_shapes[i]), dtype), read(names[i])) for i in range(2)]
+    rows = sum(s[0] for s in hf_shapes)
+    full = (*stack, rows, *hf_shapes[0][1:])
+
+    def produce():
+        fused = mp.fuse(pm, [reader.get(n).to(dtype) for n in names], shapes)
+        return fused.reshape(*one, *fused.shape)
+
+    return [(Chunk(pm.ckpt_key, full, (*at, *[0] * (len(full) - len(at))), (*one, rows, *hf_shapes[0][1:]),
+                   dtype), produce)]
+
+
+def plan_from_hf(reader: HFReader, hf_config: dict) -> tuple[list, list[ObjectItem], int]:
+    """(chunks with producers, extra-state objects, total bytes) for one HF checkpoint."""
+    family, tied = architecture_of(hf_config), tied_embeddings(hf_config)
+    layers, shapes = int(hf_config["num_hidden_layers"]), mp.shapes_of(hf_config)
+    chunks: list = []
+    for pm in mp.pre_maps():
+        chunks += _chunk_for(pm, reader, mp.hf_names(pm, None), layer=None, num_layers=layers, shapes=shapes)
+    objects = []
+    for layer in range(layers):
+        for pm in mp.layer_maps(family):
+            chunks += _chunk_for(pm, reader, mp.hf_names(pm, layer), layer=layer, num_layers=layers, shapes=shapes)
+        objects += [ObjectItem(f"decoder.layers.{m}._extra_state/shard_{layer}_{layers}", None)
+                    for m in mp.EXTRA_STATE_MODULES]
+    for pm in mp.post_maps(tied=tied):
+        chunks += _chunk_for(pm, reader, mp.hf_names(pm, None), layer=None, num_layers=layers, shapes=shapes)
+    total = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c, _ in chunks)
+    return chunks, objects, total
+
+
+def open_hf(input_dir: Path, *, tp: int, pp: int, vpp: int | None) -> tuple[HFReader, dict]:
+    """Validates an HF checkpoint (config, layout, tensor names and shapes) before any write."""
+    from megatron_gtpo.train.model import hf_config_from_dir
+
+    hf_config = hf_config_from_dir(input_dir)
+    family = architecture_of(hf_config)
+    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp)
+    tied = tied_embeddings(hf_config)
+    reader = HFReader(input_dir)
+    expected = _expected_shapes(hf_config, family, tied)
+    reader.require(list(expected), expected)
+    # A tied checkpoint may still carry lm_head; old Llama files carry RoPE buffers: both unused.
+    extra = sorted(n for n in set(reader.names()) - set(expected) - {"lm_head.weight"}
+                   if not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ConfigError(f"{input_dir}: tensor {extra[0]!r} has no Megatron counterpart for {family} "
+                          f"({len(extra)} unexpected tensors); is config.json the right one?")
+    for name in expected:
+        if reader.dtype(name) not in _DTYPES:
+            raise ConfigError(f"{input_dir / reader.weight_map[name]}: tensor {name!r} has dtype "
+                              f"{reader.dtype(name)}; supported: {', '.join(_DTYPES)}")
+    return reader, hf_config
+
+
+def hf_to_megatron(input_dir: Path, output_dir: Path, *, tp: int, pp: int, vpp: int | None) -> dict:
+    """Converts into ``output_dir`` (must exist and be empty); returns the manifest written."""
+    reader, hf_config = open_hf(input_dir, tp=tp, pp=pp, vpp=vpp)
+    chunks, objects, total = plan_from_hf(reader, hf_config)
+    (output_dir / MODEL_SUBDIR).mkdir()
+    write_checkpoint(output_dir / MODEL_SUBDIR, chunks=chunks, objects=objects)
+    copy_side_files(input_dir, output_dir)
+    manifest = {"format": FORMAT, "family": architecture_of(hf_config),
+                "dtype": torch_dtype_name(chunks[0][0].dtype), "layout": {"tp": tp, "pp": pp, "vpp": vpp},
+                "source": str(input_dir), "bytes": total}
+    (output_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def checkpoint_model_dir(directory: Path) -> Path:
+    """The dist-checkpoint folder of a converted dir (``model/``) or a training step dir (itself)."""
+    for candidate in (directory / MODEL_SUBDIR, directory):
+        if (candidate / ".metadata").is_file():
+            return candidate
+    raise ConfigError(f"{directory} is not a Megatron checkpoint: neither {directory / MODEL_SUBDIR / '.metadata'} "
+                      f"nor {directory / '.metadata'} exists")
+
+
+def validate_checkpoint(ckpt_dir: Path, hf_config: dict) -> None:
+    """ConfigError naming the first model key that is missing or whose global shape contradicts
+    config.json (checked from the checkpoint metadata before anything is written)."""
+    family, tied = architecture_of(hf_config), tied_embeddings(hf_config)
+    layers = int(hf_config["num_hidden_layers"])
+    expected = _expected_shapes(hf_config, family, tied)
+    reader = CheckpointReader(ckpt_dir)
+    for pm in mp.pre_maps() + mp.layer_maps(family) + mp.post_maps(tied=tied):
+        is_layer = pm.ckpt_key.startswith("decoder.layers.")
+        hf_shapes = [expected[n] for n in mp.hf_names(pm, 0 if is_layer else None)]
+        rows = sum(s[0] for s in hf_shapes)
+        want = ([layers] if is_layer else []) + [rows] + hf_shapes[0][1:]
+        meta = reader.tensor_meta(pm.ckpt_key)
+        if meta is None or list(meta.size) != want:
+            found = "missing" if meta is None else f"shape {list(meta.size)}"
+            raise ConfigError(f"{ckpt_dir}: checkpoint tensor {pm.ckpt_key!r} is {found}, but config.json "
+                              f"({family}, {layers} layers, tied={tied}) implies shape {want}")
+
+
+def iter_hf_tensors(ckpt_dir: Path, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF ``(name, tensor)`` pairs read layer by layer from a torch_dist checkpoint, stored dtype."""
+    family, tied = architecture_of(hf_config), tied_embeddings(hf_config)
+    layers, shapes = int(hf_config["num_hidden_layers"]), mp.shapes_of(hf_config)
+    reader = CheckpointReader(ckpt_dir)
+
+    def emit(pms, layer):
+        requests = {}
+        for pm in pms:
+            meta = reader.tensor_meta(pm.ckpt_key)
+            if meta is None:
+                raise ConfigError(f"{ckpt_dir}: checkpoint has no tensor {pm.ckpt_key!r}; "
+                                  f"does config.json ({family}, tied={tied}) belong to it?")
+            size = tuple(meta.size)
+            requests[(pm.ckpt_key, (0,) * len(size) if layer is None else (layer,) + (0,) * (len(size) - 1))] = (
+                size if layer is None else (1, *size[1:]))
+        got = reader.read(requests)
+        for pm, tensor in zip(pms, got.values()):
+            tensor = tensor if layer is None else tensor[0]
+            yield from zip(mp.hf_names(pm, layer), mp.split(pm, tensor, shapes))
+
+    yield from emit(mp.pre_maps(), None)
+    for layer in range(layers):
+        yield from emit(mp.layer_maps(family), layer)
+    yield from emit(mp.post_maps(tied=tied), None)

@@ -1,0 +1,96 @@
+"""Configuration of prompt datasets (the ``data:`` block of a recipe)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_gtpo.reward.verify import TASKS
+from megatron_gtpo.utils.configuration import require
+
+TEMPLATES = ("auto", "reasoning_tags", "boxed", "mmlu", "plain")
+"""Prompt templates (see ``megatron_gtpo.data.templates``)."""
+
+Template = Literal["auto", "reasoning_tags", "boxed", "mmlu", "plain"]
+
+
+@dataclass(kw_only=True)
+class FieldMap:
+    """Which column of a user jsonl/parquet file holds what."""
+
+    question: str = "question"
+    """Column with the problem text."""
+    gold: str = "answer"
+    """Column with the reference answer (GSM8K '#### N' solution, LaTeX, number, letter or index)."""
+    choices: str = ""
+    """Column with a list of answer options (multiple choice; rendered as A., B., ...); '' for none."""
+    task: str = ""
+    """Column naming each row's checker task; '' uses ``DataConfig.task`` for every row."""
+    uid: str = ""
+    """Column with a stable row id; '' uses ``<file stem>:<row number>``."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.question), "question", self.question, "a column name")
+        require(bool(self.gold), "gold", self.gold, "a column name")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where prompts come from and how they are rendered, filtered and ordered."""
+
+    benchmarks: list[str] = field(default_factory=lambda: ["gsm8k_train"])
+    """Built-in datasets by name (``megatron_gtpo.data.BENCHMARKS``: gsm8k_train, gsm8k, math500,
+    aime24, aime25, amc23, mmlu_stem); read from ``data_root``."""
+
+    paths: list[str] = field(default_factory=list)
+    """User files (``.jsonl``, ``.json`` lines or ``.parquet``) read with the ``fields`` mapping."""
+
+    fields: FieldMap = field(default_factory=FieldMap)
+    """Column mapping for ``paths``."""
+
+    task: str = "gsm8k"
+    """Checker task of rows from ``paths`` (gsm8k, math, aime, amc, mmlu) unless ``fields.task`` is set."""
+
+    template: Template = "reasoning_tags"
+    """Prompt template: ``reasoning_tags`` (the GTPO paper's system prompt asking for
+    <reasoning>/<answer> tags), ``boxed`` (step by step, answer in \\boxed{}), ``mmlu`` (multiple
+    choice, letter in \\boxed{}), ``plain`` (the question alone), or ``auto`` (``mmlu`` for rows with
+    choices, else ``boxed``)."""
+
+    system_prompt: str = ""
+    """Replaces the template's system prompt when non-empty."""
+
+    use_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (add_generation_prompt); false sends the
+    plain text ("Question: ...\\nAnswer:")."""
+
+    max_prompt_tokens: int = 4000
+    """Prompts longer than this (after the chat template) are dropped and counted."""
+
+    shuffle: bool = True
+    """Visit prompts in a seeded random order, reshuffled every epoch."""
+
+    seed: int = 0
+    """Shuffle seed (the order of epoch e depends only on seed and e)."""
+
+    limit: int = 0
+    """Keep only the first N rows of each source (before shuffling); 0 keeps all."""
+
+    data_root: str = ""
+    """Directory holding the benchmark folders; '' uses $MEGATRON_GTPO_DATA or ../shared/data next
+    to the project."""
+
+    def __post_init__(self) -> None:
+        from megatron_gtpo.data.sources import BENCHMARKS
+
+        require(bool(self.benchmarks or self.paths), "benchmarks", self.benchmarks,
+                "at least one benchmark name or one file in paths")
+        for name in self.benchmarks:
+            require(name in BENCHMARKS, "benchmarks", name, f"one of {', '.join(sorted(BENCHMARKS))}")
+        for path in self.paths:
+            require(path.endswith((".jsonl", ".json", ".parquet")), "paths", path,
+                    "a .jsonl, .json (one object per line) or .parquet file")
+        require(self.task in TASKS, "task", self.task, f"one of {', '.join(TASKS)}")
+        require(self.template in TEMPLATES, "template", self.template, f"one of {', '.join(TEMPLATES)}")
+        require(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens, "an integer >= 1")
+        require(self.limit >= 0, "limit", self.limit, "0 (all rows) or a positive row count")

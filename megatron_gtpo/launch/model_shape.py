@@ -1,0 +1,125 @@
+"""The shape of a dense decoder read from a Hugging Face ``config.json``, and its parameter counts.
+
+Pure arithmetic (no torch, no transformers): ``dry-run`` uses it to check a parallel layout and to
+estimate memory before any job is submitted. The counts follow the HF modules of the supported
+families (Llama, Mistral, Qwen2, Qwen3: GQA attention, SwiGLU MLP, RMSNorm), which are also what
+Megatron-Core builds for them, so ``params_total`` equals the checkpoint's parameter count
+(8,030,261,248 for Llama-3-8B; 32,763,876,352 for Qwen2.5-32B).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_gtpo.utils.configuration import ConfigError
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """Sizes of a dense decoder-only transformer."""
+
+    name: str
+    """Display name (the config file's directory or stem)."""
+    family: str
+    """HF ``model_type``: one of FAMILIES."""
+    layers: int
+    """Transformer blocks (``num_hidden_layers``)."""
+    hidden: int
+    """Residual width (``hidden_size``)."""
+    ffn: int
+    """SwiGLU inner width (``intermediate_size``)."""
+    heads: int
+    """Query heads (``num_attention_heads``)."""
+    kv_heads: int
+    """Key/value heads (``num_key_value_heads``); Megatron calls them query groups."""
+    head_dim: int
+    """Width of one head (``head_dim``, else hidden / heads)."""
+    vocab: int
+    """Vocabulary rows of the embedding as stored in the checkpoint (``vocab_size``)."""
+    tied_embeddings: bool
+    """True when the output layer reuses the input embedding (``tie_word_embeddings``)."""
+    qkv_bias: bool
+    """q/k/v projections carry biases (Qwen2, or ``attention_bias``)."""
+    qk_norm: bool
+    """Per-head RMSNorm on queries and keys (Qwen3)."""
+    max_positions: int
+    """Longest sequence the position embedding covers (``max_position_embeddings``)."""
+
+    # Counts below take the tensor-parallel degree of whoever holds the weights: Megatron splits
+    # heads and the MLP evenly (it rejects kv_heads % tp != 0 itself); vLLM replicates a KV head
+    # on several ranks when tp > kv_heads, so a rank never holds less than one KV head.
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """KV heads one tensor-parallel rank holds (at least one: vLLM replicates beyond kv_heads)."""
+        return max(self.kv_heads // tp, 1)
+
+    def layer_params(self, tp: int = 1) -> int:
+        """Parameters of one transformer block held by one rank of a ``tp``-way split."""
+        q_width = self.heads * self.head_dim // tp
+        kv_width = self.kv_heads_per_rank(tp) * self.head_dim
+        attention = self.hidden * (q_width + 2 * kv_width) + q_width * self.hidden
+        if self.qkv_bias:
+            attention += q_width + 2 * kv_width
+        mlp = 3 * self.hidden * self.ffn // tp
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)  # replicated on every rank
+        return attention + mlp + norms
+
+    def embedding_params(self, tp: int = 1, vocab: int | None = None) -> int:
+        """One vocabulary matrix (input embedding or output layer) on one rank; ``vocab`` may be padded."""
+        return (vocab or self.vocab) * self.hidden // tp
+
+    def params_total(self) -> int:
+        """Parameters of the unsharded checkpoint."""
+        outputs = 1 if self.tied_embeddings else 2
+        return self.layers * self.layer_params() + outputs * self.embedding_params() + self.hidden
+
+    def kv_bytes_per_token(self, *, tp: int, dtype_bytes: int = 2) -> int:
+        """KV-cache bytes one token occupies on one rank of a ``tp``-way engine (keys and values)."""
+        return 2 * self.layers * self.kv_heads_per_rank(tp) * self.head_dim * dtype_bytes
+
+
+def load_model_shape(path: str | Path) -> ModelShape:
+    """Reads ``config.json`` (or a directory holding one); ConfigError names the missing key."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"model config {file} does not exist; pass --hf-config with a Hugging Face "
+                          f"config.json (copies for common models are in configs/models/)")
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"model config {file} is not valid JSON: {err}") from None
+    name = path.name if path.is_dir() else (file.parent.name if file.name == "config.json" else file.stem)
+    return shape_from_hf_config(raw, name=name, source=str(file))
+
+
+def shape_from_hf_config(raw: dict, *, name: str, source: str = "config.json") -> ModelShape:
+    """Builds a ModelShape from a parsed HF config dict (``text_config`` of multimodal configs too)."""
+    raw = raw.get("text_config", raw)
+    family = raw.get("model_type", "")
+    if family not in FAMILIES:
+        raise ConfigError(f"{source}: model_type={family!r} is not supported by dry-run; "
+                          f"supported: {', '.join(FAMILIES)} (dense decoders)")
+    if any(raw.get(key) for key in _MOE_KEYS):
+        raise ConfigError(f"{source}: mixture-of-experts configs are not supported by dry-run")
+
+    def need(key: str) -> int:
+        if not isinstance(raw.get(key), int) or raw[key] < 1:
+            raise ConfigError(f"{source}: {key} must be a positive integer, got {raw.get(key)!r}")
+        return raw[key]
+
+    heads, hidden = need("num_attention_heads"), need("hidden_size")
+    return ModelShape(
+        name=name, family=family, layers=need("num_hidden_layers"), hidden=hidden,
+        ffn=need("intermediate_size"), heads=heads,
+        kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads, vocab=need("vocab_size"),
+        tied_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=family == "qwen3", max_positions=need("max_position_embeddings"),
+    )

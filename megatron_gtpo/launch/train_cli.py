@@ -1,0 +1,129 @@
+"""``megatron-gtpo train RECIPE [key.path=value ...]``: validate, then launch the training ranks.
+
+Everything cheap is checked before any rank starts (config types and ranges, the model directory,
+the parallel layout against the model's heads/layers/vocabulary, Megatron pass-through fields,
+data files, the reward function), so a bad recipe fails in seconds with the key path named.
+With tp * pp * dp == 1 the driver runs in this process; otherwise torchrun starts the ranks and
+this process forwards SIGTERM / SIGUSR1 to them as SIGUSR1 (checkpoint, then exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+EPILOG = """examples:
+  megatron-gtpo train configs/gtpo.yaml --output-dir runs/gtpo algo.entropy_threshold=0.7
+  megatron-gtpo train configs/tiny.yaml --output-dir /tmp/tiny --steps 2
+  megatron-gtpo train configs/gtpo.yaml --dry-run parallel.pp=2
+  megatron-gtpo train configs/gtpo.yaml --output-dir runs/gtpo --resume
+"""
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="megatron-gtpo train", description=__doc__, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", help="YAML recipe (configs/gtpo.yaml, grpo.yaml, drgrpo.yaml, dapo.yaml, tiny.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides key.path=value (parsed as YAML)")
+    parser.add_argument("--output-dir", help="run directory (same as output_dir=...)")
+    parser.add_argument("--steps", type=int, help="rollout steps (same as train.steps=...)")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the run dir")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the config, model, data and parallel layout, print them, and exit")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="validate, write the resolved <output-dir>/config.yaml and exit: the ranks are "
+                             "started elsewhere (slurm/train.sbatch runs `python -m megatron_gtpo.trainer` on every node)")
+    return parser.parse_intermixed_args(argv)  # overrides may come before or after the options
+
+
+def prepare(args):
+    """Loads and validates the recipe; returns (RunConfig, model_dir)."""
+    from megatron_gtpo.config import load_config
+    from megatron_gtpo.launch.preflight import preflight
+
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    cfg = load_config(args.recipe, overrides)
+    return cfg, preflight(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from megatron_gtpo.utils.configuration import ConfigError
+
+    try:
+        cfg, summary = prepare(args)
+    except (ConfigError, FileNotFoundError, ValueError, ImportError) as err:
+        print(f"megatron-gtpo train: error: {err}", file=sys.stderr)
+        return 2
+    print(summary)
+    if args.dry_run:
+        print("dry run: configuration, model, data and layout are valid; nothing was started")
+        return 0
+    from megatron_gtpo.config import dump_resolved
+
+    resolved = dump_resolved(cfg)
+    if args.prepare_only:
+        print(f"resolved config: {resolved}")
+        return 0
+    world = cfg.parallel.world_size
+    if world == 1:
+        from megatron_gtpo.trainer import run
+
+        run(cfg, resume=args.resume)
+        return 0
+    return launch_torchrun(resolved, world, resume=args.resume)
+
+
+def launch_torchrun(resolved_config: Path, world: int, *, resume: bool) -> int:
+    """Starts ``world`` local ranks with torchrun (gloo on CPU, NCCL on GPU) and waits for them.
+
+    Multi-node jobs are launched by slurm/train.sbatch, which runs torchrun on every node itself.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_port",
+           os.environ.get("MASTER_PORT", str(_free_port())), "-m", "megatron_gtpo.trainer", str(resolved_config)]
+    if resume:
+        cmd.append("--resume")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.Popen(cmd, env=env)
+    forward = lambda signum, frame: _signal_workers(proc.pid)  # noqa: E731
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _signal_workers(agent_pid: int) -> None:
+    """SIGUSR1 to the torchrun workers (not to the agent: its default action would kill the job)."""
+    import psutil
+
+    try:
+        workers = psutil.Process(agent_pid).children(recursive=False)
+    except psutil.NoSuchProcess:
+        return
+    for worker in workers:
+        try:
+            worker.send_signal(signal.SIGUSR1)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

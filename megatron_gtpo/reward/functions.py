@@ -1,0 +1,163 @@
+"""Named reward functions and the one place a reward name is resolved.
+
+Contract of every reward function (built-in or user, picked by ``RewardConfig.fn``)::
+
+    fn(completion: str, gold: str, task: str) -> float | RewardOutput
+
+A plain float is the reward; correctness for the accuracy metric is then judged by ``is_correct``.
+Functions run inside scorer worker processes, so a user function must be importable by dotted path
+(``my_pkg.rewards.fn`` or ``my_pkg.rewards:fn``) and must not rely on state of the training process.
+
+Length shaping (DAPO's soft overlong punishment) is not a reward function: it needs token counts,
+so ``score.py`` adds ``overlong_penalty`` on top of whichever function is configured.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron_gtpo.reward.verify import _judge_cached
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardOutput:
+    """What a reward function may return instead of a bare float."""
+
+    reward: float
+    """Scalar reward used for advantages."""
+    correct: bool
+    """Answer correctness (accuracy metric, DAPO's dynamic-sampling filter)."""
+
+
+_REASONING_BLOCK = re.compile(r"<reasoning>.*?</reasoning>", re.DOTALL)
+_FINAL_ANSWER_BLOCK = re.compile(r"<answer>.*?</answer>\s*$", re.DOTALL)
+_ANSWER_TAG = re.compile(r"</?answer>")
+_REASONING_TAG = re.compile(r"</?reasoning>")
+
+FORMAT_FULL = 10.0
+"""Format reward of a completion with both tag pairs whose answer block ends the text."""
+
+
+def paper_format_score(text: str) -> float:
+    """The GTPO paper's format reward (spec algorithms.md section 7), one of {10, 1.5, 1, 0}.
+
+    10 when a ``<reasoning>...</reasoning>`` block is present and an ``<answer>...</answer>`` block
+    ends the text. Otherwise partial credit for the one complete block: 1.5 when a stray tag of
+    the other kind is present, 1.0 when not; 0 without a complete block. Trailing whitespace after
+    ``</answer>`` is allowed (the reference regex's ``$`` already allowed one newline).
+    """
+    has_reasoning = bool(_REASONING_BLOCK.search(text))
+    has_answer = bool(_FINAL_ANSWER_BLOCK.search(text))
+    if has_reasoning and has_answer:
+        return FORMAT_FULL
+    if has_reasoning:
+        return 1.5 if _ANSWER_TAG.search(text) else 1.0
+    if has_answer:
+        return 1.5 if _REASONING_TAG.search(text) else 1.0
+    return 0.0
+
+
+def correctness_reward(completion: str, gold: str, task: str) -> RewardOutput:
+    """1.0 when the final answer is correct, else 0.0."""
+    correct = _judge_cached(completion, gold, task).correct
+    return RewardOutput(reward=float(correct), correct=correct)
+
+
+def format_reward(completion: str, gold: str, task: str) -> RewardOutput:
+    """1.0 when the paper's format is fully met (``paper_format_score == 10``), else 0.0."""
+    full = paper_format_score(completion) == FORMAT_FULL
+    return RewardOutput(reward=float(full), correct=_judge_cached(completion, gold, task).correct)
+
+
+def gtpo_reward(completion: str, gold: str, task: str) -> RewardOutput:
+    """The GTPO paper's 10+10 scheme: ``paper_format_score`` plus 10 for a correct answer, the
+    latter only when the format score is 10; values in {0, 1, 1.5, 10, 20}.
+
+    Deviation from the reference code: correctness is ``is_correct`` (math-verify, exact numbers)
+    instead of "float within 1e-2 or gold is a substring of the answer", which also paid "10" for
+    gold "1". ``correct`` reports answer correctness whatever the format, for the accuracy metric.
+    """
+    fmt = paper_format_score(completion)
+    correct = _judge_cached(completion, gold, task).correct
+    bonus = FORMAT_FULL if fmt == FORMAT_FULL and correct else 0.0
+    return RewardOutput(reward=fmt + bonus, correct=correct)
+
+
+def dapo_reward(completion: str, gold: str, task: str) -> RewardOutput:
+    """DAPO's rule reward (spec algorithms.md section 4, Eq. 7): +1 correct, -1 otherwise."""
+    correct = _judge_cached(completion, gold, task).correct
+    return RewardOutput(reward=1.0 if correct else -1.0, correct=correct)
+
+
+REWARDS: dict[str, Callable[[str, str, str], RewardOutput]] = {
+    "correctness": correctness_reward,
+    "format": format_reward,
+    "gtpo": gtpo_reward,
+    "dapo": dapo_reward,
+}
+"""Built-in reward functions by name: the only place a reward name is resolved."""
+
+
+def overlong_penalty(num_tokens: int, *, max_tokens: int, cache_tokens: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment R_len (spec algorithms.md section 4), times ``factor``.
+
+    0 up to ``max_tokens - cache_tokens`` tokens, then falls linearly to -1 at ``max_tokens``, and
+    is -1 beyond it: 0, -0.5, -1 at ``L_max - L_cache``, ``L_max - L_cache/2``, ``L_max + 1``.
+    """
+    if max_tokens <= 0 or cache_tokens <= 0:
+        raise ValueError(f"overlong_penalty needs max_tokens > 0 and cache_tokens > 0, got {max_tokens}, {cache_tokens}")
+    free = max_tokens - cache_tokens
+    if num_tokens <= free:
+        return 0.0
+    if num_tokens > max_tokens:
+        return -1.0 * factor
+    return (free - num_tokens) / cache_tokens * factor
+
+
+def reward_path(name: str) -> str:
+    """Import path (``module:attr``) of a reward given by built-in name or dotted path."""
+    if name in REWARDS:
+        return f"{__name__}:{REWARDS[name].__name__}"
+    if ":" not in name:  # dotted form pkg.module.fn -> pkg.module:fn
+        module_name, _, attr = name.rpartition(".")
+        return f"{module_name}:{attr}"
+    return name
+
+
+def resolve_reward(name: str) -> Callable:
+    """Imports the reward function ``name``: a key of REWARDS or ``pkg.module.fn`` / ``pkg.module:fn``.
+
+    Raises ValueError naming ``reward.fn`` and the fix when it cannot be imported or is not callable.
+    """
+    if name in REWARDS:
+        return REWARDS[name]
+    module_name, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward.fn={name!r} is neither a built-in reward ({', '.join(REWARDS)}) nor a "
+                         f"dotted import path such as 'my_pkg.rewards.my_fn'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"reward.fn={name!r} could not be imported ({err}); make sure {module_name!r} is "
+                         f"importable (on PYTHONPATH) and defines {attr!r}") from None
+    if not callable(fn):
+        raise ValueError(f"reward.fn={name!r} is a {type(fn).__name__}, not a function "
+                         f"fn(completion, gold, task) -> float | RewardOutput")
+    return fn
+
+
+def as_output(value: object, completion: str, gold: str, task: str) -> RewardOutput:
+    """Normalises a reward function's return value (float or RewardOutput) to a RewardOutput."""
+    if isinstance(value, RewardOutput):
+        if not math.isfinite(value.reward):
+            raise TypeError(f"reward function returned a non-finite reward {value.reward!r}")
+        return value
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        # NaN/inf would poison the group's advantages; counted as an error and scored 0 instead.
+        raise TypeError(f"reward function returned {type(value).__name__} {value!r}; "
+                        f"expected a finite float or a RewardOutput")
+    return RewardOutput(reward=float(value), correct=_judge_cached(completion, gold, task).correct)

@@ -1,0 +1,127 @@
+"""Rollout -> reward stage: prompts + completions -> ScoredGroups, plus failure counters.
+
+    list[Prompt], list[Completion] --group by prompt_index--> per-sample (text, gold, task)
+        --ScoringPool (workers, per-sample timeout)--> reward, correct
+        --+ overlong punishment (token counts, DAPO)--> ScoredBatch(groups, stats)
+
+Build one ``RewardScorer`` per run and reuse it: its worker processes are started once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from megatron_gtpo.reward.config import RewardConfig
+from megatron_gtpo.reward.functions import overlong_penalty, resolve_reward, reward_path
+from megatron_gtpo.reward.pool import STATUS_ERROR, STATUS_TIMEOUT, SampleScore, ScoringPool
+from megatron_gtpo.types import Completion, Prompt, ScoredGroup
+
+
+@dataclass(kw_only=True)
+class ScoringStats:
+    """Counters of one scoring call (log them: a rising timeout count means adversarial outputs)."""
+
+    num_samples: int = 0
+    """Completions scored."""
+    num_timeouts: int = 0
+    """Completions that hit the per-sample time limit (scored 0)."""
+    num_errors: int = 0
+    """Completions whose reward function raised or whose worker died (scored 0)."""
+    num_overlong: int = 0
+    """Completions that received a non-zero overlong punishment."""
+    seconds: float = 0.0
+    """Wall-clock time of the call."""
+
+    def metrics(self, prefix: str = "reward/") -> dict[str, float]:
+        """Flat metric names -> values for StepMetrics / MLflow."""
+        return {f"{prefix}num_samples": float(self.num_samples), f"{prefix}timeouts": float(self.num_timeouts),
+                f"{prefix}errors": float(self.num_errors), f"{prefix}overlong": float(self.num_overlong),
+                f"{prefix}seconds": self.seconds}
+
+
+@dataclass(kw_only=True)
+class ScoredBatch:
+    """What ``score_groups`` returns."""
+
+    groups: list[ScoredGroup]
+    """One group per prompt, in prompt order; completions in the order they were given."""
+    stats: ScoringStats = field(default_factory=ScoringStats)
+    """Failure counters and timing of this call."""
+
+
+class RewardScorer:
+    """Scores completions with the reward configured in ``RewardConfig``; owns the worker pool.
+
+    The reward function is imported once here so that a bad ``reward.fn`` fails at start-up with a
+    clear message rather than inside a worker. Use as a context manager or call ``close()``.
+    """
+
+    def __init__(self, config: RewardConfig):
+        self.config = config
+        resolve_reward(config.fn)  # fail fast on a typo or an unimportable user reward
+        self.pool = ScoringPool(fn_path=reward_path(config.fn), num_workers=config.num_workers,
+                                timeout_s=config.timeout_s, start_method=config.start_method,
+                                chunk_size=config.chunk_size)
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stops the worker processes."""
+        self.pool.close()
+
+    def score(self, items: list[tuple[str, str, str]], *, progress: bool = False,
+              desc: str = "scoring") -> list[SampleScore]:
+        """Scores ``[(completion_text, gold, task), ...]``; one SampleScore per item, in order."""
+        return self.pool.score(items, progress=progress, desc=desc)
+
+
+def _group_indices(num_prompts: int, completions: list[Completion]) -> list[list[int]]:
+    groups: list[list[int]] = [[] for _ in range(num_prompts)]
+    for i, completion in enumerate(completions):
+        if not 0 <= completion.prompt_index < num_prompts:
+            raise ValueError(f"completions[{i}].prompt_index={completion.prompt_index} is outside the "
+                             f"{num_prompts} prompts given to score_groups; pass the prompts list that "
+                             f"was given to generate()")
+        groups[completion.prompt_index].append(i)
+    return groups
+
+
+def score_groups(prompts: list[Prompt], completions: list[Completion], *, scorer: RewardScorer | None = None,
+                 config: RewardConfig | None = None, progress: bool = False) -> ScoredBatch:
+    """Rewards and correctness for every completion, grouped by prompt.
+
+    Pass a long-lived ``scorer`` (training loop) or a ``config`` (a pool is started and stopped for
+    this call). Returns one ScoredGroup per prompt (an empty group when a prompt got no
+    completion). A timeout or error scores 0 (plus the overlong term) and is counted in ``stats``.
+    """
+    if (scorer is None) == (config is None):
+        raise ValueError("score_groups needs exactly one of scorer= (reused across steps) or config=")
+    if scorer is None:
+        with RewardScorer(config) as own:  # type: ignore[arg-type]
+            return score_groups(prompts, completions, scorer=own, progress=progress)
+    start = time.perf_counter()
+    cfg = scorer.config
+    index_groups = _group_indices(len(prompts), completions)
+    items = [(c.text, prompts[c.prompt_index].gold, prompts[c.prompt_index].task) for c in completions]
+    scores = scorer.score(items, progress=progress)
+    stats = ScoringStats(num_samples=len(completions))
+    rewards = []
+    for completion, score in zip(completions, scores):
+        stats.num_timeouts += score.status == STATUS_TIMEOUT
+        stats.num_errors += score.status == STATUS_ERROR
+        penalty = 0.0
+        if cfg.overlong_enabled:
+            penalty = overlong_penalty(len(completion.token_ids), max_tokens=cfg.overlong_max_tokens,
+                                       cache_tokens=cfg.overlong_cache_tokens, factor=cfg.overlong_factor)
+            stats.num_overlong += penalty != 0.0
+        rewards.append(score.reward + penalty)
+    groups = [ScoredGroup(prompt=prompts[p], completions=[completions[i] for i in idx],
+                          rewards=[rewards[i] for i in idx], correct=[scores[i].correct for i in idx])
+              for p, idx in enumerate(index_groups)]
+    stats.seconds = time.perf_counter() - start
+    return ScoredBatch(groups=groups, stats=stats)

@@ -1,0 +1,56 @@
+"""Rollout settings: how many completions per prompt and how they are sampled.
+
+vLLM's own engine settings are not mirrored here: ``vllm`` is handed to ``vllm.LLM(...)`` as is
+(see :mod:`megatron_gtpo.rollout.engine` for the few values the engine fills in itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_gtpo.utils.configuration import require
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Sampling of the G completions per prompt that every RL step trains on."""
+
+    n: int = 8
+    """Completions per prompt (the group size G of GRPO/GTPO)."""
+
+    temperature: float = 1.0
+    """Sampling temperature. The trainer must compute its log-probs at the same temperature: the
+    engine reports log-probs of the tempered distribution it sampled from."""
+
+    top_p: float = 1.0
+    """Nucleus sampling mass. Below 1 the reported log-probs are those of the renormalised nucleus,
+    which the trainer's full-vocabulary log-probs do not reproduce (the mismatch metric shows it)."""
+
+    max_tokens: int = 1024
+    """Most tokens generated per completion; a completion that hits it is marked truncated."""
+
+    stop: list[str] = field(default_factory=list)
+    """Extra stop strings (EOS always stops). Needs the tokenizer (no ``skip_tokenizer_init``)."""
+
+    seed: int = 0
+    """Base sampling seed; each prompt of each step gets its own seed derived from it."""
+
+    vllm: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for ``vllm.LLM`` (``dtype``, ``max_model_len``, ``gpu_memory_utilization``,
+    ``enable_sleep_mode``, ``kv_cache_memory_bytes`` ...), passed through unchanged."""
+
+    def __post_init__(self) -> None:
+        require(self.n >= 1, "n", self.n, "an integer >= 1")
+        require(self.temperature >= 0, "temperature", self.temperature, "a float >= 0 (0 = greedy)")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "a float in (0, 1]")
+        require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
+        require(self.seed >= 0, "seed", self.seed, "an integer >= 0")
+        require("model" not in self.vllm, "vllm.model", self.vllm.get("model"),
+                "unset: the model directory comes from the conversion step")
+
+    def sampling(self) -> dict[str, Any]:
+        """The keyword arguments of ``RolloutEngine.generate`` (everything but prompts and seed)."""
+        return {"n": self.n, "temperature": self.temperature, "top_p": self.top_p,
+                "max_tokens": self.max_tokens, "stop": list(self.stop) or None}

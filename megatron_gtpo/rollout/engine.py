@@ -1,0 +1,239 @@
+"""vLLM rollout engine: G sampled completions per prompt from the current policy weights.
+
+    list[Prompt] --generate(n, temperature, top_p, max_tokens, stop, seed)--> list[Completion]
+    load_weights(whole push of HF tensors, version) --checked, then vLLM in-place reload--> serves it
+
+The engine always lives in the calling process (vLLM's V1 multiprocessing is switched off): a
+weight push then hands tensors to vLLM by reference instead of serialising them to an engine-core
+subprocess. Engines in *other* processes are driven through :mod:`megatron_gtpo.sync.separate`,
+which runs one of these in its own process.
+
+Inside a torchrun world vLLM joins the existing torch.distributed world at start-up; an ``LLM``
+built on a subset of ranks hangs there. The engine therefore defaults to vLLM's
+``external_launcher`` backend in a multi-rank world, where every rank builds its own engine
+(``megatron_gtpo.sync.placement`` documents how ranks share the generation work).
+
+Sampler log-probs are vLLM's ``processed_logprobs``: log-probs of the sampled token under the
+distribution actually sampled from (temperature applied; top-p renormalised when top_p < 1), which
+is what the trainer's temperature-scaled log-probs are compared with.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megatron_gtpo.rollout.weights import Bucket, PushChecker, WeightSpec
+from megatron_gtpo.types import Completion, Prompt
+
+_SEED_SPACE = 2**31 - 1
+_REQUIRED_LOGPROBS_MODE = "processed_logprobs"
+_PINNED: list = []  # engines whose shutdown would destroy a process group they did not create
+
+
+def engine_kwargs(model_dir: str, vllm_kwargs: dict | None, seed: int) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM``: the caller's ``vllm_kwargs`` plus the values this module
+    depends on. Raises ValueError when the caller's settings contradict them."""
+    user = dict(vllm_kwargs or {})
+    if "model" in user:
+        raise ValueError("vllm_kwargs must not set 'model'; pass model_dir instead")
+    mode = user.setdefault("logprobs_mode", _REQUIRED_LOGPROBS_MODE)
+    if mode != _REQUIRED_LOGPROBS_MODE:
+        raise ValueError(f"vllm_kwargs logprobs_mode={mode!r} is not supported: the trainer compares "
+                         f"sampler log-probs of the tempered distribution ('{_REQUIRED_LOGPROBS_MODE}')")
+    kwargs: dict[str, Any] = {"model": str(model_dir), "seed": seed}
+    if not torch.cuda.is_available():
+        # Compiling the CPU graphs costs minutes and buys nothing at test scale.
+        kwargs["enforce_eager"] = True
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    kwargs.update(user)
+    return kwargs
+
+
+def prompt_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
+    """Seed of each prompt's request. vLLM seeds sample ``j`` of a request with ``seed + j``, so
+    prompts are spaced ``n`` apart: no two samples of one call share a seed."""
+    base = (seed * 1_000_003) % _SEED_SPACE
+    return [(base + i * n) % _SEED_SPACE for i in range(num_prompts)]
+
+
+class RolloutEngine:
+    """One vLLM engine in this process, serving one version of the policy weights."""
+
+    def __init__(self, *, model_dir: str, vllm_kwargs: dict | None = None, seed: int = 0):
+        kwargs = engine_kwargs(model_dir, vllm_kwargs, seed)
+        # Keep the engine core in this process (see module docstring); read by vLLM at LLM().
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        # vLLM's engine shutdown destroys the default process group; it may only do so when it
+        # created that group itself (see close()).
+        self._owns_world = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        self._llm = LLM(**kwargs)
+        if not self._owns_world:
+            _PINNED.append(self._llm)  # never garbage-collected before exit: see close()
+        self._model_dir = str(model_dir)
+        self._seed = seed
+        self._calls = 0
+        self._version = 0
+        self._has_tokenizer = not kwargs.get("skip_tokenizer_init", False)
+        self._tokenizer_path = str(kwargs.get("tokenizer") or model_dir)
+        self._tokenizer = None
+        self._spec: WeightSpec | None = None
+        self._sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
+        self._asleep = False
+        self._broken: str | None = None
+
+    # ----------------------------------------------------------------------------- properties
+
+    @property
+    def tokenizer(self):
+        """The model directory's Hugging Face tokenizer (chat template included)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+            except (OSError, ValueError) as err:
+                raise RuntimeError(f"no Hugging Face tokenizer in {self._tokenizer_path}: {err}") from None
+        return self._tokenizer
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights being served: 0 for the weights the engine started with."""
+        return self._version
+
+    @property
+    def weight_spec(self) -> WeightSpec:
+        """HF parameter names/shapes this engine loads, in its dtype (from its own config.json)."""
+        if self._spec is None:
+            dtype = self._llm.llm_engine.model_config.dtype
+            self._spec = WeightSpec.from_model_dir(self._model_dir, dtype=dtype)
+        return self._spec
+
+    # ----------------------------------------------------------------------------- sampling
+
+    def generate(self, prompts: list[Prompt], *, n: int, temperature: float, top_p: float,
+                 max_tokens: int, stop: list[str] | None = None, seed: int | None = None) -> list[Completion]:
+        """``len(prompts) * n`` completions, grouped by prompt (prompt 0's n samples first).
+
+        ``seed=None`` derives a fresh seed from the engine seed and a call counter, so runs are
+        reproducible and successive calls differ; equal seeds give equal completions.
+        """
+        if seed is None:
+            seed = hash((self._seed, self._calls)) % _SEED_SPACE
+        self._calls += 1
+        return self.sample(prompts, seeds=prompt_seeds(seed, len(prompts), n), n=n,
+                           temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop)
+
+    def sample(self, prompts: Sequence[Prompt], *, seeds: Sequence[int], n: int, temperature: float,
+               top_p: float, max_tokens: int, stop: list[str] | None = None) -> list[Completion]:
+        """:meth:`generate` with one explicit seed per prompt (sample j of prompt i uses seeds[i] + j),
+        for callers that split one batch across engines and want the split not to matter."""
+        _check_sampling(prompts, seeds, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+        if stop and not self._has_tokenizer:
+            raise ValueError("stop strings need detokenization; build the engine without skip_tokenizer_init")
+        self._ensure_serving()
+        from vllm import SamplingParams
+
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                 stop=list(stop) if stop else None, seed=int(s), logprobs=0,
+                                 detokenize=self._has_tokenizer) for s in seeds]
+        requests = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
+        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        version = self._version
+        return [_completion(i, prompts[i], sample, version)
+                for i, out in enumerate(outputs) for sample in sorted(out.outputs, key=lambda c: c.index)]
+
+    # ----------------------------------------------------------------------------- weights
+
+    def load_weights(self, named_tensors: Bucket, *, version: int) -> None:
+        """Replaces every weight with ``named_tensors`` (one whole push) and serves ``version``.
+
+        The push is checked against :attr:`weight_spec` first; a rejected push raises
+        :class:`~megatron_gtpo.rollout.weights.WeightPushError` and leaves the previous weights in
+        place. Tensors of another floating dtype are cast to the engine dtype.
+        """
+        if not isinstance(version, int) or version < self._version:
+            raise ValueError(f"weight version must be an int >= the served version {self._version}, "
+                             f"got {version!r}")
+        checker = PushChecker(self.weight_spec, version)
+        tensors = checker.prepare(named_tensors)
+        checker.finish()
+        self._ensure_serving()
+        try:
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors),
+                                                               "is_checkpoint_format": True})
+        except BaseException as err:
+            # The push was complete and well-formed, so this is a vLLM-side failure after layers
+            # were already rewritten: refuse to serve a half-updated model.
+            self._broken = f"vLLM failed while reloading weights v{version}: {err!r}"
+            raise
+        # Cached prefix KV blocks were computed with the old weights.
+        self._llm.reset_prefix_cache()
+        self._version = version
+
+    # ----------------------------------------------------------------------------- memory
+
+    def sleep(self) -> None:
+        """Gives the accelerator memory back to the trainer (vLLM sleep level 1: weights to host
+        RAM, KV cache dropped). A no-op unless the engine was built with ``enable_sleep_mode``
+        (vLLM supports it on GPUs only); generate and load_weights wake the engine as needed."""
+        if self._sleep_mode and not self._asleep:
+            self._llm.sleep(level=1)  # level 1 keeps the weights: a rejected push must not lose them
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self._llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        """Releases the engine; the object is unusable afterwards.
+
+        When the process group existed before the engine (a torchrun trainer), vLLM's shutdown would
+        destroy it under the trainer's feet, so the engine is only marked closed and its memory is
+        reclaimed at process exit."""
+        self._broken = "engine closed"
+        if self._owns_world:
+            self._llm = None
+            import gc
+
+            gc.collect()
+
+    def _ensure_serving(self) -> None:
+        if self._broken:
+            raise RuntimeError(f"rollout engine unusable: {self._broken}")
+        self.wake_up()
+
+
+def _check_sampling(prompts: Sequence[Prompt], seeds: Sequence[int], *, n: int, temperature: float,
+                    top_p: float, max_tokens: int) -> None:
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, Prompt) or not prompt.token_ids:
+            raise ValueError(f"prompts[{i}] must be a Prompt with token_ids, got {prompt!r:.80}")
+
+
+def _completion(index: int, prompt: Prompt, sample, version: int) -> Completion:
+    tokens = list(sample.token_ids)
+    # logprobs=0 asks vLLM for the sampled token's entry only: one {token_id: Logprob} per step.
+    logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, tokens)]
+    reason = sample.finish_reason or "length"
+    return Completion(prompt_index=index, prompt_token_ids=prompt.token_ids, token_ids=tokens,
+                      logprobs=logprobs, text=sample.text or "", finish_reason=reason,
+                      truncated=reason == "length", weight_version=version)

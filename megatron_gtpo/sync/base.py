@@ -1,0 +1,104 @@
+"""Weight sync: one interface, one class per transport.
+
+    Megatron chunks --export_hf_weights (TP gather, PP collect)--> buckets of (HF name, full tensor)
+        --WeightSync.push(buckets, version=step)--> every engine serves `version`, or none changes
+
+The driver asks the syncer which ranks need full tensors (``dst_ranks``, handed to the exporter),
+calls ``push`` on every rank after the optimizer step, and never asks which transport runs:
+
+    syncer.push(export_hf_weights(chunks, hf_config=cfg, dims=dims, dst_ranks=syncer.dst_ranks,
+                                  bucket_bytes=sync_cfg.bucket_bytes), version=step)
+
+Contract of every transport:
+* All-or-nothing. The whole push is checked against the engine's parameters (names, shapes,
+  floating dtype) before vLLM is touched; a rejected push raises WeightPushError on *every* rank and
+  the engines keep serving the previous version.
+* Collective-safe. The exporter's buckets come from TP/PP collectives, so a rank that fails early
+  still drains the remaining buckets: its peers would otherwise wait in a gather forever.
+* Stage, then swap. The pushed tensors are held until the push is complete and checked (one extra
+  copy of the weights in the engine dtype: by reference for colocated, in the engine process for
+  separate), then loaded in one vLLM in-place reload.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megatron_gtpo.rollout.weights import Bucket, WeightPushError
+
+
+@dataclass(kw_only=True)
+class SyncStats:
+    """What one push moved and how long it took (rank 0's figures, identical on every rank)."""
+
+    version: int
+    """Weight version the engines serve after the push."""
+    num_tensors: int
+    """HF tensors delivered."""
+    num_bytes: int
+    """Bytes delivered, in the engine dtype."""
+    seconds: float
+    """Wall time of ``push``: draining the bucket iterator (so the export, when the buckets are
+    produced lazily), checking, transfer and vLLM's reload."""
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.num_bytes / max(self.seconds, 1e-9) / 1e9
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"sync/seconds": self.seconds, "sync/gb_per_s": self.gb_per_s,
+                "sync/gigabytes": self.num_bytes / 1e9, "sync/version": float(self.version)}
+
+
+class WeightSync(ABC):
+    """Moves one version of the policy weights into the rollout engines."""
+
+    dst_ranks: str = "all"
+    """Which ranks must receive full tensors from the exporter: ``all`` or ``first``."""
+
+    @abstractmethod
+    def push(self, buckets: Iterable[Bucket], *, version: int) -> SyncStats:
+        """Delivers a whole push (every engine parameter once) and makes the engines serve
+        ``version``. Called on every rank of the job with that rank's exporter output."""
+
+    def close(self) -> None:
+        """Releases transport resources (engines are closed by their owner)."""
+
+
+def drain(buckets: Iterator[Bucket]) -> None:
+    """Consumes the remaining buckets so that the exporter's collectives complete on every rank."""
+    for _ in buckets:
+        pass
+
+
+def agree(error: BaseException | None, stats: SyncStats | None = None) -> SyncStats | None:
+    """Makes every rank of the job reach the same outcome: raises WeightPushError everywhere if
+    any rank failed, else returns the first stats any rank passed (ranks without an engine pass
+    none). A no-op outside a multi-rank world."""
+    outcomes = [(None if error is None else f"{type(error).__name__}: {error}", stats)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, (None if error is None else f"{type(error).__name__}: {error}", stats))
+    failures = [(rank, msg) for rank, (msg, _) in enumerate(outcomes) if msg]
+    if failures:
+        if isinstance(error, WeightPushError):
+            raise error
+        rank, msg = failures[0]
+        raise WeightPushError(f"weight push failed on rank {rank}: {msg}") from error
+    return next((s for _, s in outcomes if s is not None), None)
+
+
+class PushTimer:
+    """Wall-clock of one push, started at construction."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def stats(self, *, version: int, num_tensors: int, num_bytes: int) -> SyncStats:
+        return SyncStats(version=version, num_tensors=num_tensors, num_bytes=num_bytes,
+                         seconds=time.perf_counter() - self.start)

@@ -1,0 +1,161 @@
+"""The distributed loss adapter: one micro-batch's logits -> ``algo.compute_loss`` -> Megatron.
+
+Megatron's schedule calls ``loss_func(output_tensor)`` on the last pipeline stage for every
+micro-batch. Here that function:
+
+1. turns the TP-sharded logits ``[mb, s, V/TP]`` into per-token log-probs and entropies with the
+   fused vocab-parallel pass (``train/logprobs.py``),
+2. moves them to the completion view ``[mb, T]`` that ``algo/`` expects,
+3. calls the pure ``algo.compute_loss`` with this micro-batch's rows of the per-sequence inputs
+   (advantages, GTPO lambda and scales) that were prepared ONCE for the whole global batch, and with
+   the GLOBAL normalisers (masked tokens and completions of the global batch), so the per-micro-batch
+   losses of all micro-batches on all DP ranks add up to the single-process loss,
+4. multiplies by the one Megatron rescale factor (``train/step.py::megatron_loss_scale``).
+
+Metrics leave as ``name -> tensor([sum, count])`` so that they can be summed over micro-batches and
+DP ranks (``parallel/collectives.py``); min/max metrics travel separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_gtpo import algo
+from megatron_gtpo.algo.prepare import PreparedBatch
+from megatron_gtpo.train.batching import CompletionView, MicroBatch
+from megatron_gtpo.train.logprobs import shifted_token_logprobs
+
+Tensor = torch.Tensor
+
+
+@dataclass(kw_only=True)
+class LogprobSettings:
+    """How logits become log-probs on this rank (fixed for a run)."""
+
+    tp_group: object
+    """Tensor-parallel process group (the vocabulary is sharded over it)."""
+    tp_rank: int
+    """This rank's index in ``tp_group``: its shard starts at ``tp_rank * V/TP``."""
+    vocab_size: int | None
+    """True vocabulary size (excludes padding columns); None = the logits' full width x TP."""
+    temperature: float
+    """Rollout sampling temperature; logits are divided by it."""
+    chunk_tokens: int | None
+    """Rows per chunk of the fused log-prob/entropy pass (None: automatic; see logprobs.py)."""
+
+    def token_stats(self, logits: Tensor, input_ids: Tensor, *, entropy_prob_floor: float = 0.0,
+                    inplace_backward: bool = False):
+        """``(logp, entropy)`` ``[mb, s]`` aligned with the predicted tokens (column 0 is 0)."""
+        return shifted_token_logprobs(
+            logits, input_ids, group=self.tp_group, vocab_start=self.tp_rank * logits.shape[-1],
+            vocab_size=self.vocab_size, temperature=self.temperature, chunk_tokens=self.chunk_tokens,
+            entropy_prob_floor=entropy_prob_floor, inplace_backward=inplace_backward)
+
+
+@dataclass(kw_only=True)
+class StepInputs:
+    """Everything the loss of any micro-batch needs during one optimizer step (global batch)."""
+
+    algo: str
+    """Algorithm name resolved by ``algo.LOSSES``."""
+    prepared: PreparedBatch
+    """Output of ``algo.prepare_batch`` for the whole global batch."""
+    view: CompletionView
+    """Completion coordinates of the whole global batch."""
+    loss_kwargs: dict
+    """clip_low/clip_high/kl_beta/agg_mode/constant for ``compute_loss`` (``AlgoConfig.loss_kwargs``)."""
+    num_tokens: float
+    """Masked (loss) tokens of the whole global batch: the token-mean normaliser."""
+    num_seqs: float
+    """Completions in the whole global batch: the seq-mean normaliser."""
+    old_logp: Tensor | None  # [B, T]
+    """pi_old log-probs (completion view) when mu > 1; None: ratio = exp(logp - logp.detach())."""
+    ref_logp: Tensor | None  # [B, T]
+    """Reference-model log-probs for the KL term, or None."""
+    sampler_logp: Tensor | None  # [B, T]
+    """Rollout engine log-probs, for the train-inference mismatch metric (first update only)."""
+    scale: float
+    """Megatron rescale factor from ``megatron_loss_scale``."""
+    metric_weight: float
+    """1 / (micro-batches x DP ranks): summing this over all micro-batches gives 1, so a summed
+    metric (the loss) survives the (sum, count) reduction unchanged."""
+
+
+def micro_batch_loss(inputs: StepInputs, settings: LogprobSettings, mb: MicroBatch, logits: Tensor):
+    """Loss of one micro-batch, already rescaled for Megatron, and its metric pairs."""
+    # The logits (the output layer's fresh output) have no other consumer: their storage can take
+    # the gradient, so backward never holds two logits-sized buffers.
+    logp_seq, ent_seq = settings.token_stats(logits, mb.input_ids, inplace_backward=True)
+    rows, width = mb.rows, mb.width
+    view = inputs.view
+    logp = view.take(logp_seq, rows, width)
+    entropy = view.take(ent_seq.detach(), rows, width)
+    mask = view.mask[rows, :width]
+    prepared = inputs.prepared.rows(rows)
+    tensors = {k: (None if v is None else (v[:, :width] if v.dim() == 2 else v))
+               for k, v in prepared.loss_inputs().items()}
+    old = None if inputs.old_logp is None else inputs.old_logp[rows, :width]
+    ref = None if inputs.ref_logp is None else inputs.ref_logp[rows, :width]
+    loss, metrics = algo.compute_loss(
+        inputs.algo, logp=logp, mask=mask, old_logp=old, ref_logp=ref, entropy=entropy,
+        num_tokens=inputs.num_tokens, num_seqs=inputs.num_seqs, **tensors, **inputs.loss_kwargs)
+    pairs = _metric_pairs(metrics, mask)
+    pairs["loss"] = torch.stack([loss.detach().double(), _f64(inputs.metric_weight, loss.device)])
+    if inputs.sampler_logp is not None:
+        pairs.update(_mismatch_pairs(logp.detach(), inputs.sampler_logp[rows, :width], mask))
+    return loss * inputs.scale, pairs
+
+
+def _metric_pairs(metrics: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
+    """``compute_loss`` metrics are means over this micro-batch (tokens; completions for
+    ``entropy_mean``); weighting by that count makes the reduced value the global-batch mean.
+    ``*_min``/``*_max`` are kept as (value, 1) under a ``min:``/``max:`` prefix for a min/max reduce."""
+    tokens = mask.sum().double()
+    rows = _f64(mask.shape[0], mask.device)
+    out = {}
+    for name, value in metrics.items():
+        value = value.detach().double()
+        if name.endswith("_min") or name.endswith("_max"):
+            if tokens > 0:
+                out[f"{name[-3:]}:train/{name}"] = torch.stack([value, _f64(1.0, value.device)])
+            continue
+        weight = rows if name == "entropy_mean" else tokens
+        out[f"train/{name}"] = torch.stack([value * weight, weight])
+    return out
+
+
+def _f64(value: float, device) -> Tensor:
+    return torch.tensor(float(value), dtype=torch.float64, device=device)
+
+
+@torch.no_grad()
+def _mismatch_pairs(logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Train-inference mismatch on the first update (logp = pi_old): mean |logp_train - logp_engine|
+    and k3 with r = pi_train / pi_engine, the unbiased estimate of KL(pi_engine || pi_train) for
+    tokens the engine sampled; both token-weighted."""
+    tokens = mask.sum().double()
+    diff = torch.where(mask, (logp - sampler_logp).abs(), 0.0).sum().double()
+    k3 = torch.where(mask, algo.kl_k3(sampler_logp, logp), 0.0).sum().double()
+    return {"mismatch/logp_abs_diff": torch.stack([diff, tokens]),
+            "mismatch/kl_k3": torch.stack([k3, tokens])}
+
+
+def split_extrema(pairs: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, float], dict[str, float]]:
+    """Separates ``min:``/``max:`` entries (see ``_metric_pairs``) from the (sum, count) pairs."""
+    plain, lows, highs = {}, {}, {}
+    for name, value in pairs.items():
+        if name.startswith("min:"):
+            lows[name[4:]] = min(lows.get(name[4:], float("inf")), float(value[0]))
+        elif name.startswith("max:"):
+            highs[name[4:]] = max(highs.get(name[4:], float("-inf")), float(value[0]))
+        else:
+            plain[name] = value
+    return plain, lows, highs
+
+
+def global_normalisers(view: CompletionView) -> tuple[float, float]:
+    """``(num_tokens, num_seqs)`` of the whole global batch: every rank computes them from the same
+    global metadata, so no communication is needed."""
+    return float(view.lengths.sum()), float(view.lengths.shape[0])

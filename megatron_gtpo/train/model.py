@@ -1,0 +1,314 @@
+"""Builds Megatron-Core ``GPTModel`` chunks from a Hugging Face ``config.json``.
+
+Supported families (``architectures`` in config.json): Llama 2/3 (incl. SmolLM2, tied
+embeddings), Qwen2/2.5 (bias on q/k/v), Qwen3 (RMSNorm on q and k per head), Mistral. All are
+pre-norm decoders with RMSNorm, SwiGLU, RoPE (rotate-half, non-interleaved) and GQA.
+
+HF -> Megatron names (``i`` = global layer, ``j`` = layer index inside this (virtual) stage,
+``i = offset(stage) + j``; TE spec names in brackets, same dist-checkpoint keys either way):
+
+=============================================  ================================================
+HF                                             Megatron-Core
+=============================================  ================================================
+model.embed_tokens.weight                      embedding.word_embeddings.weight (vocab split, dim 0)
+model.layers.i.input_layernorm.weight          decoder.layers.j.input_layernorm.weight
+                                               [decoder.layers.j.self_attention.linear_qkv.layer_norm_weight]
+model.layers.i.self_attn.{q,k,v}_proj.weight   decoder.layers.j.self_attention.linear_qkv.weight
+  (and .bias for Qwen2)                          rows grouped per KV group g: [q heads of g | k_g | v_g],
+                                                 each head ``head_dim`` rows; TP splits whole groups (dim 0)
+model.layers.i.self_attn.o_proj.weight         decoder.layers.j.self_attention.linear_proj.weight (dim 1 split)
+model.layers.i.self_attn.{q,k}_norm.weight     decoder.layers.j.self_attention.{q,k}_layernorm.weight (Qwen3)
+model.layers.i.post_attention_layernorm.weight decoder.layers.j.pre_mlp_layernorm.weight
+                                               [decoder.layers.j.mlp.linear_fc1.layer_norm_weight]
+model.layers.i.mlp.{gate,up}_proj.weight       decoder.layers.j.mlp.linear_fc1.weight: each TP rank holds
+                                                 [its gate rows ; its up rows] (dim 0 split of each half)
+model.layers.i.mlp.down_proj.weight            decoder.layers.j.mlp.linear_fc2.weight (dim 1 split)
+model.norm.weight                              decoder.final_layernorm.weight
+lm_head.weight                                 output_layer.weight (vocab split, dim 0); absent when tied:
+                                                 the last stage then keeps a copy of the embedding
+=============================================  ================================================
+
+In the dist-checkpoint (``sharded_state_dict``) the per-layer tensors are stacked under keys
+without the layer number (``decoder.layers.self_attention.linear_qkv.weight`` of global shape
+``[num_layers, ...]``), norms live under the TE names, and the global (unsharded) tensor is the
+TP=1 layout above. The conversion code in ``megatron_gtpo/convert`` relies on exactly this table.
+
+Not mapped: Mistral's ``sliding_window`` (sequences longer than the window attend further than in
+HF); Llama ``attention_bias``/``mlp_bias`` and RoPE types other than default/llama3 are rejected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from megatron_gtpo.parallel.dims import ParallelDims
+from megatron_gtpo.utils.configuration import ConfigError
+
+# architectures[0] in config.json -> family name used across train/ and convert/.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
+
+# Megatron's llama3 RoPE scaling hard-codes these; other values are re-applied after build.
+_MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}
+
+
+def hf_config_from_dir(path: str | Path) -> dict:
+    """Reads ``<path>/config.json`` of a Hugging Face checkpoint; ConfigError names the file."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"{file} does not exist; pass a Hugging Face model directory that holds config.json")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{file} is not valid JSON ({err}); re-download or re-save the model") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def architecture_of(hf_config: dict) -> str:
+    """Family name (``llama``, ``qwen2``, ``qwen3``, ``mistral``) of ``hf_config['architectures'][0]``."""
+    archs = hf_config.get("architectures")
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise ConfigError(
+            f"config.json field 'architectures'={archs!r} is not supported; expected exactly one of "
+            f"{', '.join(sorted(ARCHITECTURES))}")
+    return ARCHITECTURES[archs[0]]
+
+
+def head_dim_of(hf_config: dict) -> int:
+    """Per-head width: ``head_dim`` when present (Qwen3, Mistral-NeMo), else hidden/heads."""
+    if hf_config.get("head_dim"):
+        return int(hf_config["head_dim"])
+    return int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"])
+
+
+def num_kv_heads_of(hf_config: dict) -> int:
+    """Key/value heads (query groups); equals the head count for models without GQA."""
+    return int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"])
+
+
+def tied_embeddings(hf_config: dict) -> bool:
+    """True when lm_head shares the input embedding (SmolLM2); the four families default to False."""
+    return bool(hf_config.get("tie_word_embeddings", False))
+
+
+def rope_settings(hf_config: dict) -> dict:
+    """``{"theta", "type", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}`` from transformers-5 ``rope_parameters`` or the older
+    ``rope_theta`` + ``rope_scaling`` pair."""
+    params = dict(hf_config.get("rope_parameters") or {})
+    scaling = hf_config.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    merged = {**scaling, **params}
+    if kind not in ("default", "llama3"):
+        raise ConfigError(f"config.json rope type {kind!r} is not supported; supported: default, llama3")
+    out = {"theta": float(theta), "type": kind}
+    if kind == "llama3":
+        out["factor"] = float(merged["factor"])
+        for key, default in _MCORE_LLAMA3_ROPE.items():
+            out[key] = float(merged.get(key, default))
+    return out
+
+
+def _check_supported(hf_config: dict, family: str) -> None:
+    """Rejects HF options that the Megatron local/TE GPT layers cannot reproduce exactly."""
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json field 'hidden_act'={hf_config['hidden_act']!r} is not supported; expected 'silu'")
+    if family in ("llama", "mistral", "qwen3"):
+        for key in ("attention_bias", "mlp_bias"):
+            if hf_config.get(key):
+                raise ConfigError(f"config.json field {key!r}=true is not supported for {family}")
+    if hf_config.get("use_sliding_window"):
+        raise ConfigError("config.json field 'use_sliding_window'=true is not supported; "
+                          "Megatron's local attention has no per-layer sliding window")
+
+
+def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None) -> None:
+    """Divisibility that Megatron asserts deep inside; checked here to name the field and the fix."""
+    heads, groups = int(hf_config["num_attention_heads"]), num_kv_heads_of(hf_config)
+    layers, vocab = int(hf_config["num_hidden_layers"]), int(hf_config["vocab_size"])
+    stages = pp * (vpp or 1)
+    checks = [
+        (heads % tp == 0, f"num_attention_heads={heads} is not divisible by tp={tp}"),
+        (groups % tp == 0, f"num_key_value_heads={groups} is not divisible by tp={tp}"),
+        (heads % groups == 0, f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}"),
+        (int(hf_config["intermediate_size"]) % tp == 0, f"intermediate_size is not divisible by tp={tp}"),
+        (vocab % tp == 0, f"vocab_size={vocab} is not divisible by tp={tp}"),
+        (layers % stages == 0, f"num_hidden_layers={layers} is not divisible by pp*vpp={stages}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(f"config.json: {message}; choose a tensor/pipeline layout that divides it")
+
+
+def validate_overrides(overrides: dict | None) -> dict:
+    """Checks that every key is a real ``TransformerConfig`` field (Megatron settings are passed
+    through natively, not mirrored); ConfigError names an unknown key."""
+    from megatron.core.transformer import TransformerConfig
+
+    overrides = dict(overrides or {})
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"unknown Megatron TransformerConfig field(s) in overrides: {', '.join(unknown)}; "
+                          "use field names of megatron.core.transformer.TransformerConfig")
+    return overrides
+
+
+def _cpu_safe_defaults(*, on_gpu: bool) -> dict:
+    """Fusion flags: the CUDA-only kernels stay off on CPU (megatron_cpu.md section 4)."""
+    return {
+        "masked_softmax_fusion": False, "persist_layer_norm": False,
+        "gradient_accumulation_fusion": False, "apply_rope_fusion": False,
+        "bias_activation_fusion": on_gpu, "bias_dropout_fusion": on_gpu,
+    }
+
+
+def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | None,
+                               dtype: torch.dtype, overrides: dict | None = None):
+    """``TransformerConfig`` for an HF Llama/Qwen2/Qwen3/Mistral config at layout (tp, pp, vpp).
+
+    ``overrides`` are native TransformerConfig fields applied last (e.g. recompute, fp8); an
+    unknown key or a value TransformerConfig rejects raises ConfigError.
+    """
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    family = architecture_of(hf_config)
+    _check_supported(hf_config, family)
+    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp)
+    overrides = validate_overrides(overrides)
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=int(hf_config["num_hidden_layers"]), hidden_size=int(hf_config["hidden_size"]),
+        num_attention_heads=int(hf_config["num_attention_heads"]),
+        num_query_groups=num_kv_heads_of(hf_config), kv_channels=head_dim_of(hf_config),
+        ffn_hidden_size=int(hf_config["intermediate_size"]),
+        layernorm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)), normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=(family == "qwen2"), qk_layernorm=(family == "qwen3"),
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16),
+        use_cpu_initialization=True, sequence_parallel=False,
+        # The local spec always uses DotProductAttention; "local" only pins the NVTE_* env vars.
+        attention_backend=AttnBackend.auto if on_gpu else AttnBackend.local,
+        **_cpu_safe_defaults(on_gpu=on_gpu),
+    )
+    kwargs.update(overrides)
+    try:
+        return TransformerConfig(**kwargs)
+    except (ValueError, AssertionError, TypeError) as err:
+        raise ConfigError(f"TransformerConfig rejected the settings (overrides {sorted(overrides)}): {err}") from None
+
+
+def te_available() -> bool:
+    """True when Transformer Engine imports and CUDA is present (never faked on CPU)."""
+    if not torch.cuda.is_available():
+        return False
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return bool(gpt_layer_specs.HAVE_TE)
+
+
+def layer_spec(*, qk_layernorm: bool, use_te: bool):
+    """Megatron layer spec: the TE spec on CUDA with TE, otherwise the pure-PyTorch local spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+
+
+def _resolve_use_te(use_te: bool | None) -> bool:
+    if use_te is None:
+        return te_available()
+    if use_te and not te_available():
+        raise ConfigError("use_te=True but Transformer Engine or CUDA is missing; use use_te=None (auto) or False")
+    return use_te
+
+
+def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = torch.float32,
+                overrides: dict | None = None, use_te: bool | None = None) -> list[torch.nn.Module]:
+    """One ``GPTModel`` per virtual pipeline stage of this rank (a list of one without VPP).
+
+    Requires ``parallel.dims.init_distributed`` first. Weights are random (Megatron's CPU init,
+    identical at every TP size); load real ones with ``megatron_gtpo.convert``. bf16/fp16 chunks
+    are wrapped in ``Float16Module`` (which casts fp32 inputs and returns fp32 outputs).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    config = transformer_config_from_hf(hf_config, tp=dims.tp, pp=dims.pp, vpp=dims.vpp,
+                                        dtype=dtype, overrides=overrides)
+    spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=_resolve_use_te(use_te))
+    rope = rope_settings(hf_config)
+    chunks = []
+    for vp_stage in range(dims.vpp or 1):
+        stage = vp_stage if dims.vpp else None
+        model = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=int(hf_config["vocab_size"]),
+            max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=tied_embeddings(hf_config),
+            position_embedding_type="rope", rotary_base=rope["theta"],
+            rope_scaling=rope["type"] == "llama3", rope_scaling_factor=rope.get("factor", 8.0),
+            vp_stage=stage,
+        )
+        _apply_llama3_rope(model, rope)
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        if config.fp16 or config.bf16:
+            model = Float16Module(config, model)
+        chunks.append(model)
+    return chunks
+
+
+def _apply_llama3_rope(model, rope: dict) -> None:
+    """Megatron's llama3 scaling fixes low/high freq factors at 1/4 and the original context at
+    8192; checkpoints with other values get their inverse frequencies recomputed exactly."""
+    if rope["type"] != "llama3" or all(rope[k] == v for k, v in _MCORE_LLAMA3_ROPE.items()):
+        return
+    emb = model.rotary_pos_emb
+    dim = emb.inv_freq.numel() * 2
+    base = 1.0 / (rope["theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    emb.inv_freq = emb._apply_scaling(
+        base.to(emb.inv_freq.device), factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+        high_freq_factor=rope["high_freq_factor"],
+        original_max_position_embeddings=rope["original_max_position_embeddings"])
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The bare ``GPTModel`` inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
+        chunk = chunk.module
+    return chunk
+
+
+def layer_offset(chunk: torch.nn.Module) -> int:
+    """Global index of this chunk's first transformer layer (PP and VPP aware)."""
+    layers = unwrap(chunk).decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def causal_mask(seq_len: int) -> torch.Tensor:
+    """Boolean ``[1, 1, s, s]`` mask, True = masked, as Megatron's local attention expects."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1).view(1, 1, seq_len, seq_len)
+

@@ -1,0 +1,63 @@
+"""Run-time helpers of the driver: stage timers, preemption signals, logging set-up."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import time
+
+
+class StageTimer:
+    """Accumulates wall time per named stage; ``metrics()`` gives ``time/<stage>_s`` values."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{name}_s": value for name, value in self.seconds.items()}
+
+    def summary(self) -> str:
+        return " ".join(f"{name} {value:.1f}s" for name, value in self.seconds.items())
+
+
+class PreemptionFlag:
+    """Turns SIGTERM / SIGUSR1 (SLURM's pre-timeout signal, scancel) into a flag the driver checks
+    between steps: it then checkpoints and exits cleanly instead of dying mid-step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received: int | None = None
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signum
+        logging.getLogger("megatron_gtpo").warning(
+            "received %s: will checkpoint after the current step and exit", signal.Signals(signum).name)
+
+    @property
+    def set(self) -> bool:
+        return self.received is not None
+
+
+def setup_logging(rank: int, level: str = "INFO") -> logging.Logger:
+    """Rank 0 logs at ``level``; other ranks only warnings (one readable stream per job)."""
+    logger = logging.getLogger("megatron_gtpo")
+    logger.handlers.clear()
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(level if rank == 0 else "WARNING")
+    logger.propagate = False
+    return logger

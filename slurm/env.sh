@@ -1,0 +1,62 @@
+# Shared environment of slurm/*.sbatch. Sourced by the batch scripts (never submitted itself).
+#
+# Tunables shared by every script (environment variables; the default follows the colon):
+#   MGTPO_REPO         repository checkout: ${SLURM_SUBMIT_DIR} (submit from the repo root)
+#   MGTPO_PYTHON       interpreter with megatron-gtpo installed: ${MGTPO_REPO}/.venv/bin/python
+#   MGTPO_CLI          the megatron-gtpo command: ${MGTPO_REPO}/.venv/bin/megatron-gtpo
+#   RUNS_DIR           parent of the per-job directories: ${MGTPO_REPO}/runs
+#   OUTPUT_DIR         this job's directory (checkpoints, reports): ${RUNS_DIR}/${SLURM_JOB_NAME}-${SLURM_JOB_ID}
+#                      (a requeued job keeps its id, hence its directory; set it to continue a run in a new job)
+#   LOG_DIR            per-node logs of the job's steps: ${OUTPUT_DIR}/logs
+#   GPUS_PER_NODE      GPUs each node uses: SLURM_GPUS_ON_NODE of the allocation, else 0 (CPU, gloo)
+#   MLFLOW_TRACKING_URI  passed through to every rank when set (so are MLFLOW_EXPERIMENT_NAME,
+#                      HF_HOME and the rest of the environment: srun exports it all)
+#   Containers (pyxis + enroot; empty CONTAINER_IMAGE = run on the host):
+#   CONTAINER_IMAGE    image for srun --container-image (e.g. nvcr.io#nvidia/pytorch:25.01-py3 or a .sqsh): empty
+#   CONTAINER_MOUNTS   srun --container-mounts: ${MGTPO_REPO}:${MGTPO_REPO},${RUNS_DIR}:${RUNS_DIR}
+#   CONTAINER_WORKDIR  srun --container-workdir: the submit directory
+#   (inside a container, set MGTPO_PYTHON=python and MGTPO_CLI=megatron-gtpo, or whatever the image has)
+
+log() { echo "[$(date +%FT%T)] ${MGTPO_SCRIPT:-slurm}: $*"; }
+die() { echo "[$(date +%FT%T)] ${MGTPO_SCRIPT:-slurm}: error: $*" >&2; exit 2; }
+
+[ -n "${SLURM_JOB_ID:-}" ] || die "run this through sbatch (SLURM_JOB_ID is unset)"
+
+MGTPO_PYTHON=${MGTPO_PYTHON:-$MGTPO_REPO/.venv/bin/python}
+MGTPO_CLI=${MGTPO_CLI:-$MGTPO_REPO/.venv/bin/megatron-gtpo}
+RUNS_DIR=${RUNS_DIR:-$MGTPO_REPO/runs}
+OUTPUT_DIR=${OUTPUT_DIR:-$RUNS_DIR/${SLURM_JOB_NAME}-${SLURM_JOB_ID}}
+LOG_DIR=${LOG_DIR:-$OUTPUT_DIR/logs}
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
+CONTAINER_IMAGE=${CONTAINER_IMAGE:-}
+CONTAINER_MOUNTS=${CONTAINER_MOUNTS:-$MGTPO_REPO:$MGTPO_REPO,$RUNS_DIR:$RUNS_DIR}
+CONTAINER_WORKDIR=${CONTAINER_WORKDIR:-$PWD}
+# Restarts of a requeued job (0 on the first run); part of log names so a rerun never overwrites.
+RESTART=${SLURM_RESTART_COUNT:-0}
+# Logs must reach the files as they are written, also when a rank is killed.
+export PYTHONUNBUFFERED=1
+
+# Asking for more GPUs than SLURM granted would put several ranks on one GPU.
+if [ "$GPUS_PER_NODE" -gt "${SLURM_GPUS_ON_NODE:-0}" ]; then
+  die "GPUS_PER_NODE=$GPUS_PER_NODE but the job has ${SLURM_GPUS_ON_NODE:-0} GPU(s) per node: submit with --gpus-per-node=$GPUS_PER_NODE"
+fi
+
+# pyxis flags, added to every srun when an image is set.
+SRUN_CONTAINER=()
+if [ -n "$CONTAINER_IMAGE" ]; then
+  SRUN_CONTAINER=(--container-image="$CONTAINER_IMAGE" --container-mounts="$CONTAINER_MOUNTS"
+                  --container-workdir="$CONTAINER_WORKDIR")
+elif [ ! -x "$MGTPO_CLI" ]; then
+  die "MGTPO_CLI=$MGTPO_CLI is not executable: run scripts/setup.sh in $MGTPO_REPO, or set MGTPO_CLI/MGTPO_PYTHON"
+fi
+
+# The address SLURM reaches a node at (NodeAddr; the node name itself on most clusters).
+node_addr() { scontrol show node "$1" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p'; }
+
+make_job_dirs() { mkdir -p "$OUTPUT_DIR" "$LOG_DIR"; }
+
+log_job() {
+  log "job ${SLURM_JOB_ID} (${SLURM_JOB_NAME}) restart ${RESTART} on ${SLURM_JOB_NUM_NODES} node(s) [${SLURM_JOB_NODELIST}], ${GPUS_PER_NODE} GPU(s)/node"
+  log "repo ${MGTPO_REPO}; cli ${MGTPO_CLI}; output ${OUTPUT_DIR}; container ${CONTAINER_IMAGE:-none}"
+  log "MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-unset, the default of the command applies}"
+}

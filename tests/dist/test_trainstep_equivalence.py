@@ -1,0 +1,104 @@
+"""The Megatron train step equals the single-process reference in every parallel layout.
+
+Three launches (tests/dist/scripts/trainstep_equivalence.py) cover (TP, PP, DP) = (1,1,1); (2,1,1),
+(1,2,1), (1,1,2) and PP2 x VPP2; (2,2,1) and (2,1,2) with tied embeddings. In each layout GTPO,
+GRPO (with a KL term), DAPO and DAPO with mu = 2 and an active clip run ``train_on_batch`` on a
+global batch of 3 prompt groups x 4 completions, split into DP slices and micro-batches of 2 rows
+(groups straddle both). Checked against plain autograd on the whole batch with a TP1/PP1 copy of
+the weights: loss, every parameter gradient, the SGD update, the grad norm; plus no-grad
+log-probs/entropies, greedy tokens, the distributed optimizer, metric agreement across ranks, the
+vocab-parallel kernel at TP = 1, 2, 4 against float64, and the PP2 x VPP batched-p2p guard.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.helpers import REPO, torchrun
+
+SCRIPT = REPO / "tests/dist/scripts/trainstep_equivalence.py"
+CASES = ("gtpo", "grpo_kl", "dapo", "dapo_mu2_clip")
+pytestmark = pytest.mark.slow
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _check_vocab_parallel(records, tp: int, nproc: int) -> None:
+    mine = [r for r in records if r["check"] == "vocab_parallel" and r["tp"] == tp]
+    assert len(mine) == 5 * nproc, mine
+    for r in mine:
+        if r["case"] == "argmax":
+            assert r["argmax_ok"], r
+            continue
+        tol = 1e-12 if r["dtype"] == "torch.float64" else 1e-5
+        assert r["logp_err"] <= tol * 10 and r["entropy_err"] <= tol * 10, r
+        assert r["grad_err"] <= tol * max(1.0, r["grad_scale"]), r
+
+
+def _check_layouts(records, layouts: list[str], nproc: int, *, clip_engaged: bool) -> None:
+    for layout in layouts:
+        steps = [r for r in records if r["check"] == "train_step" and r["layout"] == layout]
+        assert sorted((r["case"], r["rank"]) for r in steps) == sorted(
+            (c, rank) for c in CASES for rank in range(nproc)), (layout, steps)
+        for r in steps:
+            tol = 5e-5 if r["case"] == "dapo_mu2_clip" else 1e-5  # the 2nd update amplifies fp32 noise
+            assert _rel(r["loss"], r["loss_ref"]) <= tol, r
+            assert _rel(r["grad_norm"], r["grad_norm_ref"]) <= tol, r
+            assert r["grad_err"] <= 1e-5, r
+            assert r["update_excess"] <= 1.0, r
+            assert r["nonfinite"] == [], r
+        mu2 = [r for r in steps if r["case"] == "dapo_mu2_clip"]
+        assert all(r["ratio_max"] > 1.0 for r in mu2), mu2  # pi_old really differs on update 2
+        if clip_engaged:
+            assert all(r["clip_frac"] > 0 for r in mu2), mu2
+        logprobs = [r for r in records if r["check"] == "logprobs" and r["layout"] == layout]
+        assert len(logprobs) == nproc
+        for r in logprobs:
+            assert r["logp_err"] <= 1e-5 and r["entropy_err"] <= 1e-5, r
+            assert r["greedy"] == r["greedy_ref"], r
+        reported = [r for r in records if r["check"] == "metrics" and r["layout"] == layout]
+        for r in reported:  # the reduced metrics are global-batch means, not means of micro-batch means
+            assert _rel(r["metrics"]["mismatch/logp_abs_diff"], r["mismatch_ref"]) <= 1e-5, r
+            assert _rel(r["metrics"]["train/entropy_mean"], r["entropy_ref"]) <= 1e-5, r
+        metrics = [r["metrics"] for r in reported]
+        assert len(metrics) == nproc and all(m == metrics[0] for m in metrics), metrics  # same on every rank
+        assert {"loss", "optim/grad_norm", "optim/lr", "train/ratio_mean", "train/entropy_mean",
+                "train/lambda_zero_frac", "batch/filtered_frac", "mismatch/kl_k3"} <= set(metrics[0])
+        assert 0 < metrics[0]["batch/filtered_frac"] < 1  # the entropy filter keeps some, drops some
+        assert all(math.isfinite(v) for v in metrics[0].values())
+        distopt = [r for r in records if r["check"] == "distopt_adam" and r["layout"] == layout]
+        if "_dp1" not in layout:
+            assert len(distopt) == nproc
+            for r in distopt:
+                assert _rel(r["loss"], r["loss_ref"]) <= 1e-5 and _rel(r["grad_norm"], r["grad_norm_ref"]) <= 1e-5, r
+                assert r["max_param_change"] > 0, r
+
+
+def test_single_rank_layout():
+    records = torchrun(SCRIPT, 1, "1,1", "--logprob-tp", "1")
+    _check_vocab_parallel(records, 1, 1)
+    _check_layouts(records, ["tp1_pp1_dp1"], 1, clip_engaged=True)
+    # OptimConfig lr 1e-3, min 1e-4, 2 warm-up steps from 0, cosine decay to min over 6 steps
+    (lrs,) = [r["lrs"] for r in records if r["check"] == "lr_schedule"]
+    want = [1e-3 * s / 2 for s in range(3)] + [
+        1e-4 + 0.5 * (1 + math.cos(math.pi * (s - 2) / 4)) * 9e-4 for s in range(3, 7)]
+    assert lrs == pytest.approx(want, rel=1e-9, abs=1e-12), lrs
+
+
+def test_two_rank_layouts():
+    records = torchrun(SCRIPT, 2, "2,1", "1,2", "1,1", "1,2,2", "--logprob-tp", "2")
+    _check_vocab_parallel(records, 2, 2)
+    _check_layouts(records, ["tp2_pp1_dp1", "tp1_pp2_dp1", "tp1_pp1_dp2", "tp1_pp2_dp1_vpp2"], 2, clip_engaged=True)
+    guard = [r for r in records if r["check"] == "vpp_guard"]
+    assert len(guard) == 2 and all(r["raised"] for r in guard), guard
+
+
+def test_four_rank_layouts_tied_embeddings():
+    records = torchrun(SCRIPT, 4, "2,2", "2,1", "--tied", "--logprob-tp", "4")
+    _check_vocab_parallel(records, 4, 4)
+    # tied model: its small gradients keep the mu = 2 ratio near 1 (the clip is covered above)
+    _check_layouts(records, ["tp2_pp2_dp1", "tp2_pp1_dp2"], 4, clip_engaged=False)

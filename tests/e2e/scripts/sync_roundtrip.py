@@ -1,0 +1,180 @@
+"""Megatron (TP=2, gloo) -> vLLM weight-sync round trip through one transport, with real engines.
+
+Usage: torchrun --nproc_per_node=2 sync_roundtrip.py --transport colocated|separate --dtype fp32|bf16
+
+Checks (one ``RESULT {json}`` line each, from every rank):
+  push_v1        push the freshly initialised Megatron policy (the engine started from other weights)
+  greedy         vLLM greedy tokens == Megatron greedy tokens (8 prompts x 32 tokens)        [fp32]
+  bad_push       a push from a different architecture raises WeightPushError on every rank and the
+                 engine's greedy tokens are unchanged
+  broken_pushes  a truncated export (last bucket missing) and an export that raises half-way both
+                 fail on every rank, and the engine still serves v1 with unchanged greedy tokens
+  train_step     one GRPO optimizer step on engine samples (the trainer's mismatch/* metrics too)
+  logprobs_v2    after pushing v2: engine log-probs of fresh samples == trainer log-probs, while the
+                 v1 samples' engine log-probs are far from the v2 trainer's (the push changed them)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_gtpo.algo import AlgoConfig
+from megatron_gtpo.convert.export import export_hf_weights
+from megatron_gtpo.models.tiny import ensure_tiny
+from megatron_gtpo.parallel.dims import init_distributed
+from megatron_gtpo.rollout import RolloutConfig, WeightPushError, chat_prompt, logprob_mismatch
+from megatron_gtpo.sync import SyncConfig, build_rollout
+from megatron_gtpo.train.model import build_model, hf_config_from_dir
+from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
+from megatron_gtpo.train.step import compute_logprobs, greedy_generate, train_on_batch
+from megatron_gtpo.types import TrainBatch
+
+QUESTIONS = ["What is 2 + 2?", "Name a color.", "Count to five.", "Say hello.", "Why is the sky blue?",
+             "Write a haiku.", "What is 7 times 8?", "Spell 'cat'."]
+TEMPERATURE, MAX_TOKENS, PAD = 0.8, 16, 0
+T0 = time.time()
+
+
+def emit(check: str, **record) -> None:
+    """One RESULT line in a single write: both ranks (and vLLM's progress output) share the pipe."""
+    line = json.dumps({"check": check, "rank": dist.get_rank(), "t": round(time.time() - T0, 1), **record})
+    sys.stdout.flush()
+    os.write(1, f"\nRESULT {line}\n".encode())
+
+
+def to_batch(completions, seed: int) -> TrainBatch:
+    """Prompt + completion rows (right-padded) with the sampler log-probs on completion positions;
+    random 0/1 rewards so GRPO's advantages (and the update) are not zero."""
+    rows = [c.prompt_token_ids + c.token_ids for c in completions]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask, sampler = torch.zeros(len(rows), width), torch.zeros(len(rows), width)
+    for b, c in enumerate(completions):
+        start, end = len(c.prompt_token_ids), len(rows[b])
+        ids[b, :end] = torch.tensor(rows[b])
+        mask[b, start:end] = 1.0
+        sampler[b, start:end] = torch.tensor(c.logprobs)
+    rewards = (torch.rand(len(rows), generator=torch.Generator().manual_seed(seed)) > 0.5).float()
+    return TrainBatch(input_ids=ids, loss_mask=mask, position_ids=torch.arange(width).expand(len(rows), width).clone(),
+                      group_ids=torch.tensor([c.prompt_index for c in completions]), rewards=rewards,
+                      advantages=torch.zeros(len(rows)), sampler_logprobs=sampler, pad_id=PAD,
+                      completion_start=torch.tensor([len(c.prompt_token_ids) for c in completions]))
+
+
+def wrong_architecture_buckets(hf_config: dict) -> list:
+    """HF tensors of a model with one more layer and a wider MLP than the engine's."""
+    import transformers
+
+    cfg = dict(hf_config, num_hidden_layers=hf_config["num_hidden_layers"] + 1,
+               intermediate_size=hf_config["intermediate_size"] * 2)
+    config = transformers.Qwen2Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "layer_types")})
+    torch.manual_seed(3)
+    items = list(transformers.Qwen2ForCausalLM(config).state_dict().items())
+    return [items[i:i + 8] for i in range(0, len(items), 8)]
+
+
+def _raising(buckets):
+    """An export stream that fails after its first bucket (an exporter or transport crash)."""
+    yield from buckets[:1]  # ranks that receive no buckets (dst_ranks="first") fail all the same
+    raise RuntimeError("export failed half-way")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--transport", choices=["colocated", "separate"], required=True)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    args = parser.parse_args()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+
+    dims = init_distributed(tp=2, seed=1234)
+    model_dir = str(ensure_tiny())
+    hf_config = hf_config_from_dir(model_dir)
+    vocab = int(hf_config["vocab_size"])
+    eos = int(hf_config["eos_token_id"])
+    # fp32: a wider init than HF's 0.02 keeps greedy argmax gaps far above fp32 noise. bf16: HF's
+    # init; both sides round logits to bf16 (step 2**-7 below 1, 2**-5 near 4), so larger logits
+    # would mostly measure that rounding.
+    std = 0.1 if dtype == torch.float32 else 0.02
+    chunks = wrap_ddp(build_model(hf_config, dims=dims, dtype=dtype, overrides={"init_method_std": std}),
+                      OptimConfig())
+    rollout_cfg = RolloutConfig(n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=7, vllm={
+        "dtype": {"fp32": "float32", "bf16": "bfloat16"}[args.dtype], "max_model_len": 256,
+        "kv_cache_memory_bytes": 64 << 20})
+    sync_cfg = SyncConfig(transport=args.transport, bucket_bytes=8 << 20)  # several buckets per push
+    rollout, syncer = build_rollout(rollout_cfg, sync_cfg, model_dir=model_dir)
+    emit("engines_up")
+
+    def export():
+        return export_hf_weights(chunks, hf_config=hf_config, dims=dims, dst_ranks=syncer.dst_ranks,
+                                 bucket_bytes=sync_cfg.bucket_bytes)
+
+    def push(version: int):
+        return syncer.push(export(), version=version)
+
+    prompts = [chat_prompt(rollout.tokenizer, q, uid=str(i)) for i, q in enumerate(QUESTIONS)]
+    greedy = dict(n=1, temperature=0.0, top_p=1.0, max_tokens=32)
+    before = [c.token_ids for c in rollout.generate(prompts, **greedy)]  # the HF checkpoint's weights
+    stats = push(1)
+    engine_greedy = [c.token_ids for c in rollout.generate(prompts, **greedy)]
+    emit("push_v1", version=stats.version, tensors=stats.num_tensors, bytes=stats.num_bytes, seconds=stats.seconds,
+         changed=sum(a != b for a, b in zip(before, engine_greedy)))
+    if dtype == torch.float32:
+        megatron_greedy = greedy_generate(chunks, [p.token_ids for p in prompts], 32, dims, eos_id=eos,
+                                          vocab_size=vocab)
+        emit("greedy", equal=[a == b for a, b in zip(engine_greedy, megatron_greedy)],
+             lengths=[len(t) for t in engine_greedy], engine=engine_greedy[0][:8], megatron=megatron_greedy[0][:8])
+
+    error = None
+    try:
+        syncer.push(wrong_architecture_buckets(hf_config), version=2)
+    except WeightPushError as err:
+        error = str(err)
+    after = rollout.generate(prompts, **greedy)
+    emit("bad_push", error=error, unchanged=[c.token_ids for c in after] == engine_greedy,
+         versions=sorted({c.weight_version for c in after}))
+
+    buckets = list(export())
+    errors = []
+    for bad in (buckets[:-1], _raising(buckets)):
+        try:
+            syncer.push(bad, version=3)
+        except (WeightPushError, RuntimeError) as err:
+            errors.append(f"{type(err).__name__}: {err}"[:200])
+    after = rollout.generate(prompts, **greedy)
+    emit("broken_pushes", errors=errors, unchanged=[c.token_ids for c in after] == engine_greedy,
+         versions=sorted({c.weight_version for c in after}), num_buckets=len(buckets))
+
+    sampling = rollout_cfg.sampling()
+    samples_v1 = rollout.generate(prompts, **sampling, seed=11)
+    algo = AlgoConfig(name="grpo", kl_beta=0.0)
+    optimizer, scheduler = build_optimizer(chunks, OptimConfig(optimizer={"optimizer": "adam", "lr": 1e-3}),
+                                           total_steps=1)
+    metrics = train_on_batch(chunks, optimizer, scheduler, to_batch(samples_v1, seed=5), algo_name="grpo",
+                             prepare_kwargs=algo.prepare_kwargs(), loss_kwargs=algo.loss_kwargs(max_completion_tokens=MAX_TOKENS),
+                             micro_batch_size=4, mu=1, temperature=TEMPERATURE, dims=dims, vocab_size=vocab)
+    emit("train_step", **{k: v for k, v in metrics.items() if k.startswith(("mismatch/", "optim/grad_norm", "loss"))})
+
+    stats = push(2)
+    samples_v2 = rollout.generate(prompts, **sampling, seed=11)
+    checks = {}
+    for name, samples in (("v2", samples_v2), ("v1_samples", samples_v1)):
+        batch = to_batch(samples, seed=0)
+        trainer = compute_logprobs(chunks, batch, dims=dims, micro_batch_size=4, temperature=TEMPERATURE,
+                                   vocab_size=vocab).logp
+        checks[name] = logprob_mismatch(batch.sampler_logprobs, trainer, batch.loss_mask > 0)
+    emit("logprobs_v2", push_seconds=stats.seconds, versions=sorted({c.weight_version for c in samples_v2}),
+         **{f"{k}:{m}": v for k, d in checks.items() for m, v in d.items()})
+    rollout.close()
+    syncer.close()
+    dist.barrier()
+
+
+if __name__ == "__main__":  # the separate transport spawns a process that re-imports this module
+    main()

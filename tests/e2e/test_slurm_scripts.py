@@ -1,0 +1,197 @@
+"""slurm/*.sbatch on a real local SLURM (2 fake nodes x 8 fake GPUs, started and stopped by the test).
+
+SLURM, munge, srun, torchrun and the batch scripts are real. ``convert.sbatch`` runs the real
+``megatron-gtpo convert``. The train/eval launch tests run ``tests/e2e/slurm_standin.py`` as the
+program, which makes them fast and lets them check what every rank received; the real training
+command under ``train.sbatch`` is ``test_slurm_train.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.slurm_harness import LocalSlurm, local_slurm, requires_slurm
+from tests.helpers import REPO, free_port
+
+pytestmark = [requires_slurm, pytest.mark.slow]
+
+SLURM = REPO / "slurm"
+CPU = ("--nodes=1", "--gpus-per-node=0", "--time=00:10:00")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Not pytest's tmp dir: munged (user munge) must traverse the path, and /tmp/pytest-of-root is 0700.
+    root = Path(tempfile.mkdtemp(prefix="mgtpo-slurm-"))
+    root.chmod(0o755)
+    try:
+        with local_slurm(root / "cluster", nodes=2, gpus=8, cpus=2) as c:
+            yield c
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def job_dir(cluster: LocalSlurm, request) -> Path:
+    path = cluster.root.parent / request.node.name.replace("[", "-").replace("]", "")
+    path.mkdir()
+    return path
+
+
+def standin_env(job_dir: Path, **extra: str) -> dict[str, str]:
+    """Environment that makes the scripts run the stand-in (real scripts, real srun and torchrun)."""
+    cli = job_dir / "megatron-gtpo"
+    cli.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{REPO}/tests/e2e/slurm_standin.py" "$@"\n')
+    cli.chmod(cli.stat().st_mode | stat.S_IXUSR)
+    (job_dir / "standin").mkdir()
+    return {"MGTPO_REPO": str(REPO), "MGTPO_CLI": str(cli), "MGTPO_PYTHON": sys.executable,
+            "TRAINER_MODULE": "tests.e2e.slurm_standin", "PYTHONPATH": str(REPO), "RUNS_DIR": str(job_dir / "runs"),
+            "STANDIN_DIR": str(job_dir / "standin"), "GPUS_PER_NODE": "0", "MASTER_PORT": str(free_port()), **extra}
+
+
+def records(job_dir: Path, event: str | None = None) -> list[dict]:
+    path = job_dir / "standin" / "records.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in rows if event is None or r["event"] == event]
+
+
+def submit(cluster: LocalSlurm, job_dir: Path, script: str, *args: str, options=CPU, env=None) -> int:
+    return cluster.sbatch(SLURM / script, *args, options=(*options, f"--output={job_dir}/%x-%j.out"),
+                          env=env, cwd=job_dir)
+
+
+def batch_log(job_dir: Path, job_id: int) -> str:
+    return "\n".join(p.read_text() for p in job_dir.glob(f"*-{job_id}.out"))
+
+
+def test_sbatch_test_only_accepts_every_script_as_written(cluster, job_dir):
+    """The scripts' own #SBATCH headers (2 x 8 GPUs for training) are valid requests."""
+    for script, args in [("train.sbatch", ["configs/gtpo.yaml"]), ("eval.sbatch", ["--model", "m"]),
+                         ("convert.sbatch", ["--to", "megatron", "--input", "a", "--output", "b"])]:
+        proc = cluster.run("sbatch", "--test-only", str(SLURM / script), *args, cwd=job_dir, check=False)
+        assert proc.returncode == 0 and "to start at" in proc.stderr, (script, proc.stderr)
+    # --test-only does reject what the cluster cannot hold, so the check above is not vacuous.
+    for bad in (["--nodes=3"], ["--gpus-per-node=9"]):
+        proc = cluster.run("sbatch", "--test-only", *bad, str(SLURM / "train.sbatch"), "configs/gtpo.yaml",
+                           cwd=job_dir, check=False)
+        assert proc.returncode != 0, (bad, proc.stderr)
+
+
+def test_train_two_nodes_rendezvous_and_pass_through(cluster, job_dir):
+    """2 nodes x 1 rank: torchrun rendezvous at node 1, a real gloo all-reduce across the nodes, the
+    prepare step once, the resolved config to every rank, MLFLOW_TRACKING_URI on every rank."""
+    env = standin_env(job_dir, NPROC_PER_NODE="1", STEPS="3", STANDIN_ALLREDUCE="1",
+                      MLFLOW_TRACKING_URI="http://mlflow.example:5000")
+    job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml", "train.seed=7",
+                 options=("--nodes=2", "--gpus-per-node=0", "--time=00:10:00"), env=env)
+    info = cluster.wait(job, timeout=300)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), batch_log(job_dir, job)
+    out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
+    [prep] = records(job_dir, "prepare")
+    assert prep["argv"] == ["train", "configs/tiny.yaml", "train.seed=7", "--output-dir", str(out_dir),
+                            "--prepare-only", "--steps", "3"]
+    starts = sorted(records(job_dir, "start"), key=lambda r: r["env"]["RANK"])
+    # c10d numbers the nodes in the order their agents join, so rank 0 may be on either node.
+    assert [(r["env"]["RANK"], r["env"]["WORLD_SIZE"]) for r in starts] == [("0", "2"), ("1", "2")]
+    assert {r["env"]["SLURMD_NODENAME"] for r in starts} == {"node1", "node2"}
+    assert all(r["allreduce"] == 1 for r in starts)  # 0 + 1 over gloo across the two nodes
+    assert all(r["argv"] == [str(out_dir / "config.yaml")] for r in starts)  # no --resume on a first run
+    assert all(r["env"]["MLFLOW_TRACKING_URI"] == "http://mlflow.example:5000" for r in starts)
+    assert len(records(job_dir, "done")) == 2
+    for node in (0, 1):
+        assert f"step 3" in (out_dir / "logs" / f"train-r0-node{node}.log").read_text()
+    assert "training finished with exit code 0" in batch_log(job_dir, job)
+
+
+def test_train_usr1_checkpoints_requeues_and_resumes(cluster, job_dir):
+    """SIGUSR1 to the batch shell (what --signal=B:USR1@120 sends) reaches both ranks through srun
+    and torchrun; they checkpoint and exit; the job requeues itself and resumes with --resume."""
+    env = standin_env(job_dir, NPROC_PER_NODE="2", STEPS="30", STANDIN_STEP_S="0.2")
+    job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml", env=env)
+    log0 = job_dir / "runs" / f"mgtpo-train-{job}" / "logs" / "train-r0-node0.log"
+    deadline = time.monotonic() + 240
+    while not (log0.exists() and "rank 1 step 2" in log0.read_text()):
+        assert time.monotonic() < deadline, f"ranks never reached step 2\n{batch_log(job_dir, job)}"
+        time.sleep(0.5)
+    cluster.run("scancel", "--signal=USR1", "--batch", str(job))
+    info = cluster.wait(job, timeout=300, restarts=1)
+    text = batch_log(job_dir, job)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text
+    [ckpt] = {r["step"] for r in records(job_dir, "checkpoint")}  # both ranks stopped at the same step
+    assert len(records(job_dir, "checkpoint")) == 2 and 2 <= ckpt < 30
+    out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
+    assert json.loads((out_dir / "ckpt.json").read_text()) == {"step": ckpt}
+    first, second = (sorted((r for r in records(job_dir, "start") if r["env"]["SLURM_RESTART_COUNT"] == n),
+                            key=lambda r: r["env"]["RANK"]) for n in (None, "1"))
+    assert [r["step"] for r in first] == [0, 0] and [r["step"] for r in second] == [ckpt, ckpt]
+    assert all(r["argv"] == [str(out_dir / "config.yaml"), "--resume"] for r in second)
+    assert len(records(job_dir, "prepare")) == 1  # the requeued run reuses the resolved config
+    assert {r["step"] for r in records(job_dir, "done")} == {30}
+    assert "SIGUSR1: asking the ranks to checkpoint and exit" in text and "requeueing job" in text
+    assert (out_dir / "logs" / "train-r1-node0.log").exists()
+
+
+def test_train_separate_rollout_node(cluster, job_dir):
+    """ROLLOUT_NODES=1: the last node runs ROLLOUT_CMD, the trainer only the first; both see the host list."""
+    env = standin_env(job_dir, NPROC_PER_NODE="1", STEPS="2", ROLLOUT_NODES="1")
+    env["ROLLOUT_CMD"] = f"{env['MGTPO_CLI']} rollout-server --port 8000"
+    job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml",
+                 options=("--nodes=2", "--gpus-per-node=0", "--time=00:10:00"), env=env)
+    info = cluster.wait(job, timeout=300)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), batch_log(job_dir, job)
+    [server] = records(job_dir, "rollout-server")
+    [rank] = records(job_dir, "start")
+    assert server["env"]["SLURMD_NODENAME"] == "node2" and server["argv"] == ["rollout-server", "--port", "8000"]
+    assert (rank["env"]["SLURMD_NODENAME"], rank["env"]["WORLD_SIZE"]) == ("node1", "1")
+    assert rank["env"]["MGTPO_ROLLOUT_HOSTS"] == server["env"]["MGTPO_ROLLOUT_HOSTS"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"ROLLOUT_NODES": "1"}, "ROLLOUT_NODES=1 leaves no trainer node of the 1"),
+    # --exclusive hands a job every GPU of its node, so asking for 9 of the 8 is the mismatch here.
+    ({"GPUS_PER_NODE": "9"}, "GPUS_PER_NODE=9 but the job has 8 GPU(s) per node"),
+    ({"RESUME": "maybe"}, "RESUME=maybe must be auto, 1 or 0"),
+])
+def test_train_refuses_inconsistent_settings(cluster, job_dir, extra, message):
+    job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml", env={**standin_env(job_dir), **extra})
+    info = cluster.wait(job, timeout=120)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0")
+    assert message in batch_log(job_dir, job)
+    assert records(job_dir) == []  # nothing was launched
+
+
+def test_eval_default_report_path_and_user_flags(cluster, job_dir):
+    env = standin_env(job_dir)
+    job = submit(cluster, job_dir, "eval.sbatch", "--model", "runs/x/hf", "--benchmarks", "gsm8k", env=env)
+    info = cluster.wait(job, timeout=120)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), batch_log(job_dir, job)
+    report = job_dir / "runs" / f"mgtpo-eval-{job}" / "eval_report.json"
+    [rec] = records(job_dir, "eval")
+    assert rec["argv"] == ["eval", "--output", str(report), "--model", "runs/x/hf", "--benchmarks", "gsm8k"]
+    assert report.read_text() == "{}"
+
+
+def test_convert_runs_the_real_converter(cluster, job_dir):
+    """The real `megatron-gtpo convert` under convert.sbatch: tiny HF model -> Megatron checkpoint."""
+    from megatron_gtpo.models.tiny import ensure_tiny
+
+    src, dst = ensure_tiny(), job_dir / "mcore"
+    env = {"MGTPO_REPO": str(REPO), "RUNS_DIR": str(job_dir / "runs"), "OMP_NUM_THREADS": "1"}
+    job = submit(cluster, job_dir, "convert.sbatch", "--to", "megatron", "--input", str(src), "--output", str(dst),
+                 "--tp", "2", options=("--nodes=1", "--time=00:10:00"), env=env)
+    info = cluster.wait(job, timeout=600)
+    text = batch_log(job_dir, job)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert "convert finished with exit code 0" in text
+    assert f"converted {src} -> {dst} (megatron)" in text
+    assert (dst / "config.json").is_file() and (dst / "model" / "metadata.json").is_file(), sorted(dst.rglob("*"))
+    assert not os.access(REPO / f"slurm-mgtpo-convert-{job}.out", os.F_OK)  # nothing written into the repo

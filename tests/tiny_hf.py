@@ -1,0 +1,65 @@
+"""Tiny random Hugging Face models of each supported family, made offline with ``transformers``.
+
+Shapes are chosen to exercise every mapping path: GQA (4 query heads, 2 KV groups), a Qwen3
+``head_dim`` different from hidden/heads, Qwen2 q/k/v biases, a tied-embedding Llama with
+non-default llama3 RoPE scaling (the path Megatron does not cover natively), and 4 layers so
+PP=2 x VPP=2 has one layer per virtual stage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+_BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+
+def tiny_hf_config(family: str) -> dict:
+    """``config.json`` contents (as transformers 5 writes them) for a tiny model of ``family``."""
+    import transformers
+
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**_BASE, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**_BASE, tie_word_embeddings=False)
+    elif family == "qwen3":
+        cfg = transformers.Qwen3Config(**_BASE, head_dim=32, tie_word_embeddings=False)
+    elif family == "mistral":
+        cfg = transformers.MistralConfig(**_BASE, head_dim=16, tie_word_embeddings=False)
+    else:
+        raise ValueError(family)
+    cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
+    return cfg.to_dict()
+
+
+def make_tiny_hf_model(family: str, seed: int = 0):
+    """A randomly initialised ``*ForCausalLM`` (fp32, eval mode) with weights of a non-trivial scale."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(**tiny_hf_config(family))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms start at exactly 1.0; randomise them so a dropped norm is caught
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+    return model
+
+
+def save_tiny_hf_model(family: str, out_dir: str | Path, *, seed: int = 0, dtype=None,
+                       max_shard_size: str | None = None) -> Path:
+    """Saves a tiny model as safetensors (sharded with an index when ``max_shard_size`` is set)."""
+    out_dir = Path(out_dir)
+    model = make_tiny_hf_model(family, seed)
+    if dtype is not None:
+        model = model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    return out_dir

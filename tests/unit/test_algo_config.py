@@ -1,0 +1,72 @@
+"""AlgoConfig: documented, validated, resolved per algorithm, and turned into function keyword arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from megatron_gtpo.algo import LOSSES, AlgoConfig, compute_loss, prepare_batch
+from megatron_gtpo.utils.configuration import ConfigError, build, field_docs
+
+
+def test_every_field_is_documented_snake_case_and_cites_a_source():
+    docs = field_docs(AlgoConfig)
+    names = [f.name for f in dataclasses.fields(AlgoConfig)]
+    assert set(names) == set(docs)
+    assert all(name == name.lower() and " " not in name for name in names)
+    assert "entropy_threshold" in names and AlgoConfig().entropy_threshold == 0.7
+    undocumented_source = [n for n in names if "spec" not in docs[n] and n not in ("adv_eps",)]
+    assert undocumented_source == [], f"fields whose docstring cites no spec section: {undocumented_source}"
+
+
+def test_defaults_follow_the_spec():
+    cfg = AlgoConfig()
+    assert (cfg.name, cfg.conflict_weight, cfg.entropy_gamma, cfg.conflict_overlap, cfg.mu) == ("gtpo", 2.0, 0.1,
+                                                                                                 "product", 1)
+    dapo = AlgoConfig(name="dapo").resolved()
+    assert (dapo.clip_eps_high, dapo.agg_mode, dapo.dynamic_sampling, dapo.overlong_buffer_len, dapo.kl_beta,
+            dapo.adv_std_scale) == (0.28, "token-mean", True, 4096, 0.0, True)
+    grpo = AlgoConfig(name="grpo").resolved()
+    assert (grpo.kl_beta, grpo.clip_eps_high, grpo.agg_mode) == (0.04, 0.2, "seq-mean-token-mean")
+    assert AlgoConfig(name="drgrpo").loss_kwargs(max_completion_tokens=3000)["constant"] == 3000
+    assert AlgoConfig(name="drgrpo", drgrpo_constant=1500).loss_kwargs(max_completion_tokens=3000)["constant"] == 1500
+    assert AlgoConfig(name="grpo", kl_beta=0.0).resolved().kl_beta == 0.0
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_kwargs_match_the_function_signatures(name):
+    cfg = AlgoConfig(name=name)
+    assert set(cfg.prepare_kwargs()) <= set(inspect.signature(prepare_batch).parameters)
+    assert set(cfg.loss_kwargs(max_completion_tokens=8)) <= set(inspect.signature(compute_loss).parameters)
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"name": "ppo"}, "name='ppo' is not allowed"),
+    ({"clip_eps_low": 1.5}, "clip_eps_low=1.5"),
+    ({"clip_eps_high": -0.1}, "clip_eps_high=-0.1"),
+    ({"kl_beta": -1.0}, "kl_beta=-1.0"),
+    ({"mu": 0}, "mu=0"),
+    ({"conflict_weight": 0.0}, "conflict_weight=0.0"),
+    ({"conflict_overlap": "max"}, "conflict_overlap='max'"),
+    ({"entropy_threshold": 0.0}, "entropy_threshold=0.0"),
+    ({"entropy_gamma": float("nan")}, "entropy_gamma=nan"),
+    ({"gtpo_normalization": "both"}, "gtpo_normalization='both'"),
+    ({"dynamic_sampling_max_tries": 0}, "dynamic_sampling_max_tries=0"),
+    ({"overlong_buffer_len": -1}, "overlong_buffer_len=-1"),
+    ({"drgrpo_constant": 0}, "drgrpo_constant=0"),
+    ({"pad_id": -5}, "pad_id=-5"),
+    ({"agg_mode": "sum"}, "agg_mode='sum'"),
+    ({"entropy_treshold": 0.7}, "unknown key"),
+])
+def test_bad_values_are_rejected_with_the_field_name(data, match):
+    with pytest.raises(ConfigError, match=match):
+        build(AlgoConfig, data)
+
+
+def test_build_from_yaml_like_data():
+    cfg = build(AlgoConfig, {"name": "gtpo", "entropy_threshold": 777, "adv_eps": "1e-6", "agg_mode": None})
+    assert cfg.entropy_threshold == 777.0 and cfg.adv_eps == 1e-6 and cfg.agg_mode is None
+    with pytest.raises(TypeError):
+        AlgoConfig("gtpo")  # keyword-only

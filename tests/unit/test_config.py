@@ -1,0 +1,103 @@
+"""Recipes, dotted overrides and validation of the whole RunConfig."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from megatron_gtpo.config import RunConfig, dump_resolved, load_config
+from megatron_gtpo.utils.configuration import ConfigError, apply_overrides, describe, field_docs
+from tests.helpers import REPO
+
+RECIPES = ["gtpo", "grpo", "drgrpo", "dapo", "tiny", "demo"]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_loads(name):
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    assert isinstance(cfg, RunConfig)
+
+
+def test_recipes_carry_the_spec_defaults():
+    gtpo = load_config(REPO / "configs" / "gtpo.yaml").algo.resolved()
+    assert (gtpo.conflict_weight, gtpo.entropy_threshold, gtpo.entropy_gamma, gtpo.kl_beta, gtpo.mu) == (2.0, 0.7, 0.1, 0.0, 1)
+    assert gtpo.adv_std_scale is False and gtpo.conflict_overlap == "product"
+    grpo = load_config(REPO / "configs" / "grpo.yaml").algo.resolved()
+    assert (grpo.adv_std_scale, grpo.kl_beta, grpo.agg_mode) == (True, 0.04, "seq-mean-token-mean")
+    dapo = load_config(REPO / "configs" / "dapo.yaml").algo.resolved()
+    assert (dapo.clip_eps_low, dapo.clip_eps_high, dapo.agg_mode, dapo.dynamic_sampling) == (0.2, 0.28, "token-mean", True)
+    drgrpo = load_config(REPO / "configs" / "drgrpo.yaml").algo.resolved()
+    assert (drgrpo.adv_std_scale, drgrpo.agg_mode) == (False, "seq-mean-token-sum-norm")
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(REPO / "configs" / "gtpo.yaml",
+                      ["algo.entropy_threshold=0.69", "rollout.n=12", "optim.optimizer.lr=1e-6", "data.benchmarks=[gsm8k]"])
+    assert cfg.algo.entropy_threshold == 0.69 and cfg.rollout.n == 12
+    assert cfg.optim.optimizer["lr"] == 1e-6 and cfg.data.benchmarks == ["gsm8k"]
+    assert apply_overrides({"a": {"b": 1}}, ["a.c=x", "d=null"]) == {"a": {"b": 1, "c": "x"}, "d": None}
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("algo.entropy_treshold=0.7", "unknown key algo.entropy_treshold"),
+    ("algo.entropy_threshold=abc", "algo.entropy_threshold: expected float, got str 'abc'"),
+    ("algo.entropy_threshold=-1", "algo.entropy_threshold=-1.0 is not allowed"),
+    ("algo.name=ppo", "algo.name='ppo' is not allowed: expected one of"),
+    ("rollout.n=1", "rollout.n=1 is not allowed"),
+    ("train.micro_batch_size=3", "train.micro_batch_size=3 is not allowed"),
+    ("parallel.tp=0", "parallel.tp=0 is not allowed"),
+    ("optim.optimizer.adam_betas=0.9", "adam_betas"),
+    ("algo.mu=2.5", "algo.mu: expected int, got float 2.5"),
+    ("noequals", "must look like key.path=value"),
+])
+def test_bad_values_name_the_key(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs" / "gtpo.yaml", [override])
+    assert fragment in str(err.value), str(err.value)
+
+
+def test_missing_recipe_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algo: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_base_inheritance_and_resolved_dump(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text(f"base: {REPO / 'configs' / 'gtpo.yaml'}\nrollout:\n  n: 6\n")
+    cfg = load_config(child, [f"output_dir={tmp_path / 'run'}"])
+    assert cfg.rollout.n == 6 and cfg.algo.name == "gtpo" and cfg.reward.fn == "gtpo"
+    path = dump_resolved(cfg)
+    data = yaml.safe_load(path.read_text())
+    assert data["rollout"]["n"] == 6 and data["algo"]["entropy_threshold"] == 0.7
+    assert load_config(path).rollout.n == 6  # the resolved file is itself a valid recipe
+    assert not list(path.parent.glob(".*.tmp"))
+
+
+def test_every_field_is_documented():
+    rows = describe(RunConfig)
+    missing = [key for key, _, _, doc in rows if not doc]
+    assert not missing, f"fields without a docstring: {missing}"
+    assert field_docs(RunConfig)["algo"]
+
+
+@pytest.mark.parametrize("sub", ["", "train", "eval", "convert", "dry-run", "config", "demo"])
+def test_every_cli_has_help(sub):
+    args = [sys.executable, "-m", "megatron_gtpo.cli", *([sub] if sub else []), "--help"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage" in proc.stdout.lower()
+
+
+def test_train_rejects_bad_config_before_starting(tmp_path):
+    args = [sys.executable, "-m", "megatron_gtpo.cli", "train", str(REPO / "configs" / "tiny.yaml"),
+            "--output-dir", str(tmp_path / "run"), "algo.entropy_treshold=1"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 2 and "unknown key algo.entropy_treshold" in proc.stderr
+    assert not (tmp_path / "run").exists(), "a rejected config must not create the run directory"

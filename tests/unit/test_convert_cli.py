@@ -1,0 +1,190 @@
+"""Offline conversion (no process group): mapping algebra, CLI round trips, dtype, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_gtpo.convert import hf_io
+from megatron_gtpo.convert import mapping as mp
+from megatron_gtpo.convert.cli import main
+from tests.helpers import REPO
+from tests.tiny_hf import FAMILIES, save_tiny_hf_model, tiny_hf_config
+
+
+# ----------------------------------------------------------------------------- mapping algebra
+
+@pytest.mark.parametrize("heads,groups,head_dim", [(4, 2, 16), (8, 8, 4), (9, 3, 8), (6, 1, 2)])
+def test_qkv_fuse_split_and_tp_slicing(heads, groups, head_dim):
+    pm = next(p for p in mp.layer_maps("qwen2") if p.local.endswith("linear_qkv.weight"))
+    shapes = mp.Shapes(heads=heads, groups=groups, head_dim=head_dim)
+    q, k, v = (torch.randn(n * head_dim, 7) for n in (heads, groups, groups))
+    fused = mp.fuse(pm, [q, k, v], shapes)
+    # Group g of the fused layout holds its q heads, then its k head, then its v head.
+    per = heads // groups
+    block = fused.view(groups, (per + 2) * head_dim, 7)
+    assert torch.equal(block[-1, :per * head_dim], q[-per * head_dim:])
+    assert torch.equal(block[0, per * head_dim:(per + 1) * head_dim], k[:head_dim])
+    assert all(torch.equal(a, b) for a, b in zip(mp.split(pm, fused, shapes), (q, k, v)))
+    for tp in (t for t in (1, 2, 3) if groups % t == 0):
+        shards = [mp.tp_shard(pm, fused, tp=tp, rank=r) for r in range(tp)]
+        assert torch.equal(mp.tp_unshard(pm, shards), fused)
+        # A TP rank holds whole groups: its q rows are exactly the q heads of its groups.
+        local = mp.split(pm, shards[-1], mp.Shapes(heads=heads // tp, groups=groups // tp, head_dim=head_dim))
+        assert torch.equal(local[0], q.chunk(tp)[-1]) and torch.equal(local[2], v.chunk(tp)[-1])
+
+
+def test_fc1_and_parallel_linear_slicing():
+    layer = {p.local: p for p in mp.layer_maps("llama")}
+    fc1, fc2 = layer["mlp.linear_fc1.weight"], layer["mlp.linear_fc2.weight"]
+    gate, up = torch.randn(12, 5), torch.randn(12, 5)
+    fused = mp.fuse(fc1, [gate, up], None)
+    shard1 = mp.tp_shard(fc1, fused, tp=2, rank=1)
+    assert torch.equal(shard1, torch.cat([gate[6:], up[6:]]))  # [its gate rows ; its up rows]
+    assert torch.equal(mp.tp_unshard(fc1, [mp.tp_shard(fc1, fused, tp=2, rank=r) for r in (0, 1)]), fused)
+    down = torch.randn(5, 12)
+    assert torch.equal(mp.tp_shard(fc2, down, tp=3, rank=2), down[:, 8:])
+    assert {p.local for p in mp.layer_maps("qwen3")} - {p.local for p in mp.layer_maps("llama")} == {
+        "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}
+    assert mp.all_hf_names("llama", num_layers=1, tied=True)[-1] == "model.norm.weight"
+
+
+# ----------------------------------------------------------------------------- CLI round trips
+
+def _convert(*args) -> int:
+    return main([str(a) for a in args])
+
+
+def _same(ref_dir, got_dir):
+    ref, got = hf_io.HFReader(ref_dir), hf_io.HFReader(got_dir)
+    assert sorted(ref.names()) == sorted(got.names())
+    for name in ref.names():
+        a, b = ref.get(name), got.get(name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_roundtrip_each_family(tmp_path, family, capsys):
+    hf = save_tiny_hf_model(family, tmp_path / "hf", max_shard_size="120KB" if family == "qwen3" else None)
+    assert _convert("--to", "megatron", "--input", hf, "--output", tmp_path / "mc", "--tp", "2", "--pp", "2") == 0
+    stats = json.loads(capsys.readouterr().out.split("stats: ")[1])
+    assert stats["mb"] > 0.4 and stats["peak_rss_mb"] > 0 and stats["mb_per_s"] > 0
+    manifest = json.loads((tmp_path / "mc" / "megatron_gtpo.json").read_text())
+    assert manifest["family"] == family and manifest["layout"] == {"tp": 2, "pp": 2, "vpp": None}
+    assert (tmp_path / "mc" / "config.json").is_file() and (tmp_path / "mc" / "model" / ".metadata").is_file()
+    assert _convert("--to", "hf", "--input", tmp_path / "mc", "--output", tmp_path / "back",
+                    "--max-shard-mb", "0.2") == 0
+    _same(hf, tmp_path / "back")
+    assert (tmp_path / "back" / hf_io.INDEX_NAME).is_file()  # several shards + index
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
+    assert not (tmp_path / "back" / "megatron_gtpo.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "hf", "mc"]  # no temp dirs left
+
+
+def test_bf16_is_kept(tmp_path):
+    hf = save_tiny_hf_model("qwen2", tmp_path / "hf", dtype=torch.bfloat16)
+    assert _convert("--to", "megatron", "--input", hf, "--output", tmp_path / "mc") == 0
+    assert json.loads((tmp_path / "mc" / "megatron_gtpo.json").read_text())["dtype"] == "bfloat16"
+    assert _convert("--to", "hf", "--input", tmp_path / "mc", "--output", tmp_path / "back") == 0
+    _same(hf, tmp_path / "back")
+    assert hf_io.HFReader(tmp_path / "back").get("model.embed_tokens.weight").dtype == torch.bfloat16
+
+
+def test_help_through_the_wrapper():
+    env = {**os.environ, "MEGATRON_GTPO_PYTHON": sys.executable}
+    proc = subprocess.run([str(REPO / "tools" / "convert_hf_checkpoint"), "--help"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and "--to {megatron,hf}" in proc.stdout and "--tp" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def _fails(tmp_path, capsys, *args, expect: str):
+    out = tmp_path / "out"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert _convert(*args, "--output", out) == 2
+    err = capsys.readouterr().err
+    assert expect in err, err
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temp dir left behind
+    return err
+
+
+@pytest.fixture()
+def sharded(tmp_path):
+    return save_tiny_hf_model("qwen2", tmp_path / "hf", max_shard_size="150KB")
+
+
+def test_missing_shard(tmp_path, capsys, sharded):
+    index = json.loads((sharded / hf_io.INDEX_NAME).read_text())
+    victim = sorted(set(index["weight_map"].values()))[1]
+    (sharded / victim).unlink()
+    _fails(tmp_path, capsys, "--to", "megatron", "--input", sharded, expect=f"shard {sharded / victim}")
+
+
+def test_corrupt_index(tmp_path, capsys, sharded):
+    (sharded / hf_io.INDEX_NAME).write_text('{"weight_map": ')
+    _fails(tmp_path, capsys, "--to", "megatron", "--input", sharded, expect=f"{sharded / hf_io.INDEX_NAME} is corrupt")
+
+
+def test_truncated_shard(tmp_path, capsys, sharded):
+    victim = sorted(sharded.glob("*.safetensors"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])
+    _fails(tmp_path, capsys, "--to", "megatron", "--input", sharded, expect=f"shard {victim}")
+
+
+def test_heads_not_divisible_by_tp(tmp_path, capsys, sharded):
+    _fails(tmp_path, capsys, "--to", "megatron", "--input", sharded, "--tp", "3",
+           expect="num_attention_heads=4 is not divisible by tp=3")
+
+
+def test_unknown_architecture(tmp_path, capsys, sharded):
+    config = json.loads((sharded / "config.json").read_text())
+    (sharded / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    _fails(tmp_path, capsys, "--to", "megatron", "--input", sharded, expect="'architectures'=['GPT2LMHeadModel']")
+
+
+def test_shape_contradicts_config(tmp_path, capsys, sharded):
+    config = json.loads((sharded / "config.json").read_text())
+    (sharded / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    _fails(tmp_path, capsys, "--to", "megatron", "--input", sharded, expect="mlp.gate_proj.weight' has shape [96, 64]")
+
+
+def test_existing_output(tmp_path, capsys, sharded):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    assert _convert("--to", "megatron", "--input", sharded, "--output", tmp_path / "out") == 2
+    assert "already exists" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_megatron_dir_with_wrong_config(tmp_path, capsys, sharded):
+    assert _convert("--to", "megatron", "--input", sharded, "--output", tmp_path / "mc") == 0
+    capsys.readouterr()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(tiny_hf_config("qwen3")))
+    _fails(tmp_path, capsys, "--to", "hf", "--input", tmp_path / "mc", "--hf-config", other,
+           expect="linear_qkv.weight' is shape [4, 128, 64], but config.json (qwen3")
+    _fails(tmp_path, capsys, "--to", "hf", "--input", sharded, expect="is not a Megatron checkpoint")
+
+
+def test_failure_midway_leaves_nothing(tmp_path, sharded, monkeypatch):
+    calls = {"n": 0}
+    original = hf_io.HFReader.get
+
+    def flaky(self, name):
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise OSError("disk went away")
+        return original(self, name)
+
+    monkeypatch.setattr(hf_io.HFReader, "get", flaky)
+    with pytest.raises(OSError, match="disk went away"):
+        _convert("--to", "megatron", "--input", sharded, "--output", tmp_path / "out")
+    assert calls["n"] == 10 and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

@@ -1,0 +1,145 @@
+"""dry-run arithmetic: parameter counts, layout rules and the memory estimate, against hand-computed values."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_gtpo.launch.layout import LayoutError, plan_layout
+from megatron_gtpo.launch.memory import check_memory, estimate_memory, stage_params
+from megatron_gtpo.launch.model_shape import load_model_shape, shape_from_hf_config
+from megatron_gtpo.utils.configuration import ConfigError
+from tests.helpers import REPO
+
+LLAMA = load_model_shape(REPO / "configs" / "models" / "llama3-8b.json")
+QWEN = load_model_shape(REPO / "configs" / "models" / "qwen2.5-32b.json")
+
+# A layout that passes every rule for Llama-3-8B on 2 x 8 GPUs; tests change one thing at a time.
+LLAMA_2X8 = dict(shape=LLAMA, nodes=2, gpus_per_node=8, tp=2, pp=1, vpp=None, dp=8, placement="colocated",
+                 rollout_tp=1, engines=None, prompts_per_step=64, group_size=8, micro_batch_size=4,
+                 max_prompt_tokens=1024, max_completion_tokens=1024)
+
+
+def test_parameter_counts_match_the_published_checkpoints():
+    # Llama-3-8B: 8,030,261,248 (Meta's model card, "8.03B"); Qwen2.5-32B: the safetensors total on the Hub.
+    assert LLAMA.params_total() == 8_030_261_248
+    assert QWEN.params_total() == 32_763_876_352
+    assert (QWEN.kv_heads, QWEN.head_dim, QWEN.qkv_bias, QWEN.tied_embeddings) == (8, 128, True, False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_parameter_count_equals_transformers_model(family):
+    """The formula per family (biases, q/k norms, head_dim != hidden/heads, tied embeddings) against
+    the real HF module of a tiny random model."""
+    import transformers
+
+    from tests.tiny_hf import tiny_hf_config
+
+    raw = tiny_hf_config(family)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**raw))
+    assert shape_from_hf_config(raw, name=family).params_total() == sum(p.numel() for p in model.parameters())
+
+
+def test_unsupported_configs_are_rejected_with_the_key():
+    with pytest.raises(ConfigError, match="model_type='gpt2' is not supported"):
+        shape_from_hf_config({"model_type": "gpt2"}, name="x")
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        shape_from_hf_config({"model_type": "qwen2", "num_experts": 8}, name="x")
+    with pytest.raises(ConfigError, match="hidden_size must be a positive integer"):
+        shape_from_hf_config({"model_type": "llama", "num_attention_heads": 8}, name="x")
+
+
+def test_llama3_8b_on_2x8_gpus():
+    lay = plan_layout(**LLAMA_2X8)
+    assert (lay.tp, lay.pp, lay.dp, lay.world, lay.trainer_nodes) == (2, 1, 8, 16, 2)
+    assert (lay.engines, lay.rollout_tp, lay.sequences_per_engine) == (16, 1, 32)
+    assert (lay.sequences, lay.microbatches, lay.seq_len) == (512, 16, 2048)  # 512 / (8 DP * 4)
+    assert lay.padded_vocab == 128_256 and lay.warnings == []  # 128256 = 501 * 256 already
+
+
+def test_qwen25_32b_on_4x8_gpus_with_interleaved_pipeline():
+    lay = plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 4, "pp": 2, "vpp": 2, "dp": 4,
+                         "rollout_tp": 4, "micro_batch_size": 2})
+    assert (lay.dp, lay.layers_per_stage, lay.engines, lay.sequences_per_engine) == (4, 32, 8, 64)
+    assert lay.microbatches == 64  # 512 / (4 DP * 2): a multiple of PP, as the interleaved schedule needs
+    assert lay.padded_vocab == 152_064
+
+
+def test_every_violated_rule_is_reported_with_its_key():
+    with pytest.raises(LayoutError) as err:
+        plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 16, "pp": 3, "dp": None, "rollout_tp": 3,
+                       "prompts_per_step": 60, "micro_batch_size": 7, "max_completion_tokens": 200_000})
+    text = "\n".join(err.value.problems)
+    for expected in ["num_attention_heads=40 is not divisible by TP=16", "num_key_value_heads=8 is not divisible by TP=16",
+                     "num_hidden_layers=64 is not divisible by PP=3", "32 trainer GPUs are not divisible by TP*PP",
+                     "global batch of 480 sequences", "exceeds the model's max_position_embeddings=131072",
+                     "not divisible by the rollout TP=3", "num_key_value_heads=8 and rollout TP=3",
+                     "rollout TP=3 must divide the 8 GPUs of a node"]:
+        assert expected in text
+    assert len(err.value.problems) == 9
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"micro_batch_size": 3}, "global batch of 512 sequences (prompts per step * completions per prompt) is not "
+                              "divisible by DP*micro_batch_size = 8*3 = 24"),
+    ({"dp": 1}, "parallel.dp=1, but 16 trainer GPUs / (TP*PP = 2) give 8 data-parallel ranks: set parallel.dp=8"),
+    ({"vpp": 2}, "VPP=2 needs PP >= 2"),
+    ({"pp": 2, "vpp": 3, "dp": 4}, "16 layers per PP stage (num_hidden_layers=32 / PP=2) are not divisible by VPP=3"),
+    ({"pp": 2, "vpp": 2, "dp": 4, "prompts_per_step": 3, "micro_batch_size": 2},
+     "micro-batches per DP rank (3) to be a multiple of PP=2"),
+    ({"placement": "separate", "engines": 2, "rollout_tp": 8}, "leaving none of the 2 for the trainer"),
+    ({"rollout_tp": 16}, "an engine spanning nodes needs a Ray cluster"),
+    ({"engines": 4}, "16 engines of TP=1, not 4"),
+])
+def test_each_rule(change, message):
+    with pytest.raises(LayoutError) as err:
+        plan_layout(**{**LLAMA_2X8, **change})
+    assert message in str(err.value)
+
+
+def test_separate_placement_takes_whole_nodes_from_the_trainer():
+    lay = plan_layout(**{**LLAMA_2X8, "nodes": 3, "placement": "separate", "engines": 1, "rollout_tp": 4})
+    assert (lay.trainer_nodes, lay.rollout_nodes, lay.world, lay.engines) == (2, 1, 16, 1)
+    assert lay.sequences_per_engine == 512
+    assert any("4 GPU(s) of the rollout node(s) stay idle" in w for w in lay.warnings)
+
+
+def test_vllm_replicates_kv_heads_beyond_their_count():
+    shape = shape_from_hf_config({"model_type": "qwen2", "num_attention_heads": 8, "num_key_value_heads": 2,
+                                  "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                                  "vocab_size": 1000, "max_position_embeddings": 512}, name="t")
+    assert [shape.kv_heads_per_rank(tp) for tp in (1, 2, 4, 8)] == [2, 1, 1, 1]
+    # vLLM accepts TP=4 with 2 KV heads (replication); Megatron does not.
+    plan_layout(**{**LLAMA_2X8, "shape": shape, "tp": 2, "rollout_tp": 4, "max_completion_tokens": 100,
+                   "max_prompt_tokens": 100})
+    with pytest.raises(LayoutError, match="num_key_value_heads=2 is not divisible by TP=4"):
+        plan_layout(**{**LLAMA_2X8, "shape": shape, "tp": 4, "dp": 4, "max_completion_tokens": 100,
+                       "max_prompt_tokens": 100})
+
+
+def test_memory_estimate_llama3_8b_tp2_by_hand():
+    lay = plan_layout(**LLAMA_2X8)
+    # One TP=2 rank of a block: q 4096x2048 + k,v 4096x512 each + o 2048x4096 + MLP 3x4096x14336/2 + 2 norms.
+    block = 4096 * (2048 + 2 * 512) + 2048 * 4096 + 3 * 4096 * 14336 // 2 + 2 * 4096
+    params = 32 * block + 2 * 128_256 * 4096 // 2 + 4096  # + embedding and output halves + final norm
+    assert stage_params(LLAMA, lay) == params == 4_015_263_744
+    mem = estimate_memory(shape=LLAMA, layout=lay, param_bytes=2, grad_bytes=4, optimizer="adam",
+                          distributed_optimizer=True, gpu_memory_gib=80, gpu_memory_utilization=0.5)
+    assert (mem.weights, mem.grads, mem.optimizer) == (2 * params, 4 * params, 12 * params // 8)
+    assert mem.logits == 4 * 2048 * (128_256 // 2) * 4
+    assert mem.rollout_weights == 2 * 8_030_261_248 - 2 * 4096  # the engine keeps no final-norm-free copy
+    assert mem.kv_per_sequence == 2048 * 2 * 32 * 8 * 128 * 2  # tokens x (K,V) x layers x KV heads x dim x bf16
+    assert mem.kv_needed == 32 * mem.kv_per_sequence
+    assert check_memory(mem, lay) == ([], [])
+
+
+def test_memory_that_cannot_fit_is_rejected_and_colocation_is_flagged():
+    lay = plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 1, "dp": 32, "micro_batch_size": 2})
+    mem = estimate_memory(shape=QWEN, layout=lay, gpu_memory_gib=80)
+    problems, warnings = check_memory(mem, lay)
+    # Unsharded: 2 + 4 + 12 bytes per parameter plus one micro-batch of fp32 logits = 551.6 GiB.
+    assert mem.trainer_total == 18 * 32_763_876_352 + 2 * 2048 * 152_064 * 4
+    assert len(problems) == 1 and "trainer needs 551.6 GiB per GPU" in problems[0]
+    assert any("colocated: trainer" in w for w in warnings)
+    # The engine alone: 61 GiB of bf16 weights fits 0.9 x 80 GiB, not 0.5 x 80 GiB.
+    assert "raise rollout.vllm.tensor_parallel_size" in check_memory(
+        estimate_memory(shape=QWEN, layout=lay, gpu_memory_gib=80, gpu_memory_utilization=0.5), lay)[0][1]

@@ -1,0 +1,98 @@
+"""Parallel scoring: per-sample timeouts (in-worker alarm and parent kill), errors, order, and the
+score_groups hand-off to the training loop."""
+
+import signal
+import time
+
+import pytest
+
+from megatron_gtpo.reward import RewardConfig, RewardScorer, ScoringPool, score_groups
+from megatron_gtpo.types import Completion, Prompt
+
+PLUGIN = "tests.unit.reward_plugins"
+
+
+def test_pool_survives_timeouts_hangs_and_errors():
+    items = [("ok \\boxed{3}", "3", "math"), ("SLOW", "1", "gsm8k"), ("HANG", "1", "gsm8k"),
+             ("BOOM", "1", "gsm8k"), ("NAN", "1", "gsm8k")]
+    items += [(f"the answer is {i}", str(i if i % 3 else i + 1), "gsm8k") for i in range(30)]
+    # fork keeps this protocol test fast (no re-import per worker or respawn); the spawn default
+    # is exercised by test_reward_benchmarks and the eval e2e tests.
+    with ScoringPool(fn_path=f"{PLUGIN}:misbehaving_reward", num_workers=2, timeout_s=1.0, chunk_size=4,
+                     start_method="fork") as pool:
+        start = time.monotonic()
+        scores = pool.score(items)
+        assert time.monotonic() - start < 60  # neither the 60 s sleep nor the hang was waited out
+        assert [s.status for s in scores[:5]] == ["ok", "timeout", "timeout", "error", "error"]
+        assert "boom" in scores[3].error and "finite" in scores[4].error
+        assert all(s.reward == 0.0 and not s.correct for s in scores[1:5])
+        assert scores[0].reward == 0.5 and scores[0].correct and scores[0].answer == "3"
+        # every other sample kept its place in the output order
+        assert [s.correct for s in scores[5:]] == [bool(i % 3) for i in range(30)]
+        assert [s.answer for s in scores[5:]] == [str(i) for i in range(30)]
+        # the killed worker was replaced: the pool keeps working
+        again = pool.score([("the answer is 5", "5", "gsm8k")] * 5)
+        assert all(s.status == "ok" and s.correct for s in again)
+
+
+def test_inline_scoring_times_out_and_restores_handler():
+    marker = []
+    previous = signal.signal(signal.SIGALRM, lambda *a: marker.append(1))
+    try:
+        pool = ScoringPool(fn_path=f"{PLUGIN}:misbehaving_reward", num_workers=0, timeout_s=0.5)
+        scores = pool.score([("SLOW", "1", "gsm8k"), ("BOOM", "1", "gsm8k"), ("7", "7", "gsm8k")])
+        assert [s.status for s in scores] == ["timeout", "error", "ok"]
+        assert scores[2].correct
+        assert signal.getsignal(signal.SIGALRM) is not None
+        signal.raise_signal(signal.SIGALRM)  # the caller's handler is back in place
+        assert marker == [1]
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_worker_that_cannot_import_its_reward_fails_loudly():
+    with pytest.raises(RuntimeError, match="could not start reward"):
+        ScoringPool(fn_path="no_such_module_xyz:fn", num_workers=1, timeout_s=1.0).score([("1", "1", "gsm8k")])
+
+
+def _prompt(i: int, gold: str) -> Prompt:
+    return Prompt(uid=f"p{i}", token_ids=[1, 2, 3], gold=gold, task="gsm8k")
+
+
+def _completion(prompt_index: int, text: str, num_tokens: int) -> Completion:
+    return Completion(prompt_index=prompt_index, prompt_token_ids=[1, 2, 3], token_ids=[5] * num_tokens,
+                      logprobs=[0.0] * num_tokens, text=text)
+
+
+def test_score_groups_groups_by_prompt_and_adds_overlong_punishment():
+    prompts = [_prompt(0, "#### 4"), _prompt(1, "#### 9"), _prompt(2, "#### 1")]
+    completions = [_completion(1, "\\boxed{9}", 10), _completion(0, "\\boxed{4}", 10),
+                   _completion(1, "\\boxed{8}", 90), _completion(0, "\\boxed{5}", 100),
+                   _completion(1, "\\boxed{9}", 101)]
+    cfg = RewardConfig(fn="dapo", num_workers=0, overlong_max_tokens=100, overlong_cache_tokens=20)
+    batch = score_groups(prompts, completions, config=cfg)
+    g0, g1, g2 = batch.groups
+    assert [c.text for c in g0.completions] == ["\\boxed{4}", "\\boxed{5}"]
+    assert g0.correct == [True, False] and g0.rewards == [1.0, -2.0]  # -1 rule reward, -1 at L_max
+    assert g1.correct == [True, False, True]
+    assert g1.rewards == pytest.approx([1.0, -1.5, 0.0])  # 90 tokens: (80 - 90) / 20 = -0.5; 101 > L_max: -1
+    assert g2.completions == [] and g2.rewards == []
+    assert batch.stats.num_samples == 5 and batch.stats.num_overlong == 3
+    assert batch.stats.num_timeouts == 0 and batch.stats.num_errors == 0
+    assert batch.stats.metrics()["reward/overlong"] == 3.0
+
+
+def test_score_groups_counts_failures_and_rejects_bad_input():
+    prompts = [_prompt(0, "#### 1")]
+    cfg = RewardConfig(fn=f"{PLUGIN}.misbehaving_reward", num_workers=0, timeout_s=0.5)
+    with RewardScorer(cfg) as scorer:
+        batch = score_groups(prompts, [_completion(0, "BOOM", 3), _completion(0, "SLOW", 3),
+                                       _completion(0, "1", 3)], scorer=scorer)
+    assert batch.groups[0].rewards == [0.0, 0.0, 0.5]
+    assert (batch.stats.num_errors, batch.stats.num_timeouts) == (1, 1)
+    with pytest.raises(ValueError, match="prompt_index=3"):
+        score_groups(prompts, [_completion(3, "1", 1)], config=cfg)
+    with pytest.raises(ValueError, match="exactly one"):
+        score_groups(prompts, [], scorer=None, config=None)
+    with pytest.raises(ValueError, match="reward.fn='not_a_reward'"):
+        RewardScorer(RewardConfig(fn="not_a_reward"))

@@ -1,0 +1,159 @@
+"""Engine-free parts of rollout/ and sync/: configs, seeds, the push checker, the wire format, the
+mismatch metric. (Real vLLM engines: tests/e2e/test_rollout_engine.py, test_sync_*.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_gtpo.rollout import PushChecker, RolloutConfig, WeightPushError, WeightSpec, logprob_mismatch, prompt_seeds
+from megatron_gtpo.rollout.engine import engine_kwargs
+from megatron_gtpo.sync import SyncConfig
+from megatron_gtpo.sync import wire
+from megatron_gtpo.sync.base import agree
+from megatron_gtpo.utils.configuration import ConfigError, build
+
+TINY = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 128,
+        "max_position_embeddings": 64, "tie_word_embeddings": False}
+
+
+# ----------------------------------------------------------------------------- mismatch metric
+
+def test_logprob_mismatch_masked_mean_and_max():
+    engine = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -9.0, 0.0]])
+    trainer = torch.tensor([[-1.1, -2.0, -2.0], [-0.25, -1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    out = logprob_mismatch(engine, trainer, mask)
+    assert out["train_infer/num_tokens"] == 3
+    assert out["train_infer/logprob_abs_diff_mean"] == pytest.approx((0.1 + 0.0 + 0.25) / 3)
+    assert out["train_infer/logprob_abs_diff_max"] == pytest.approx(0.25)
+    assert out["train_infer/logprob_diff_mean"] == pytest.approx((0.1 + 0.0 - 0.25) / 3)
+
+
+def test_logprob_mismatch_edge_cases():
+    zeros = torch.zeros(2, 3)
+    assert logprob_mismatch(zeros, zeros, zeros)["train_infer/num_tokens"] == 0.0
+    with pytest.raises(ValueError, match="shapes differ"):
+        logprob_mismatch(zeros, torch.zeros(2, 4), zeros)
+    with pytest.raises(ValueError, match="nucleus"):
+        logprob_mismatch(torch.tensor([[-float("inf")]]), torch.zeros(1, 1), torch.ones(1, 1))
+
+
+# ----------------------------------------------------------------------------- configs and seeds
+
+def test_rollout_config_validation():
+    cfg = build(RolloutConfig, {"n": 4, "temperature": 0.7, "stop": ["</answer>"], "vllm": {"dtype": "bfloat16"}})
+    assert cfg.sampling() == {"n": 4, "temperature": 0.7, "top_p": 1.0, "max_tokens": 1024, "stop": ["</answer>"]}
+    for bad, field in [({"n": 0}, "n"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+                       ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop"), ({"vllm": {"model": "x"}}, "vllm.model")]:
+        with pytest.raises(ConfigError, match=field):
+            build(RolloutConfig, bad)
+
+
+def test_sync_config_validation():
+    assert SyncConfig().transport == "colocated"
+    with pytest.raises(ConfigError, match="transport"):
+        build(SyncConfig, {"transport": "nccl"})
+    with pytest.raises(ConfigError, match="bucket_bytes"):
+        build(SyncConfig, {"bucket_bytes": 1024})
+
+
+def test_engine_kwargs_pass_through_and_required_values():
+    kwargs = engine_kwargs("/m", {"dtype": "bfloat16", "max_model_len": 512, "enforce_eager": False}, 3)
+    assert kwargs["model"] == "/m" and kwargs["seed"] == 3 and kwargs["dtype"] == "bfloat16"
+    assert kwargs["logprobs_mode"] == "processed_logprobs"
+    assert kwargs["enforce_eager"] is False  # the caller's vLLM settings win over our CPU default
+    with pytest.raises(ValueError, match="processed_logprobs"):
+        engine_kwargs("/m", {"logprobs_mode": "raw_logprobs"}, 0)
+    with pytest.raises(ValueError, match="model_dir"):
+        engine_kwargs("/m", {"model": "/other"}, 0)
+
+
+def test_prompt_seeds_never_collide_within_a_call():
+    for seed in (0, 1, 12345):
+        seeds = prompt_seeds(seed, 64, 8)
+        samples = {s + j for s in seeds for j in range(8)}  # vLLM seeds sample j with seed + j
+        assert len(samples) == 64 * 8
+    assert prompt_seeds(5, 4, 2) == prompt_seeds(5, 4, 2)
+    assert prompt_seeds(5, 4, 2) != prompt_seeds(6, 4, 2)
+
+
+# ----------------------------------------------------------------------------- push checker
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory) -> WeightSpec:
+    path = tmp_path_factory.mktemp("tiny")
+    (path / "config.json").write_text(json.dumps(TINY))
+    return WeightSpec.from_model_dir(path, dtype=torch.bfloat16)
+
+
+def full_push(spec: WeightSpec) -> list[tuple[str, torch.Tensor]]:
+    return [(name, torch.randn(shape)) for name, shape in spec.shapes.items()]
+
+
+def test_spec_lists_hf_names_and_shapes(spec: WeightSpec):
+    assert spec.shapes["model.embed_tokens.weight"] == (128, 64)
+    assert spec.shapes["model.layers.1.self_attn.k_proj.bias"] == (32,)  # 1 KV head x head_dim 32
+    assert spec.shapes["lm_head.weight"] == (128, 64)
+    assert len(spec.shapes) == 2 * 12 + 3 and not spec.optional
+    assert spec.num_bytes == sum(torch.Size(s).numel() for s in spec.shapes.values()) * 2
+
+
+def test_tied_embeddings_make_lm_head_optional(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "tie_word_embeddings": True}))
+    tied = WeightSpec.from_model_dir(tmp_path, dtype=torch.float32)
+    assert "lm_head.weight" not in tied.shapes and "lm_head.weight" in tied.optional
+    checker = PushChecker(tied, 1)
+    checker.prepare([("lm_head.weight", torch.zeros(128, 64))])  # accepted when sent...
+    checker.prepare([(n, torch.zeros(s)) for n, s in tied.shapes.items()])
+    checker.finish()  # ...and not required
+
+
+def test_checker_casts_and_counts(spec: WeightSpec):
+    checker = PushChecker(spec, 3)
+    push = full_push(spec)
+    out = checker.prepare(push[:5]) + checker.prepare(push[5:])
+    checker.finish()
+    assert all(t.dtype == torch.bfloat16 for _, t in out) and len(out) == len(push)
+    assert checker.num_bytes == spec.num_bytes
+
+
+@pytest.mark.parametrize("mutate,kind", [
+    (lambda p: p + [("model.layers.9.mlp.up_proj.weight", torch.zeros(96, 64))], "1 unknown"),
+    (lambda p: p[:1] + p, "1 duplicate"),
+    (lambda p: [(n, t[..., :-1] if n.endswith("embed_tokens.weight") else t) for n, t in p], "1 shape"),
+    (lambda p: [(n, t.long() if n.endswith("norm.weight") else t) for n, t in p], "dtype"),
+])
+def test_checker_rejects_bad_buckets(spec: WeightSpec, mutate, kind: str):
+    with pytest.raises(WeightPushError, match=kind) as err:
+        PushChecker(spec, 4).prepare(mutate(full_push(spec)))
+    assert "engine keeps its previous weights" in str(err.value) and "v4" in str(err.value)
+
+
+def test_checker_reports_missing_names_at_finish(spec: WeightSpec):
+    checker = PushChecker(spec, 2)
+    checker.prepare(full_push(spec)[:-2])
+    with pytest.raises(WeightPushError, match="2 missing"):
+        checker.finish()
+
+
+# ----------------------------------------------------------------------------- wire format
+
+def test_pack_unpack_roundtrip_mixed_dtypes():
+    bucket = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.randn(2, 2, 2).double()),
+              ("d", torch.randn(4, 6)[:, ::2])]  # non-contiguous source
+    buffer, metas = wire.pack(bucket)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == wire.buffer_bytes(metas)
+    assert all(m.offset % 64 == 0 for m in metas)
+    out = wire.unpack(buffer.clone(), metas)
+    for (name, want), (got_name, got) in zip(bucket, out):
+        assert name == got_name and got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_agree_outside_a_world():
+    assert agree(None) is None
+    with pytest.raises(WeightPushError, match="bad"):
+        agree(WeightPushError("bad"))
