@@ -12,13 +12,15 @@ vocab-parallel GTPO loss, a synthetic global batch of ``rows`` sequences in grou
 
 Prints, per build, tokens/s (sequence tokens of the batch, including GTPO's no-grad entropy
 pass, over the median step time after one warm-up step), peak GPU memory and the loss, then one
-JSON line with all of them. Exits 0 with a ``SKIP:`` line when CUDA or Transformer Engine is
+JSON line with all of them; speed and memory are also given relative to ``local-bf16``.
+Exits 0 with a ``SKIP:`` line when CUDA or Transformer Engine is
 missing (FP8 alone is skipped below sm90). Not part of the CPU test suite.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -65,9 +67,11 @@ def run_build(name: str, args, dims, *, use_te: bool, dtype, overrides: dict | N
     from megatron_gtpo.train.step import train_on_batch
 
     on_gpu = torch.cuda.is_available()
+    gc.collect()  # the previous build's DDP hooks form reference cycles
     if on_gpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    start_bytes = torch.cuda.memory_allocated() if on_gpu else 0
     chunks = wrap_ddp(M.build_model(hf_config(args), dims=dims, dtype=dtype, overrides=overrides, use_te=use_te),
                       OptimConfig())
     optimizer, scheduler = build_optimizer(chunks, OptimConfig(optimizer={"optimizer": "adam", "lr": 1e-6}),
@@ -91,8 +95,7 @@ def run_build(name: str, args, dims, *, use_te: bool, dtype, overrides: dict | N
     seconds = statistics.median(times)
     out = {"build": name, "tokens_per_s": round(batch.input_ids.numel() / seconds, 1),
            "step_s": round(seconds, 4), "loss": metrics["loss"], "grad_norm": metrics["optim/grad_norm"],
-           "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if on_gpu else None}
-    del chunks, optimizer
+           "peak_mem_gib": round((torch.cuda.max_memory_allocated() - start_bytes) / 2**30, 2) if on_gpu else None}
     return out
 
 
@@ -136,8 +139,12 @@ def main() -> int:
     results = []
     for name, use_te, overrides in builds:
         r = run_build(name, args, dims, use_te=use_te, dtype=torch.bfloat16, overrides=overrides)
-        print(f"{r['build']:>10}: {r['tokens_per_s']:>10.0f} tok/s  step {r['step_s']:.3f}s  "
-              f"peak {r['peak_mem_gib']} GiB  loss {r['loss']:.6f}", flush=True)
+        base = results[0] if results else r  # ratios against the local bf16 build
+        r["speedup_vs_local_bf16"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+        r["mem_vs_local_bf16"] = round(r["peak_mem_gib"] / max(base["peak_mem_gib"], 1e-9), 3)
+        print(f"{r['build']:>10}: {r['tokens_per_s']:>10.0f} tok/s (x{r['speedup_vs_local_bf16']})  "
+              f"step {r['step_s']:.3f}s  peak {r['peak_mem_gib']} GiB (x{r['mem_vs_local_bf16']})  "
+              f"loss {r['loss']:.6f}", flush=True)
         results.append(r)
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "hf_config": hf_config(args), "builds": results}))
     return 0

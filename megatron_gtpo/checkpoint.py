@@ -35,6 +35,7 @@ _OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_opt
 
 
 def step_dir(root: str | Path, step: int) -> Path:
+    """``root/step_<step, 8 digits>``: where a completed save of ``step`` lives."""
     return Path(root) / f"step_{step:08d}"
 
 
@@ -95,12 +96,16 @@ def _drop_objects_missing_from(sharded: dict, ckpt_dir: Path) -> list[str]:
 
 
 def load_model_weights(model_chunks: list[torch.nn.Module], ckpt_dir: str | Path) -> None:
-    """Loads only the model weights from a dist checkpoint (a converted ``<dir>/model`` or a
-    training step dir) into chunks built at any TP/PP/VPP layout (Megatron reshards at load)."""
+    """Loads only the model weights into chunks built at any TP/PP/VPP layout (Megatron reshards
+    at load) from a converted Megatron dir (its ``model/`` subfolder is used), a bare dist
+    checkpoint or a training step dir. ConfigError when none is found."""
     from megatron.core import dist_checkpointing
 
+    from megatron_gtpo.convert.offline import checkpoint_model_dir
+
+    ckpt_dir = checkpoint_model_dir(Path(ckpt_dir))
     sharded = model_sharded_state_dict(model_chunks)
-    _drop_objects_missing_from(sharded, Path(ckpt_dir))
+    _drop_objects_missing_from(sharded, ckpt_dir)
     _load_into_models(model_chunks, dist_checkpointing.load(sharded, str(ckpt_dir)))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,8 @@ class Session:
     start_step: int
     run_dir: Path
     preempt: PreemptionFlag
+    group_multiple: int = 1
+    """Groups per usable batch unit: rows (groups x rollout.n) must split over DP x micro-batch."""
     run_id: str | None = None
     last_saved: int = -1
 
@@ -76,6 +79,8 @@ def open_session(cfg, *, resume: bool) -> Session:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     s = Session(dims=dims, policy=policy, reference=reference, rollout=rollout, syncer=syncer, dataset=dataset,
                 scorer=scorer, tracker=None, pad_id=int(pad_id), start_step=0, run_dir=run_dir, preempt=preempt)
+    rows_unit = dims.dp * tc.micro_batch_size
+    s.group_multiple = rows_unit // math.gcd(cfg.rollout.n, rows_unit)
     if resume:
         _restore(s)
     s.tracker = _tracker(cfg, s)
@@ -176,6 +181,14 @@ def report(s: Session, cfg, step: int, metrics: dict[str, float], groups) -> Non
         from megatron_gtpo.stages import sample_table
 
         s.tracker.log_json(sample_table(groups, limit=cfg.tracking.num_samples), f"samples/step_{step:06d}.json")
+
+
+def report_skipped(s: Session, step: int, metrics: dict[str, float]) -> None:
+    """A step whose dynamic sampling kept no group: no update, the counters are still logged."""
+    if s.dims.rank == 0:
+        s.tracker.log_metrics({**metrics, "rollout/skipped_step": 1.0}, step)
+        log.warning("step %d: dynamic sampling kept no group in %d tries (all-equal %s); no update this step",
+                    step, int(metrics["rollout/tries"]), "groups")
 
 
 def periodic_eval(s: Session, cfg, step: int) -> dict[str, float]:

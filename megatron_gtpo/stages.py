@@ -35,7 +35,7 @@ class RolloutResult:
 
 
 def collect_groups(rollout, dataset, scorer, *, prompts_per_step: int, sampling: dict, dynamic_sampling: bool,
-                   metric: str, max_tries: int, rank: int, seed: int) -> RolloutResult:
+                   metric: str, max_tries: int, rank: int, seed: int, group_multiple: int = 1) -> RolloutResult:
     """Generates ``rollout.n`` completions for each of ``prompts_per_step`` prompts and scores them.
 
     Every rank draws the same prompts (identical dataset cursors) and gets the same completions
@@ -44,7 +44,8 @@ def collect_groups(rollout, dataset, scorer, *, prompts_per_step: int, sampling:
     and new prompts are drawn until the batch is full or ``max_tries`` batches were generated;
     the batch is then trimmed to ``prompts_per_step`` groups (or trains on fewer, counted).
     ``seed`` (derived from the step by the caller) makes a resumed step sample what the
-    uninterrupted run sampled.
+    uninterrupted run sampled. A short batch is cut to a multiple of ``group_multiple`` groups so
+    that its rows still split evenly over DP ranks and micro-batches (possibly to nothing).
     """
     import time
 
@@ -69,7 +70,9 @@ def collect_groups(rollout, dataset, scorer, *, prompts_per_step: int, sampling:
         kept.extend(groups)
         if not dynamic_sampling:
             break
-    result.groups = kept[:prompts_per_step]
+    usable = min(len(kept), prompts_per_step) // group_multiple * group_multiple
+    result.dropped_groups += min(len(kept), prompts_per_step) - usable
+    result.groups = kept[:usable]
     return result
 
 
@@ -123,6 +126,10 @@ def collate(groups: list[ScoredGroup], *, pad_id: int, std_scale: bool, adv_eps:
 
 def rollout_metrics(result: RolloutResult) -> dict[str, float]:
     """reward/*, completion/* and dynamic-sampling counters of one step."""
+    counters = {"rollout/groups": float(len(result.groups)), "rollout/tries": float(result.tries),
+                "rollout/dropped_groups": float(result.dropped_groups)}
+    if not result.groups:
+        return counters
     rewards = torch.tensor([r for g in result.groups for r in g.rewards], dtype=torch.float64)
     correct = torch.tensor([float(c) for g in result.groups for c in g.correct], dtype=torch.float64)
     lengths = torch.tensor([len(c.token_ids) for g in result.groups for c in g.completions], dtype=torch.float64)
@@ -130,8 +137,7 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
     out = {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
            "reward/accuracy": correct.mean().item() if len(correct) else float("nan"),
            "completion/length_mean": lengths.mean().item(), "completion/length_max": lengths.max().item(),
-           "completion/truncated_frac": truncated.mean().item(), "rollout/groups": float(len(result.groups)),
-           "rollout/tries": float(result.tries), "rollout/dropped_groups": float(result.dropped_groups)}
+           "completion/truncated_frac": truncated.mean().item(), **counters}
     out.update({f"reward/{k}": v for k, v in result.reward_stats.items() if k != "seconds"})
     return out
 

@@ -68,7 +68,12 @@ def run(cfg, *, resume: bool = False) -> dict[str, float]:
                                 sampling=cfg.rollout.sampling(), dynamic_sampling=algo_cfg.dynamic_sampling,
                                 metric=algo_cfg.dynamic_sampling_metric,
                                 max_tries=algo_cfg.dynamic_sampling_max_tries, rank=s.dims.rank,
-                                seed=cfg.rollout.seed * 1_000_003 + step * 1_009)
+                                seed=cfg.rollout.seed * 1_000_003 + step * 1_009, group_multiple=s.group_multiple)
+        if not result.groups:  # DAPO's dynamic sampling kept nothing within its tries: skip the update
+            session.report_skipped(s, step + 1, rollout_metrics(result))
+            if session.should_stop(s, step + 1, cfg):
+                break
+            continue
         batch = collate(result.groups, pad_id=s.pad_id, std_scale=algo_cfg.adv_std_scale, adv_eps=algo_cfg.adv_eps)
         t1 = time.perf_counter()
         ref_logp = session.reference_logprobs(s, batch, cfg) if s.reference is not None else None

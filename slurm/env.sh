@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # its variables are read by the scripts that source it
 # Shared environment of slurm/*.sbatch. Sourced by the batch scripts (never submitted itself).
 #
 # Tunables shared by every script (environment variables; the default follows the colon):
@@ -41,7 +42,7 @@ if [ "$GPUS_PER_NODE" -gt "${SLURM_GPUS_ON_NODE:-0}" ]; then
   die "GPUS_PER_NODE=$GPUS_PER_NODE but the job has ${SLURM_GPUS_ON_NODE:-0} GPU(s) per node: submit with --gpus-per-node=$GPUS_PER_NODE"
 fi
 
-# pyxis flags, added to every srun when an image is set.
+# pyxis flags, added to every srun when an image is set (used by the scripts that source this file).
 SRUN_CONTAINER=()
 if [ -n "$CONTAINER_IMAGE" ]; then
   SRUN_CONTAINER=(--container-image="$CONTAINER_IMAGE" --container-mounts="$CONTAINER_MOUNTS"

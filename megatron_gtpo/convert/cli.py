@@ -28,6 +28,7 @@ EXIT_BAD_INPUT = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The CLI's arguments (also used by ``megatron-gtpo convert``)."""
     parser = argparse.ArgumentParser(
         prog="convert_hf_checkpoint", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])

@@ -82,6 +82,7 @@ class Shapes:
 
 
 def shapes_of(hf_config: dict) -> Shapes:
+    """Head counts and width from an HF config.json."""
     from megatron_gtpo.train.model import head_dim_of, num_kv_heads_of
 
     return Shapes(heads=int(hf_config["num_attention_heads"]), groups=num_kv_heads_of(hf_config),

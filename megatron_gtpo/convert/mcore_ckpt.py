@@ -162,6 +162,7 @@ class CheckpointReader:
         self.metadata = self._reader.read_metadata()
 
     def tensor_meta(self, key: str) -> TensorStorageMetadata | None:
+        """Global shape, dtype and stored chunks of tensor ``key`` (None if absent or an object)."""
         meta = self.metadata.state_dict_metadata.get(key)
         return meta if isinstance(meta, TensorStorageMetadata) else None
 

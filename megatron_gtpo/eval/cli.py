@@ -119,12 +119,34 @@ def run(config, *, generate=None, tokenizer=None, hf_config: str = ""):
         engine = None
         try:
             # Prompts are built before the engine starts (~30 s) so data errors surface at once.
+            config = _fit_context(config, model_dir)
             prompt_sets, too_long = load_prompt_sets(config, tokenizer=tokenizer)
             engine = open_engine(model_dir=str(model_dir), vllm_kwargs=dict(config.vllm), seed=config.seed)
             return _run_with(config, generate=engine.generate, prompt_sets=(prompt_sets, too_long))
         finally:
             if engine is not None:
                 engine.close()
+
+
+def _fit_context(config, model_dir):
+    """Lowers max_prompt_tokens so that prompt + max_tokens fits the model's context (vLLM rejects
+    longer requests mid-run); such problems are then skipped and counted instead."""
+    import dataclasses
+    import json as json_lib
+    from pathlib import Path
+
+    hf = json_lib.loads((Path(model_dir) / "config.json").read_text())
+    context = int(config.vllm.get("max_model_len") or hf.get("max_position_embeddings") or 0)
+    if context and config.max_prompt_tokens + config.max_tokens > context:
+        budget = context - config.max_tokens
+        if budget < 1:
+            from megatron_gtpo.utils.configuration import ConfigError
+
+            raise ConfigError(f"max_tokens={config.max_tokens} does not fit the model context of {context} tokens")
+        print(f"eval: prompts limited to {budget} tokens (context {context} - max_tokens {config.max_tokens})",
+              file=sys.stderr)
+        config = dataclasses.replace(config, max_prompt_tokens=budget)
+    return config
 
 
 def _run_with(config, *, generate, tokenizer=None, prompt_sets=None):

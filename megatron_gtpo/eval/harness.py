@@ -142,8 +142,9 @@ def evaluate_benchmark(name: str, prompts: list[Prompt], *, generate: GenerateFn
         counts["truncated"] += sum(c.truncated for c in flat)
         counts["tokens"] += sum(len(c.token_ids) for c in flat)
         counts["samples"] += len(flat)
+        bar.set_postfix(bench=name, acc=f"{sum(sum(p.correct) for p in problems) / counts['samples']:.3f}",
+                        refresh=False)
         bar.update(len(flat))
-        bar.set_postfix(bench=name, acc=f"{sum(sum(p.correct) for p in problems) / counts['samples']:.3f}")
     total = max(1, counts["samples"])
     return BenchmarkResult(
         name=name, num_problems=len(problems), num_too_long=num_too_long, n=sampling.n,

@@ -23,15 +23,13 @@ from typing import Any
 from megatron_gtpo.launch.layout import Layout, LayoutError, plan_layout
 from megatron_gtpo.launch.memory import GIB, MemoryEstimate, check_memory, estimate_memory, \
     optimizer_bytes_per_param
-from megatron_gtpo.launch.model_shape import ModelShape, load_model_shape, shape_from_hf_config
+from megatron_gtpo.launch.model_shape import ModelShape, load_model_shape
 from megatron_gtpo.utils.configuration import ConfigError
 
 EXIT_IMPOSSIBLE = 1
 EXIT_BAD_INPUT = 2
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
                 "auto": 2}
-# Public config.json of the built-in 'smollm2' model: dry-run never converts the GGUF wheel.
-_SMOLLM2_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "models" / "smollm2-135m-instruct.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,7 +173,7 @@ def _layout_lines(lay: Layout) -> list[str]:
                    f"rollout node(s) of their own")
     return [
         f"trainer  TP={lay.tp} x PP={lay.pp}{vpp} x DP={lay.dp} = {lay.world} ranks on {lay.trainer_nodes} "
-        f"node(s); {stage}; vocab padded to {lay.padded_vocab}",
+        f"node(s); {stage}",
         f"rollout  {rollout}; {lay.sequences_per_engine} sequences per engine per step",
         f"batch    {lay.sequences} sequences per step; {lay.sequences // lay.dp} per DP rank = "
         f"{lay.microbatches} micro-batch(es) of {lay.micro_batch_size}; up to {lay.seq_len} tokens each",
@@ -238,15 +236,18 @@ def sizes_from_config(cfg: Any) -> RecipeSizes:
 
 
 def model_shape_of(model_path: str) -> ModelShape:
-    """Shape of ``model.path`` without building, converting or downloading anything."""
-    if model_path == "tiny":
-        from megatron_gtpo.models.tiny import TINY_CONFIG
-
-        return shape_from_hf_config({**TINY_CONFIG, "model_type": "qwen2"}, name="tiny")
-    if model_path == "smollm2":
-        return load_model_shape(_SMOLLM2_CONFIG)
+    """Shape of ``model.path``: a model directory's config.json, or a built-in name ('tiny', 'smollm2' ...)
+    resolved by megatron_gtpo.models (which builds such a test model once and caches it)."""
     path = Path(model_path).expanduser()
+    if not path.is_dir():
+        from megatron_gtpo.models.tiny import resolve_model_path
+
+        try:
+            path = resolve_model_path(model_path)
+        except FileNotFoundError as err:
+            raise ConfigError(f"{err}; or pass --hf-config with the model's Hugging Face config.json "
+                              f"(copies for common models: configs/models/)") from None
     if not (path / "config.json").is_file():
-        raise ConfigError(f"model.path={model_path!r} has no config.json here; pass --hf-config with the model's "
+        raise ConfigError(f"model.path={model_path!r} has no config.json; pass --hf-config with the model's "
                           f"Hugging Face config.json (copies for common models: configs/models/)")
     return load_model_shape(path)

@@ -21,9 +21,6 @@ from typing import Literal
 from megatron_gtpo.launch.model_shape import ModelShape
 from megatron_gtpo.utils.configuration import ConfigError
 
-# Megatron pads the vocabulary to a multiple of this times TP (``make_vocab_size_divisible_by``).
-VOCAB_PAD = 128
-
 
 class LayoutError(ConfigError):
     """A layout that cannot run; ``problems`` holds one message per violated rule."""
@@ -57,8 +54,6 @@ class Layout:
     """Trainer data-parallel size: trainer GPUs / (TP * PP)."""
     layers_per_stage: int
     """Transformer blocks per PP rank (all of its virtual stages together)."""
-    padded_vocab: int
-    """Vocabulary after Megatron's padding to a multiple of 128 * TP."""
     rollout_tp: int
     """Tensor-parallel size of one vLLM engine."""
     engines: int
@@ -130,11 +125,10 @@ def plan_layout(*, shape: ModelShape, nodes: int, gpus_per_node: int, tp: int, p
     problems += rollout_problems
     if problems:
         raise LayoutError(problems)
-    multiple = VOCAB_PAD * tp
     return Layout(
         nodes=nodes, gpus_per_node=gpus_per_node, placement=placement,  # type: ignore[arg-type]
         trainer_nodes=nodes - rollout_nodes, rollout_nodes=rollout_nodes, tp=tp, pp=pp, vpp=vpp,
-        dp=dp, layers_per_stage=shape.layers // pp, padded_vocab=math.ceil(shape.vocab / multiple) * multiple,
+        dp=dp, layers_per_stage=shape.layers // pp,
         rollout_tp=rollout_tp, engines=engines, sequences=sequences,
         sequences_per_engine=math.ceil(sequences / engines), micro_batch_size=micro_batch_size,
         microbatches=microbatches, seq_len=seq_len, warnings=warnings)
@@ -147,13 +141,19 @@ def _check_positive(problems: list[str], **values: int) -> None:
 
 
 def _check_model_split(problems: list[str], *, shape: ModelShape, tp: int, pp: int, vpp: int | None) -> None:
-    """Megatron's own rules for cutting the model (TransformerConfig checks the same at start-up)."""
+    """The rules of megatron_gtpo.train.model.check_layout (the model builder, which stops at the first;
+    tests/unit/test_dryrun_layout.py keeps the two in step), all reported, each with the values that work."""
     if shape.heads % tp:
         problems.append(f"num_attention_heads={shape.heads} is not divisible by TP={tp}: "
                         f"choose parallel.tp among {_divisors(shape.heads)}")
     if shape.kv_heads % tp:
         problems.append(f"num_key_value_heads={shape.kv_heads} is not divisible by TP={tp} (Megatron splits "
                         f"query groups evenly): choose parallel.tp among {_divisors(shape.kv_heads)}")
+    if shape.heads % shape.kv_heads:
+        problems.append(f"num_attention_heads={shape.heads} is not a multiple of num_key_value_heads={shape.kv_heads}")
+    for name, size in (("intermediate_size", shape.ffn), ("vocab_size", shape.vocab)):
+        if size % tp:  # the builder does not pad the vocabulary
+            problems.append(f"{name}={size} is not divisible by TP={tp}: choose parallel.tp dividing it")
     if shape.layers % pp:
         problems.append(f"num_hidden_layers={shape.layers} is not divisible by PP={pp}: "
                         f"choose parallel.pp among {_divisors(shape.layers)}")

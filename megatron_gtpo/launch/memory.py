@@ -65,7 +65,7 @@ class MemoryEstimate:
 def stage_params(shape: ModelShape, layout: Layout) -> int:
     """Parameters on one rank of the largest pipeline stage (embedding on the first, output on the last)."""
     blocks = layout.layers_per_stage * shape.layer_params(layout.tp)
-    vocab = shape.embedding_params(layout.tp, layout.padded_vocab)
+    vocab = shape.embedding_params(layout.tp)
     if layout.pp == 1:
         return blocks + vocab * (1 if shape.tied_embeddings else 2) + shape.hidden
     # With PP > 1 the last stage keeps its own output matrix even when embeddings are tied.
@@ -87,7 +87,7 @@ def estimate_memory(*, shape: ModelShape, layout: Layout, param_bytes: int = 2, 
     opt = params * optimizer_bytes_per_param(optimizer=optimizer, param_bytes=param_bytes)
     if distributed_optimizer:
         opt //= layout.dp
-    logits = layout.micro_batch_size * layout.seq_len * (layout.padded_vocab // layout.tp) * 4
+    logits = layout.micro_batch_size * layout.seq_len * (shape.vocab // layout.tp) * 4
     rtp = layout.rollout_tp
     rollout_weights = (shape.layers * shape.layer_params(rtp)
                        + shape.embedding_params(rtp) * (1 if shape.tied_embeddings else 2)) * rollout_bytes

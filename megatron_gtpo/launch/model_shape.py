@@ -69,9 +69,9 @@ class ModelShape:
         norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)  # replicated on every rank
         return attention + mlp + norms
 
-    def embedding_params(self, tp: int = 1, vocab: int | None = None) -> int:
-        """One vocabulary matrix (input embedding or output layer) on one rank; ``vocab`` may be padded."""
-        return (vocab or self.vocab) * self.hidden // tp
+    def embedding_params(self, tp: int = 1) -> int:
+        """One vocabulary matrix (input embedding or output layer) on one rank of a ``tp``-way split."""
+        return self.vocab * self.hidden // tp
 
     def params_total(self) -> int:
         """Parameters of the unsharded checkpoint."""

@@ -239,6 +239,7 @@ class ScoringPool:
                 self.close()
                 raise RuntimeError(f"a scoring worker for reward {self.fn_path!r} died during start-up "
                                    f"(exit code {worker.proc.exitcode})") from None
+            worker.proc.join(timeout=1)
             self._replace(worker, queue, results, bar, STATUS_ERROR,
                           f"scoring worker died (exit code {worker.proc.exitcode})")
             return

@@ -141,7 +141,7 @@ def answers_match(pred: str, gold: str, task: str) -> bool:
         numbers = NUMBER_RE.findall(pred_norm)
         last = parse_number(numbers[-1].replace(",", "")) if numbers else None
         return last is not None and _numbers_equal(last, gold_value)
-    return math_equal(pred, gold)
+    return math_equal(pred.strip().strip("$"), gold.strip().strip("$"))
 
 
 def judge(completion: str, gold: str, task: str) -> Judgement:

@@ -174,6 +174,7 @@ class RolloutEngine:
             # were already rewritten: refuse to serve a half-updated model.
             self._broken = f"vLLM failed while reloading weights v{version}: {err!r}"
             raise
+        self._llm.apply_model(_repack_tied_cpu_gemms)
         # Cached prefix KV blocks were computed with the old weights.
         self._llm.reset_prefix_cache()
         self._version = version
@@ -210,6 +211,30 @@ class RolloutEngine:
         if self._broken:
             raise RuntimeError(f"rollout engine unusable: {self._broken}")
         self.wake_up()
+
+
+def _repack_tied_cpu_gemms(model: torch.nn.Module) -> int:
+    """Runs inside vLLM's worker after an in-place reload; returns the modules re-processed.
+
+    vLLM's CPU GEMMs multiply with a packed copy of each weight (``cpu_linear``), made when the
+    layer is processed after loading. The in-place reload re-processes every layer it loads, but a
+    tied lm_head loads nothing (its weight *is* the embedding, refreshed through the embedding
+    layer), so its packed copy would keep serving the old embedding as output layer. Re-process
+    every CPU-GEMM module whose weight another module shares. No-op on GPU (no ``cpu_linear``).
+    """
+    sharing: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and weight.numel() > 0:  # CPU linears keep an empty placeholder
+            sharing.setdefault(weight.data_ptr(), []).append(module)
+    repacked = 0
+    for modules in sharing.values():
+        for module in modules if len(modules) > 1 else ():
+            method = getattr(module, "quant_method", None)
+            if hasattr(module, "cpu_linear") and method is not None:
+                method.process_weights_after_loading(module)
+                repacked += 1
+    return repacked
 
 
 def _check_sampling(prompts: Sequence[Prompt], seeds: Sequence[int], *, n: int, temperature: float,

@@ -4,12 +4,15 @@ Every trainer rank calls ``RolloutGroup.generate`` with the same full prompt lis
 full completion list back (the TrainBatch contract: every rank holds the whole batch and takes its
 own slice). How the work is spread depends on the transport:
 
-* colocated: **every rank holds one engine** holding the full model (engine TP=1). vLLM joins the
-  torchrun world at start-up, so all ranks must build one (``external_launcher``); the trainer's TP
-  peers, which would otherwise idle during generation, each sample a contiguous shard of the
-  prompts, and the shards are all-gathered. Every prompt's seed is derived from the *whole* batch,
-  so the completions do not depend on the number of ranks. The exporter hands every rank the full
-  tensors (``dst_ranks="all"``) and each rank loads its own engine.
+* colocated: **every rank is part of one engine**. vLLM joins the torchrun world at start-up, so
+  all ranks must build one (``external_launcher``). With the default engine TP=1 (CPU) each rank
+  holds a full-model engine, and the trainer's TP peers, which would otherwise idle during
+  generation, each sample a contiguous shard of the prompts; the shards are all-gathered. With
+  ``vllm.tensor_parallel_size=k`` (GPU, k = the trainer's TP) vLLM groups k consecutive ranks into
+  one engine, exactly like Megatron's TP groups; the k ranks of an engine submit the same shard and
+  only its first rank's copy is kept. Every prompt's seed is derived from the *whole* batch, so the
+  completions do not depend on the number of engines. The exporter hands every rank the full
+  tensors (``dst_ranks="all"``) and each rank loads its own engine (vLLM shards them itself).
 * separate: **global rank 0 owns the one engine process**; it generates everything and broadcasts
   the completions. Only rank 0 receives full tensors from the exporter (``dst_ranks="first"``).
 
@@ -35,15 +38,19 @@ class RolloutGroup:
     """The job's engines behind one generate call made on every rank."""
 
     def __init__(self, engine: RolloutEngine | SeparateEngine | None, *, shard: bool, model_dir: str,
-                 seed: int = 0):
+                 seed: int = 0, ranks_per_engine: int = 1):
         self.engine = engine
         """This rank's engine (None on ranks without one)."""
         self._shard, self._model_dir, self._seed, self._calls = shard, str(model_dir), seed, 0
+        self._per_engine = ranks_per_engine
         self._tokenizer = None
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._rank, self._world = (dist.get_rank(), dist.get_world_size()) if multi else (0, 1)
         if engine is None and not (self._world > 1 and not shard):
             raise ValueError("every rank needs an engine unless rank 0 generates for all (shard=False)")
+        if self._world % ranks_per_engine:
+            raise ValueError(f"world size {self._world} is not a multiple of the ranks per engine "
+                             f"({ranks_per_engine} = vLLM tensor x pipeline parallel size)")
 
     @property
     def tokenizer(self):
@@ -73,12 +80,14 @@ class RolloutGroup:
         return _relink(box[0], prompts, offset=0)
 
     def _sharded(self, prompts: Sequence[Prompt], seeds: list[int], sampling: dict) -> list[Completion]:
-        per_rank = -(-len(prompts) // self._world)
-        lo, hi = min(self._rank * per_rank, len(prompts)), min((self._rank + 1) * per_rank, len(prompts))
+        engines, index = self._world // self._per_engine, self._rank // self._per_engine
+        per_engine = -(-len(prompts) // engines)
+        lo, hi = min(index * per_engine, len(prompts)), min((index + 1) * per_engine, len(prompts))
         mine = self.engine.sample(prompts[lo:hi], seeds=seeds[lo:hi], **sampling) if hi > lo else []
         shards: list = [None] * self._world
         dist.all_gather_object(shards, (lo, mine))
-        return [c for start, part in shards for c in _relink(part, prompts, offset=start)]
+        first_ranks = shards[::self._per_engine]  # the other ranks of an engine hold the same shard
+        return [c for start, part in first_ranks for c in _relink(part, prompts, offset=start)]
 
     def sleep(self) -> None:
         """Frees accelerator memory for training where the engine shares the trainer's devices."""
@@ -105,7 +114,9 @@ def build_rollout(rollout: RolloutConfig, sync: SyncConfig, *, model_dir: str) -
 
 def _colocated(rollout: RolloutConfig, sync: SyncConfig, model_dir: str) -> tuple[RolloutGroup, WeightSync]:
     engine = RolloutEngine(model_dir=model_dir, vllm_kwargs=rollout.vllm, seed=rollout.seed)
-    return RolloutGroup(engine, shard=True, model_dir=model_dir, seed=rollout.seed), ColocatedSync(engine)
+    per_engine = int(rollout.vllm.get("tensor_parallel_size", 1)) * int(rollout.vllm.get("pipeline_parallel_size", 1))
+    group = RolloutGroup(engine, shard=True, model_dir=model_dir, seed=rollout.seed, ranks_per_engine=per_engine)
+    return group, ColocatedSync(engine)
 
 
 def _separate(rollout: RolloutConfig, sync: SyncConfig, model_dir: str) -> tuple[RolloutGroup, WeightSync]:

@@ -132,14 +132,18 @@ def _f64(value: float, device) -> Tensor:
 
 @torch.no_grad()
 def _mismatch_pairs(logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """Train-inference mismatch on the first update (logp = pi_old): mean |logp_train - logp_engine|
-    and k3 with r = pi_train / pi_engine, the unbiased estimate of KL(pi_engine || pi_train) for
-    tokens the engine sampled; both token-weighted."""
+    """Train-inference mismatch on the first update (logp = pi_old): mean and max of
+    |logp_train - logp_engine|, and k3 with r = pi_train / pi_engine, the unbiased estimate of
+    KL(pi_engine || pi_train) for tokens the engine sampled; the means are token-weighted."""
     tokens = mask.sum().double()
-    diff = torch.where(mask, (logp - sampler_logp).abs(), 0.0).sum().double()
+    abs_diff = torch.where(mask, (logp - sampler_logp).abs(), 0.0)
+    diff = abs_diff.sum().double()
     k3 = torch.where(mask, algo.kl_k3(sampler_logp, logp), 0.0).sum().double()
-    return {"mismatch/logp_abs_diff": torch.stack([diff, tokens]),
-            "mismatch/kl_k3": torch.stack([k3, tokens])}
+    out = {"mismatch/logp_abs_diff": torch.stack([diff, tokens]),
+           "mismatch/kl_k3": torch.stack([k3, tokens])}
+    if tokens > 0:  # the max over the global batch: reduced with the other max: entries
+        out["max:mismatch/logp_abs_diff_max"] = torch.stack([abs_diff.max().double(), _f64(1.0, logp.device)])
+    return out
 
 
 def split_extrema(pairs: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, float], dict[str, float]]:

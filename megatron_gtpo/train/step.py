@@ -122,7 +122,7 @@ def _run_schedule(model_chunks, mbs: list[MicroBatch], loss_for, *, forward_only
 
 
 def _settings(dims: ParallelDims, groups: _Groups, *, temperature: float, vocab_size: int | None,
-              chunk_tokens: int) -> LogprobSettings:
+              chunk_tokens: int | None) -> LogprobSettings:
     return LogprobSettings(tp_group=groups.tp, tp_rank=dims.tp_rank, vocab_size=vocab_size,
                            temperature=temperature, chunk_tokens=chunk_tokens)
 

@@ -63,6 +63,7 @@ def _check_layouts(records, layouts: list[str], nproc: int, *, clip_engaged: boo
         reported = [r for r in records if r["check"] == "metrics" and r["layout"] == layout]
         for r in reported:  # the reduced metrics are global-batch means, not means of micro-batch means
             assert _rel(r["metrics"]["mismatch/logp_abs_diff"], r["mismatch_ref"]) <= 1e-5, r
+            assert _rel(r["metrics"]["mismatch/logp_abs_diff_max"], r["mismatch_max_ref"]) <= 1e-5, r
             assert _rel(r["metrics"]["train/entropy_mean"], r["entropy_ref"]) <= 1e-5, r
         metrics = [r["metrics"] for r in reported]
         assert len(metrics) == nproc and all(m == metrics[0] for m in metrics), metrics  # same on every rank

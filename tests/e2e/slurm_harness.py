@@ -16,6 +16,7 @@ import re
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -119,3 +120,39 @@ def local_slurm(root: Path, *, nodes: int = 2, gpus: int = 8, cpus: int = 2) -> 
         yield cluster
     finally:
         subprocess.run([str(HARNESS), "stop", str(root)], capture_output=True, text=True, timeout=120)
+
+
+# ----------------------------------------------------------------------------- pytest glue
+
+SLURM_DIR = REPO / "slurm"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalSlurm]:
+    """A 2-node x 8-fake-GPU cluster per test module, removed with its files afterwards."""
+    # Not pytest's tmp dir: munged (user munge) must traverse the path, and /tmp/pytest-of-root is 0700.
+    root = Path(tempfile.mkdtemp(prefix="mgtpo-slurm-"))
+    root.chmod(0o755)
+    try:
+        with local_slurm(root / "cluster", nodes=2, gpus=8, cpus=2) as c:
+            yield c
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def new_job_dir(cluster: LocalSlurm, name: str) -> Path:
+    """A fresh directory next to the cluster's (runs, batch logs, inputs of one test)."""
+    path = cluster.root.parent / re.sub(r"[^\w.-]+", "-", name)
+    path.mkdir()
+    return path
+
+
+def submit(cluster: LocalSlurm, job_dir: Path, script: str, *args: str, options: tuple[str, ...],
+           env: dict[str, str] | None = None) -> int:
+    """sbatch slurm/<script> from ``job_dir``, batch output to ``job_dir/<job name>-<job id>.out``."""
+    return cluster.sbatch(SLURM_DIR / script, *args, options=(*options, f"--output={job_dir}/%x-%j.out"),
+                          env=env, cwd=job_dir)
+
+
+def batch_log(job_dir: Path, job_id: int) -> str:
+    return "\n".join(p.read_text() for p in job_dir.glob(f"*-{job_id}.out"))

@@ -57,7 +57,8 @@ def _allreduce() -> int:
 
 def prepare(args: list[str]) -> int:
     out = Path(_option(args, "--output-dir"))
-    (out / "config.yaml").write_text(json.dumps({"output_dir": str(out), "steps": int(_option(args, "--steps", "1000"))}))
+    steps = int(_option(args, "--steps", "1000"))
+    (out / "config.yaml").write_text(json.dumps({"output_dir": str(out), "steps": steps}))
     _record(event="prepare")
     return 0
 

@@ -1,8 +1,9 @@
 """RolloutEngine on a real (CPU) vLLM engine: one engine for the module, many checks.
 
-The model is the tiny random Qwen2 with SmolLM2's real tokenizer and chat template
-(``megatron_gtpo.models.tiny``); references come from the same checkpoint in transformers.
-Also covers the single-process colocated push (HF state-dict buckets) and its failure modes.
+The model is a tiny random Llama with *tied* embeddings, SmolLM2's layout (the Megatron round trip
+in test_sync_megatron.py uses an untied Qwen2), with SmolLM2's real tokenizer and chat template;
+references come from the same checkpoint in transformers. Also covers the single-process colocated
+push (HF state-dict buckets) and its failure modes.
 """
 
 from __future__ import annotations
@@ -17,10 +18,24 @@ QUESTIONS = ["What is 2 + 2?", "Name a color.", "Say hello."]
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    from megatron_gtpo.models.tiny import ensure_tiny
+def model_dir(tmp_path_factory) -> str:
+    import shutil
 
-    return str(ensure_tiny())
+    import transformers
+
+    from megatron_gtpo.models.smollm2 import ensure_smollm2
+
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("tiny_tied_llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer_dir = ensure_smollm2()
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return str(out)
 
 
 @pytest.fixture(scope="module")
@@ -133,11 +148,14 @@ def test_colocated_push_and_rejections(engine, prompts, hf_model):
 
     sync = ColocatedSync(engine)
     gen = torch.Generator().manual_seed(0)
-    new = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in hf_model.state_dict().items()}
+    # Like the exporter, no lm_head.weight: it is the embedding. The engine's output layer must
+    # follow the pushed embedding (vLLM's CPU GEMM keeps a packed copy: see _repack_tied_cpu_gemms).
+    new = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in hf_model.state_dict().items()
+           if k != "lm_head.weight"}
     items = list(new.items())
     stats = sync.push([items[i:i + 6] for i in range(0, len(items), 6)], version=1)
     assert (stats.version, stats.num_tensors, stats.num_bytes) == (1, len(items), engine.weight_spec.num_bytes)
-    hf_model.load_state_dict(new)
+    hf_model.load_state_dict(new, strict=False)  # the tied lm_head follows the embedding
     served = engine.generate(prompts[:2], n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=10, seed=2)
     for c in served:
         assert c.weight_version == 1

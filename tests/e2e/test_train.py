@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "megatron_gtpo.cli", "train", str(REPO / "configs" / "tiny.yaml")]
 # The toy task (a..m letter share, megatron_gtpo/reward/toy.py) with enough completions per step
 # and a learning rate at which a random 2-layer policy moves visibly within a dozen steps.
-LEARN = ["train.prompts_per_step=4", "rollout.n=8", "train.micro_batch_size=8", "optim.optimizer.lr=1e-2",
+LEARN = ["train.prompts_per_step=4", "rollout.n=8", "train.micro_batch_size=8", "optim.optimizer.lr=5e-3",
          "train.checkpoint_every=4"]
 LEARN_STEPS = 12
 
@@ -83,7 +83,7 @@ def test_documented_metric_logged_every_step(gtpo_run, key):
 def test_gtpo_raises_reward_on_toy_task(gtpo_run):
     rewards = [v for _, v in history(gtpo_run, "reward/mean")]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.05, f"GTPO did not learn: reward {rewards}"
+    assert last > first + 0.2, f"GTPO did not learn: reward {rewards}"
 
 
 def test_weights_reach_the_engine(gtpo_run):
@@ -105,7 +105,7 @@ def test_grpo_raises_reward_on_toy_task(tmp_path):
     out = tmp_path / "grpo"
     train(out, *LEARN, "algo.name=grpo", steps=LEARN_STEPS)
     rewards = [v for _, v in history(out, "reward/mean")]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05, f"GRPO did not learn: reward {rewards}"
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, f"GRPO did not learn: reward {rewards}"
     assert all(v > 0 for _, v in history(out, "train/kl_k3")) or history(out, "train/kl_mean"), \
         "GRPO with beta=0.04 must report its KL to the reference model"
 
@@ -113,7 +113,8 @@ def test_grpo_raises_reward_on_toy_task(tmp_path):
 @pytest.mark.parametrize("algo", ["drgrpo", "dapo"])
 def test_two_steps(tmp_path, algo):
     out = tmp_path / algo
-    extra = ["algo.overlong_buffer_len=8", "algo.dynamic_sampling_max_tries=3"] if algo == "dapo" else []
+    extra = ["algo.overlong_buffer_len=8", "algo.dynamic_sampling_max_tries=3",
+             "algo.dynamic_sampling_metric=reward"] if algo == "dapo" else []
     train(out, f"algo.name={algo}", *extra, steps=2)
     assert [s for s, _ in history(out, "reward/mean")] == [1, 2]
     assert [s for s, _ in history(out, "loss")] == [1, 2]

@@ -188,3 +188,30 @@ def test_failure_midway_leaves_nothing(tmp_path, sharded, monkeypatch):
     with pytest.raises(OSError, match="disk went away"):
         _convert("--to", "megatron", "--input", sharded, "--output", tmp_path / "out")
     assert calls["n"] == 10 and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_streaming_safetensors_writer(tmp_path):
+    """HFWriter's hand-written files read back with the safetensors library, every dtype, in
+    shards of the requested size (one oversized tensor alone), with a matching index."""
+    from safetensors import safe_open
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}.{str(dt)[6:]}": (torch.randn(5, 3 + i, generator=gen) * 50).to(dt)
+               for i, dt in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64])}
+    tensors["big"] = torch.randn(40, 40, generator=gen)
+    tensors["scalar"] = torch.tensor(3.5)
+    writer = hf_io.HFWriter(tmp_path, shard_bytes=300)
+    for name, tensor in tensors.items():
+        writer.add(name, tensor)
+    writer.close()
+    index = json.loads((tmp_path / hf_io.INDEX_NAME).read_text())
+    assert set(index["weight_map"]) == set(tensors) and index["metadata"]["total_size"] == writer.total_bytes
+    assert len(set(index["weight_map"].values())) >= 4 and not list(tmp_path.glob("*.body"))
+    for name, tensor in tensors.items():
+        with safe_open(tmp_path / index["weight_map"][name], framework="pt") as handle:
+            got = handle.get_tensor(name)
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+    single = hf_io.HFWriter(tmp_path / "one")
+    single.add("x", tensors["big"])
+    single.close()
+    assert [p.name for p in (tmp_path / "one").iterdir()] == ["model.safetensors"]

@@ -7,7 +7,7 @@ import torch
 
 from megatron_gtpo.train import model as M
 from megatron_gtpo.utils.configuration import ConfigError
-from tests.tiny_hf import FAMILIES, make_tiny_hf_model, tiny_hf_config
+from tests.tiny_hf import FAMILIES, tiny_hf_config
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -37,6 +37,24 @@ def test_rope_and_tied_settings():
                                        "original_max_position_embeddings": 8192.0}
     with pytest.raises(ConfigError, match="yarn"):
         M.rope_settings({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}})
+
+
+def test_llama3_rope_matches_transformers():
+    """The tiny Llama uses original_max_position_embeddings=64, which Megatron's built-in llama3
+    scaling (hard-coded 8192) gets wrong; build_model recomputes the inverse frequencies."""
+    import transformers
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = tiny_hf_config("llama")
+    rope = M.rope_settings(hf)
+    emb = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_base=rope["theta"], rope_scaling=True,
+                          rope_scaling_factor=rope["factor"], use_cpu_initialization=True)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](transformers.AutoConfig.for_model(**hf), "cpu")
+    assert not torch.allclose(emb.inv_freq, want.float())  # Megatron alone: wrong for this config
+    holder = type("Chunk", (), {"rotary_pos_emb": emb})
+    M._apply_llama3_rope(holder, rope)
+    torch.testing.assert_close(emb.inv_freq, want.float(), rtol=1e-6, atol=0)
 
 
 def test_bf16_and_overrides():
@@ -69,32 +87,12 @@ def test_bad_configs_name_the_field(tmp_path):
         M.hf_config_from_dir(tmp_path)
 
 
-@pytest.fixture()
-def single_rank():
-    from megatron_gtpo.parallel.dims import destroy, init_distributed
+def test_latest_step_ignores_partial_saves(tmp_path):
+    from megatron_gtpo.checkpoint import latest_step, step_dir
 
-    yield init_distributed(tp=1, pp=1, seed=1)
-    destroy()
-
-
-def test_build_each_family_tp1(single_rank):
-    """Parameter count equals the HF model's (tied lm_head counted once) and forward gives
-    [batch, seq, vocab] fp32 logits; bf16 chunks are Float16Module-wrapped."""
-    from megatron.core.transformer.module import Float16Module
-
-    tokens = torch.randint(0, 128, (2, 8))
-    positions = torch.arange(8).expand(2, 8)
-    for family in FAMILIES:
-        hf_cfg = tiny_hf_config(family)
-        chunks = M.build_model(hf_cfg, dims=single_rank, dtype=torch.float32)
-        assert len(chunks) == 1 and M.layer_offset(chunks[0]) == 0
-        n_mcore = sum(p.numel() for p in chunks[0].parameters())
-        n_hf = sum(p.numel() for p in make_tiny_hf_model(family).parameters())
-        assert n_mcore == n_hf, family
-        with torch.no_grad():
-            logits = chunks[0](tokens, positions, M.causal_mask(8))
-        assert logits.shape == (2, 8, 128) and torch.isfinite(logits).all()
-    bf16 = M.build_model(tiny_hf_config("qwen2"), dims=single_rank, dtype=torch.bfloat16)[0]
-    assert isinstance(bf16, Float16Module) and M.unwrap(bf16).decoder is not None
-    with torch.no_grad():
-        assert bf16(tokens, positions, M.causal_mask(8)).shape == (2, 8, 128)
+    assert latest_step(tmp_path / "missing") is None and latest_step(tmp_path) is None
+    for step in (3, 12):
+        step_dir(tmp_path, step).mkdir()
+    (tmp_path / ".tmp_step_00000020").mkdir()
+    (tmp_path / "step_junk").mkdir()
+    assert latest_step(tmp_path) == 12 and step_dir(tmp_path, 12).name == "step_00000012"

@@ -5,7 +5,8 @@ Usage: ckpt_resume.py WORK MODE (MODE's world size in brackets):
   tiny Qwen2 model, saving after steps 1-3 into WORK/a (keep_last=2); then a fresh, differently
   initialised model resumes from step 2 at the same layout and trains steps 3 and 4.
 * ``dp1`` [1 rank, DP=1]: resumes WORK/a step 2, trains step 3, saves it into WORK/b, trains step 4.
-* ``dp2`` [2 ranks, DP=2]: resumes WORK/b step 3 (saved at DP=1) and trains step 4.
+* ``dp2`` [2 ranks, DP=2]: resumes WORK/b step 3 (saved at DP=1) and trains step 4; then tries
+  to resume it at TP=2 (must be refused with a clear error).
 Every rank prints the losses, the extra_state and a few RNG draws made right after save/load.
 """
 
@@ -131,6 +132,13 @@ def main():
         resume(work / "a", 2, (3, 4), mode="dp1", save_to=work / "b")
     else:
         resume(work / "b", 3, (4,), mode="dp2_from_dp1")
+        ps.destroy_model_parallel()
+        _, chunks, opt = setup(2, 1, init_seed=3)
+        try:
+            load_checkpoint(work / "b", model_chunks=chunks, optimizer=opt)
+            report(mode="tp2", error=None)
+        except ValueError as err:
+            report(mode="tp2", error=str(err))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def roundtrip(family, work, dims, suffix):
     mc_dir = work / family / "mcore"
     hf_config = M.hf_config_from_dir(mc_dir)
     chunks = M.build_model(hf_config, dims=dims)
-    load_model_weights(chunks, mc_dir / "model")
+    load_model_weights(chunks, mc_dir)
     tokens = tokens_for(int(hf_config["vocab_size"]))
     logits = megatron_logits(chunks, tokens, dims)
     diff = None if logits is None else (logits - hf_logits(work / family / "hf", tokens)).abs().max().item()

@@ -90,6 +90,7 @@ def reference_phase(batch, *, tied: bool):
     sampler = batch.sampler_logprobs.double().gather(1, C.completion_rows(batch)[2])
     tokens = mask.sum()
     out["mismatch_ref"] = float(torch.where(mask, (logp - sampler).abs(), 0.0).sum() / tokens)
+    out["mismatch_max_ref"] = float(torch.where(mask, (logp - sampler).abs(), 0.0).max())
     out["entropy_ref"] = float((entropy.sum(1) / mask.sum(1)).mean())
     ps.destroy_model_parallel()
     return out
@@ -180,7 +181,7 @@ def layout_phase(batch, ref, layout: tuple[int, int, int | None], *, tied: bool)
              nonfinite=[k for k, v in metrics.items() if not math.isfinite(v)])
         if case["name"] == "gtpo":
             emit(check="metrics", layout=name, metrics=metrics, mismatch_ref=ref["mismatch_ref"],
-                 entropy_ref=ref["entropy_ref"])
+                 mismatch_max_ref=ref["mismatch_max_ref"], entropy_ref=ref["entropy_ref"])
     if dims.world == 1:
         _check_lr_schedule(ddp)
     if dims.dp > 1:

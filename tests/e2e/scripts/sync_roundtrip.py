@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -86,18 +87,38 @@ def _raising(buckets):
     raise RuntimeError("export failed half-way")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--transport", choices=["colocated", "separate"], required=True)
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    args = parser.parse_args()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+@dataclass
+class Run:
+    """Everything the phases share."""
 
+    dims: object
+    hf_config: dict
+    chunks: list
+    rollout: object
+    syncer: object
+    sync_cfg: SyncConfig
+    rollout_cfg: RolloutConfig
+    prompts: list = field(default_factory=list)
+
+    @property
+    def vocab(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    def export(self):
+        return export_hf_weights(self.chunks, hf_config=self.hf_config, dims=self.dims,
+                                 dst_ranks=self.syncer.dst_ranks, bucket_bytes=self.sync_cfg.bucket_bytes)
+
+    def greedy(self) -> list[list[int]]:
+        return [c.token_ids for c in self.greedy_completions()]
+
+    def greedy_completions(self):
+        return self.rollout.generate(self.prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=32)
+
+
+def setup(transport: str, dtype: torch.dtype) -> Run:
     dims = init_distributed(tp=2, seed=1234)
     model_dir = str(ensure_tiny())
     hf_config = hf_config_from_dir(model_dir)
-    vocab = int(hf_config["vocab_size"])
-    eos = int(hf_config["eos_token_id"])
     # fp32: a wider init than HF's 0.02 keeps greedy argmax gaps far above fp32 noise. bf16: HF's
     # init; both sides round logits to bf16 (step 2**-7 below 1, 2**-5 near 4), so larger logits
     # would mostly measure that rounding.
@@ -105,74 +126,89 @@ def main() -> None:
     chunks = wrap_ddp(build_model(hf_config, dims=dims, dtype=dtype, overrides={"init_method_std": std}),
                       OptimConfig())
     rollout_cfg = RolloutConfig(n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=7, vllm={
-        "dtype": {"fp32": "float32", "bf16": "bfloat16"}[args.dtype], "max_model_len": 256,
+        "dtype": "float32" if dtype == torch.float32 else "bfloat16", "max_model_len": 256,
         "kv_cache_memory_bytes": 64 << 20})
-    sync_cfg = SyncConfig(transport=args.transport, bucket_bytes=8 << 20)  # several buckets per push
+    sync_cfg = SyncConfig(transport=transport, bucket_bytes=8 << 20)  # several buckets per push
     rollout, syncer = build_rollout(rollout_cfg, sync_cfg, model_dir=model_dir)
+    run = Run(dims=dims, hf_config=hf_config, chunks=chunks, rollout=rollout, syncer=syncer, sync_cfg=sync_cfg,
+              rollout_cfg=rollout_cfg)
+    run.prompts = [chat_prompt(rollout.tokenizer, q, uid=str(i)) for i, q in enumerate(QUESTIONS)]
     emit("engines_up")
+    return run
 
-    def export():
-        return export_hf_weights(chunks, hf_config=hf_config, dims=dims, dst_ranks=syncer.dst_ranks,
-                                 bucket_bytes=sync_cfg.bucket_bytes)
 
-    def push(version: int):
-        return syncer.push(export(), version=version)
-
-    prompts = [chat_prompt(rollout.tokenizer, q, uid=str(i)) for i, q in enumerate(QUESTIONS)]
-    greedy = dict(n=1, temperature=0.0, top_p=1.0, max_tokens=32)
-    before = [c.token_ids for c in rollout.generate(prompts, **greedy)]  # the HF checkpoint's weights
-    stats = push(1)
-    engine_greedy = [c.token_ids for c in rollout.generate(prompts, **greedy)]
+def first_push_and_greedy(run: Run, *, compare_greedy: bool) -> list[list[int]]:
+    before = run.greedy()  # the HF checkpoint's weights
+    stats = run.syncer.push(run.export(), version=1)
+    engine_greedy = run.greedy()
     emit("push_v1", version=stats.version, tensors=stats.num_tensors, bytes=stats.num_bytes, seconds=stats.seconds,
          changed=sum(a != b for a, b in zip(before, engine_greedy)))
-    if dtype == torch.float32:
-        megatron_greedy = greedy_generate(chunks, [p.token_ids for p in prompts], 32, dims, eos_id=eos,
-                                          vocab_size=vocab)
+    if compare_greedy:
+        megatron_greedy = greedy_generate(run.chunks, [p.token_ids for p in run.prompts], 32, run.dims,
+                                          eos_id=int(run.hf_config["eos_token_id"]), vocab_size=run.vocab)
         emit("greedy", equal=[a == b for a, b in zip(engine_greedy, megatron_greedy)],
              lengths=[len(t) for t in engine_greedy], engine=engine_greedy[0][:8], megatron=megatron_greedy[0][:8])
+    return engine_greedy
 
+
+def rejected_pushes(run: Run, engine_greedy: list[list[int]]) -> None:
     error = None
     try:
-        syncer.push(wrong_architecture_buckets(hf_config), version=2)
+        run.syncer.push(wrong_architecture_buckets(run.hf_config), version=2)
     except WeightPushError as err:
         error = str(err)
-    after = rollout.generate(prompts, **greedy)
+    after = run.greedy_completions()
     emit("bad_push", error=error, unchanged=[c.token_ids for c in after] == engine_greedy,
          versions=sorted({c.weight_version for c in after}))
 
-    buckets = list(export())
+    buckets = list(run.export())
     errors = []
     for bad in (buckets[:-1], _raising(buckets)):
         try:
-            syncer.push(bad, version=3)
+            run.syncer.push(bad, version=3)
         except (WeightPushError, RuntimeError) as err:
             errors.append(f"{type(err).__name__}: {err}"[:200])
-    after = rollout.generate(prompts, **greedy)
+    after = run.greedy_completions()
     emit("broken_pushes", errors=errors, unchanged=[c.token_ids for c in after] == engine_greedy,
          versions=sorted({c.weight_version for c in after}), num_buckets=len(buckets))
 
-    sampling = rollout_cfg.sampling()
-    samples_v1 = rollout.generate(prompts, **sampling, seed=11)
+
+def train_push_compare(run: Run) -> None:
+    sampling = run.rollout_cfg.sampling()
+    samples_v1 = run.rollout.generate(run.prompts, **sampling, seed=11)
     algo = AlgoConfig(name="grpo", kl_beta=0.0)
-    optimizer, scheduler = build_optimizer(chunks, OptimConfig(optimizer={"optimizer": "adam", "lr": 1e-3}),
+    optimizer, scheduler = build_optimizer(run.chunks, OptimConfig(optimizer={"optimizer": "adam", "lr": 1e-3}),
                                            total_steps=1)
-    metrics = train_on_batch(chunks, optimizer, scheduler, to_batch(samples_v1, seed=5), algo_name="grpo",
-                             prepare_kwargs=algo.prepare_kwargs(), loss_kwargs=algo.loss_kwargs(max_completion_tokens=MAX_TOKENS),
-                             micro_batch_size=4, mu=1, temperature=TEMPERATURE, dims=dims, vocab_size=vocab)
+    metrics = train_on_batch(run.chunks, optimizer, scheduler, to_batch(samples_v1, seed=5), algo_name="grpo",
+                             prepare_kwargs=algo.prepare_kwargs(),
+                             loss_kwargs=algo.loss_kwargs(max_completion_tokens=MAX_TOKENS), micro_batch_size=4, mu=1,
+                             temperature=TEMPERATURE, dims=run.dims, vocab_size=run.vocab)
     emit("train_step", **{k: v for k, v in metrics.items() if k.startswith(("mismatch/", "optim/grad_norm", "loss"))})
 
-    stats = push(2)
-    samples_v2 = rollout.generate(prompts, **sampling, seed=11)
+    stats = run.syncer.push(run.export(), version=2)
+    samples_v2 = run.rollout.generate(run.prompts, **sampling, seed=11)
     checks = {}
     for name, samples in (("v2", samples_v2), ("v1_samples", samples_v1)):
         batch = to_batch(samples, seed=0)
-        trainer = compute_logprobs(chunks, batch, dims=dims, micro_batch_size=4, temperature=TEMPERATURE,
-                                   vocab_size=vocab).logp
+        trainer = compute_logprobs(run.chunks, batch, dims=run.dims, micro_batch_size=4, temperature=TEMPERATURE,
+                                   vocab_size=run.vocab).logp
         checks[name] = logprob_mismatch(batch.sampler_logprobs, trainer, batch.loss_mask > 0)
     emit("logprobs_v2", push_seconds=stats.seconds, versions=sorted({c.weight_version for c in samples_v2}),
          **{f"{k}:{m}": v for k, d in checks.items() for m, v in d.items()})
-    rollout.close()
-    syncer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--transport", choices=["colocated", "separate"], required=True)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    args = parser.parse_args()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    run = setup(args.transport, dtype)
+    engine_greedy = first_push_and_greedy(run, compare_greedy=dtype == torch.float32)
+    rejected_pushes(run, engine_greedy)
+    train_push_compare(run)
+    run.rollout.close()
+    run.syncer.close()
     dist.barrier()
 
 

@@ -1,0 +1,107 @@
+"""The real training command under slurm/train.sbatch on a real local SLURM, preempted and resumed.
+
+One job of ``configs/tiny.yaml`` (2 gloo ranks on one CPU node, GPUS_PER_NODE=0, NPROC_PER_NODE=2):
+after its first step the test sends SIGUSR1 to the batch shell (what ``--signal=B:USR1@120`` does
+before the time limit); the ranks checkpoint and exit, the script requeues the job, and the
+requeued run resumes from that checkpoint with ``--resume`` and trains to the end. One job serves
+both tests below (a second, uninterrupted job would only repeat its first half: ~3 min of CI).
+
+What this assumes of the driver (``megatron-gtpo train --prepare-only`` + ``python -m
+megatron_gtpo.trainer CONFIG [--resume]``): checkpoints under ``<output dir>/checkpoints/step_%08d``;
+rank-0 log lines "step K/N |", "preempted: checkpoint of step K saved", "resumed from step K (MLflow
+run ID)" and "done. run dir"; MLflow at $MLFLOW_TRACKING_URI with the metric ``time/step_s`` per step
+and one run continued across the restart.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.slurm_harness import batch_log, cluster, new_job_dir, requires_slurm, submit  # noqa: F401
+from tests.helpers import REPO, free_port
+
+pytestmark = [requires_slurm, pytest.mark.slow]
+
+STEPS = 6  # configs/tiny.yaml checkpoints every 2 steps and keeps the last 2
+
+
+@dataclass
+class PreemptedRun:
+    job: int
+    info: dict[str, str]
+    """Final ``scontrol show job`` record."""
+    out_dir: Path
+    batch: str
+    """The batch script's own output (both runs, appended)."""
+    first: str
+    """Rank log of the first run (node 0)."""
+    second: str
+    """Rank log of the requeued run."""
+    mlflow_uri: str
+
+
+@pytest.fixture(scope="module")
+def run(cluster) -> PreemptedRun:
+    job_dir = new_job_dir(cluster, "real-train")
+    uri = f"sqlite:///{job_dir / 'mlflow.db'}"
+    env = {"MGTPO_REPO": str(REPO), "RUNS_DIR": str(job_dir / "runs"), "GPUS_PER_NODE": "0", "NPROC_PER_NODE": "2",
+           "STEPS": str(STEPS), "MASTER_PORT": str(free_port()), "MLFLOW_TRACKING_URI": uri,
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    job = submit(cluster, job_dir, "train.sbatch", str(REPO / "configs" / "tiny.yaml"),
+                 options=("--nodes=1", "--gpus-per-node=0", "--time=00:30:00"), env=env)
+    out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
+    logs = out_dir / "logs"
+    deadline = time.monotonic() + 900
+    while not re.search(rf"step 1/{STEPS} \|", _read(logs / "train-r0-node0.log")):
+        state = cluster.job(job)["JobState"]
+        rank_log = _read(logs / "train-r0-node0.log")[-4000:]
+        assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, \
+            f"no step 1 before the signal (job {state}):\n{batch_log(job_dir, job)}\n{rank_log}"
+        time.sleep(1)
+    cluster.run("scancel", "--signal=USR1", "--batch", str(job))
+    info = cluster.wait(job, timeout=900, restarts=1)
+    return PreemptedRun(job=job, info=info, out_dir=out_dir, batch=batch_log(job_dir, job),
+                        first=_read(logs / "train-r0-node0.log"), second=_read(logs / "train-r1-node0.log"),
+                        mlflow_uri=uri)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def test_real_training_on_slurm_finishes_with_checkpoint_logs_and_mlflow_run(run):
+    assert (run.info["JobState"], run.info["ExitCode"], run.info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        f"{run.batch}\n--- requeued run:\n{run.second[-4000:]}"
+    assert "training finished with exit code 0" in run.batch
+    assert (run.out_dir / "config.yaml").is_file()
+    assert (run.out_dir / "checkpoints" / f"step_{STEPS:08d}").is_dir()
+    assert f"step {STEPS}/{STEPS} |" in run.second and "done. run dir" in run.second
+    assert "Traceback" not in run.first + run.second
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=run.mlflow_uri)
+    runs = [r for exp in client.search_experiments() for r in client.search_runs([exp.experiment_id])]
+    assert len(runs) == 1, [r.info.run_id for r in runs]  # the requeued run continued the same MLflow run
+    assert runs[0].info.status == "FINISHED"
+    steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "time/step_s"))
+    assert steps == list(range(1, STEPS + 1))  # every step logged once: nothing redone, nothing skipped
+
+
+def test_preempted_training_resumes_from_its_checkpoint(run):
+    saved = re.search(r"preempted: checkpoint of step (\d+) saved", run.first)
+    assert saved, run.first[-4000:]
+    k = int(saved.group(1))
+    assert 1 <= k < STEPS
+    assert "SIGUSR1: asking the ranks to checkpoint and exit" in run.batch and "requeueing job" in run.batch
+    assert re.search(r"ranks run: .* --resume$", run.batch, re.MULTILINE)  # the requeued run passes --resume
+    resumed = re.search(r"resumed from step (\d+) \(MLflow run (\w+)\)", run.second)
+    assert resumed and int(resumed.group(1)) == k, run.second[-4000:]
+    done_first = {int(s) for s in re.findall(rf"step (\d+)/{STEPS} \|", run.first)}
+    done_second = {int(s) for s in re.findall(rf"step (\d+)/{STEPS} \|", run.second)}
+    assert max(done_first) == k and done_second == set(range(k + 1, STEPS + 1))
