@@ -209,6 +209,11 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         attention_backend=AttnBackend.auto if on_gpu else AttnBackend.local,
         **_cpu_safe_defaults(on_gpu=on_gpu),
     )
+    if pp == 2 and vpp:
+        # With two stages the previous and next stage are the same rank, and Megatron's batched
+        # p2p exchange then swaps activations and gradients (same shapes, silently wrong grads;
+        # upstream Megatron-LM #750/#1450). Unbatched p2p is correct (tests/dist trainstep VPP).
+        kwargs["batch_p2p_comm"] = False
     kwargs.update(overrides)
     try:
         return TransformerConfig(**kwargs)
