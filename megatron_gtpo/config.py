@@ -61,15 +61,15 @@ class RunConfig:
         if algo.overlong_buffer_len and algo.overlong_buffer_len > self.rollout.max_tokens:
             raise ConfigError(f"algo.overlong_buffer_len={algo.overlong_buffer_len} is not allowed: expected "
                               f"<= rollout.max_tokens ({self.rollout.max_tokens}), the L_max of DAPO's punishment")
+        if self.rollout.n < 2:
+            raise ConfigError(f"rollout.n={self.rollout.n} is not allowed: group-relative advantages need >= 2 "
+                              "completions per prompt")
         rows = self.train.prompts_per_step * self.rollout.n
         if rows % (self.parallel.dp * self.train.micro_batch_size):
             raise ConfigError(
                 f"train.micro_batch_size={self.train.micro_batch_size} is not allowed: the global batch of "
                 f"train.prompts_per_step * rollout.n = {rows} completions must split evenly into parallel.dp="
                 f"{self.parallel.dp} ranks x micro-batches of that size")
-        if self.rollout.n < 2:
-            raise ConfigError(f"rollout.n={self.rollout.n} is not allowed: group-relative advantages need >= 2 "
-                              "completions per prompt")
 
 
 def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:

