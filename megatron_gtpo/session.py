@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.objects import any_rank, barrier, broadcast_object
+from megatron_gtpo.utils.atomic import write_text_atomic
 from megatron_gtpo.utils.runtime import PreemptionFlag, setup_logging
 
 log = logging.getLogger("megatron_gtpo")
@@ -131,7 +131,7 @@ def _tracker(cfg, s: Session):
             tracker.log_params(to_dict(cfg))
             tracker.log_artifact(dump_resolved(cfg))
         if tracker.run_id:
-            _write_atomic(s.run_dir / "run_id", tracker.run_id)
+            write_text_atomic(s.run_dir / "run_id", tracker.run_id)
     s.run_id = broadcast_object(tracker.run_id if tracker else None)
     return tracker
 
@@ -219,7 +219,7 @@ def should_stop(s: Session, step: int, cfg) -> bool:
         save(s, cfg, step)
     if preempted:
         if s.dims.rank == 0:
-            _write_atomic(s.run_dir / "PREEMPTED", f"{step}\n")
+            write_text_atomic(s.run_dir / "PREEMPTED", f"{step}\n")
             log.warning("preempted: checkpoint of step %d saved, exiting (resume with --resume)", step)
         return True
     return False
@@ -251,8 +251,3 @@ def close_session(s: Session, cfg, metrics: dict[str, float]) -> None:
                  (s.run_dir / "checkpoints").resolve(), getattr(s.tracker, "uri", "-"), s.run_id)
     barrier()
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

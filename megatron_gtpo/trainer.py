@@ -15,7 +15,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from megatron_gtpo.utils.configuration import require
 

@@ -9,9 +9,9 @@ interrupted conversion never leaves a half-written model behind.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from megatron_gtpo.utils.atomic import atomic_directory
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -44,9 +44,7 @@ def ensure_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = gguf_path()
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".smollm2-"))
-    try:
+    with atomic_directory(out) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype="float32")
         # The loaded model is already dequantized to fp32, but it still carries the GGUF
@@ -58,12 +56,6 @@ def ensure_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
         model.load_state_dict(gguf_model.state_dict())
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

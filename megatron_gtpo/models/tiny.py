@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from megatron_gtpo.models.smollm2 import default_cache_dir, ensure_smollm2
+from megatron_gtpo.utils.atomic import atomic_directory
 
 TINY_NAME = "tiny-qwen2-smollm2tok"
 
@@ -38,19 +38,11 @@ def ensure_tiny(cache_dir: str | os.PathLike | None = None, *, seed: int = 0) ->
     config = transformers.Qwen2Config(**TINY_CONFIG)
     config.architectures = ["Qwen2ForCausalLM"]
     model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-"))
-    try:
+    with atomic_directory(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         for name in os.listdir(tok_dir):
             if name.startswith(("tokenizer", "chat_template", "special_tokens")):
                 shutil.copy(tok_dir / name, tmp / name)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -107,17 +99,9 @@ def ensure_tiny_char(cache_dir: str | os.PathLike | None = None, *, seed: int = 
                                          "eos_token_id": 2, "pad_token_id": 2})
     config.architectures = ["Qwen2ForCausalLM"]
     model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-char-"))
-    try:
+    with atomic_directory(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         _char_tokenizer().save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -13,7 +13,6 @@ import dataclasses
 import re
 import inspect
 import os
-import tempfile
 import textwrap
 import types
 import typing
@@ -199,19 +198,9 @@ def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
 
 def write_yaml_atomic(data: Any, path: str | os.PathLike) -> Path:
     """Writes YAML to ``path`` through a temp file and an atomic rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            yaml.safe_dump(data, handle, sort_keys=False)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    from megatron_gtpo.utils.atomic import write_text_atomic
+
+    return write_text_atomic(path, yaml.safe_dump(data, sort_keys=False))
 
 
 # ----------------------------------------------------------------------------- docs
