@@ -8,9 +8,10 @@ Two workloads built from the real benchmark files in ../shared/data:
   gold (half the gold plus a ``+0`` term, half with a digit changed), so no fast path applies and
   every verdict needs math-verify (sympy).
 
-Each workload is scored in-process (``--workers 0`` path) and by the worker pool (spawned
-processes, per-sample timeout), with fresh caches. Pool start-up is timed separately. Prints a
-table and ends with one JSON line.
+Each workload is scored in-process (the ``num_workers=0`` path) and by the worker pool (spawned
+processes, per-sample timeout), each run with empty caches. Pool start-up is timed separately.
+Prints a table and ends with one JSON line (with the 1-minute load average: on a shared machine
+the pool cannot beat the in-process path, the numbers are only comparable at equal load).
 
     python bench/reward_throughput.py --samples 2000 --workers 2
 """
@@ -31,6 +32,7 @@ from megatron_gtpo.data import load_benchmark  # noqa: E402
 from megatron_gtpo.reward import ScoringPool  # noqa: E402
 from megatron_gtpo.reward.extract import gold_answer  # noqa: E402
 from megatron_gtpo.reward.functions import reward_path  # noqa: E402
+from megatron_gtpo.reward.verify import _judge_cached, _mv_parse  # noqa: E402
 
 
 def cheap_items(count: int) -> list[tuple[str, str, str]]:
@@ -64,6 +66,11 @@ def math_verify_items(count: int) -> list[tuple[str, str, str]]:
 
 
 def measure(items, *, workers: int, timeout_s: float, start_method: str) -> dict:
+    # Same footing for every run: empty verdict/parse caches, math-verify already imported (workers
+    # import and warm it during start-up, which is timed separately).
+    _judge_cached.cache_clear()
+    _mv_parse.cache_clear()
+    _mv_parse("1")
     pool = ScoringPool(fn_path=reward_path("correctness"), num_workers=workers, timeout_s=timeout_s,
                        start_method=start_method)
     try:
@@ -72,7 +79,7 @@ def measure(items, *, workers: int, timeout_s: float, start_method: str) -> dict
             pool.score(items[:workers])  # start-up: spawn + imports + math-verify warm-up
         startup = time.perf_counter() - start
         start = time.perf_counter()
-        scores = pool.score(items, progress=True, desc=f"workers={workers}")
+        scores = pool.score(items, with_answers=True, progress=True, desc=f"workers={workers}")
         seconds = time.perf_counter() - start
     finally:
         pool.close()

@@ -17,7 +17,7 @@ from typing import Any
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.objects import any_rank, barrier, broadcast_object
 from megatron_gtpo.utils.atomic import write_text_atomic
-from megatron_gtpo.utils.runtime import PreemptionFlag, setup_logging
+from megatron_gtpo.utils.runtime import PreemptionFlag, setup_logging, signals_blocked, start_checkpoint_helpers
 
 log = logging.getLogger("megatron_gtpo")
 
@@ -75,7 +75,9 @@ def open_session(cfg, *, resume: bool) -> Session:
     rollout, syncer = build_rollout(rollout_cfg, cfg.sync, model_dir=policy.model_dir)
     tokenizer = rollout.tokenizer
     dataset = build_dataset(cfg.data, tokenizer=tokenizer, progress=dims.rank == 0)
-    scorer = _scorer(cfg, algo_cfg) if dims.rank == 0 else None
+    with signals_blocked():  # reward worker processes must not die of a preemption signal
+        scorer = _scorer(cfg, algo_cfg) if dims.rank == 0 else None
+    start_checkpoint_helpers()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     s = Session(dims=dims, policy=policy, reference=reference, rollout=rollout, syncer=syncer, dataset=dataset,
                 scorer=scorer, tracker=None, pad_id=int(pad_id), start_step=0, run_dir=run_dir, preempt=preempt)

@@ -15,6 +15,7 @@ Imports stay inside functions: scoring workers re-import the main module when it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -149,6 +150,23 @@ def _fit_context(config, model_dir):
     return config
 
 
+@contextlib.contextmanager
+def _samples_writer(path, enabled: bool):
+    """Yields a handle writing ``path`` through a hidden temp file (renamed when the block succeeds,
+    deleted when it fails), or None when not ``enabled``."""
+    if not enabled:
+        yield None
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with tmp.open("w") as handle:
+            yield handle
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _run_with(config, *, generate, tokenizer=None, prompt_sets=None):
     from pathlib import Path
 
@@ -162,28 +180,16 @@ def _run_with(config, *, generate, tokenizer=None, prompt_sets=None):
     sets, too_long = prompt_sets or load_prompt_sets(config, tokenizer=tokenizer)
     sampling = Sampling(n=config.n, temperature=config.temperature, top_p=config.top_p,
                         max_tokens=config.max_tokens, seed=config.seed)
-    samples_path = Path(config.output).with_suffix(".samples.jsonl")
-    samples_tmp = samples_path.with_name(f".{samples_path.name}.tmp")
-    samples_out = None
-    if config.save_samples:
-        samples_tmp.parent.mkdir(parents=True, exist_ok=True)
-        samples_out = samples_tmp.open("w")
+    scoring = RewardConfig(fn="correctness", num_workers=config.workers, timeout_s=config.timeout_s)
     total = sum(len(p) for p in sets.values()) * config.n
-    results = []
-    with RewardScorer(RewardConfig(fn="correctness", num_workers=config.workers, timeout_s=config.timeout_s)) as scorer, \
+    samples_path = Path(config.output).with_suffix(".samples.jsonl")
+    with RewardScorer(scoring) as scorer, _samples_writer(samples_path, config.save_samples) as samples_out, \
             tqdm(total=total, desc="eval samples", unit="sample") as bar:
-        try:
-            for name, prompts in sets.items():
-                results.append(evaluate_benchmark(
-                    name, prompts, generate=generate, scorer=scorer, sampling=sampling, ks=config.k,
-                    chunk_samples=config.chunk_samples, bar=bar, num_too_long=too_long[name],
-                    maj_resamples=config.maj_resamples, maj_max_exact=config.maj_max_exact,
-                    samples_out=samples_out))
-        finally:
-            if samples_out is not None:
-                samples_out.close()
-    if samples_out is not None:
-        samples_tmp.replace(samples_path)
+        results = [evaluate_benchmark(name, prompts, generate=generate, scorer=scorer, sampling=sampling,
+                                      ks=config.k, chunk_samples=config.chunk_samples, bar=bar,
+                                      num_too_long=too_long[name], maj_resamples=config.maj_resamples,
+                                      maj_max_exact=config.maj_max_exact, samples_out=samples_out)
+                   for name, prompts in sets.items()]
     report = EvalReport(model=config.model, results=results, config=to_dict(config),
                         seconds=time.perf_counter() - start)
     write_json_atomic(report.to_dict(), config.output)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from tqdm import tqdm
 from megatron_gtpo.eval.metrics import ProblemSamples, benchmark_metrics
 from megatron_gtpo.reward.pool import STATUS_ERROR, STATUS_TIMEOUT, SampleScore
 from megatron_gtpo.types import Completion, Prompt
+from megatron_gtpo.utils.atomic import write_text_atomic
 
 GenerateFn = Callable[..., list[Completion]]
 """``generate(prompts, *, n, temperature, top_p, max_tokens, stop=None, seed=None) -> list[Completion]``."""
@@ -128,7 +128,8 @@ def evaluate_benchmark(name: str, prompts: list[Prompt], *, generate: GenerateFn
                                max_tokens=sampling.max_tokens, stop=None, seed=sampling.seed + offset)
         groups = _check_completions(completions, len(chunk), sampling.n)
         flat = [c for g in groups for c in g]
-        scores = scorer.score([(c.text, chunk[c.prompt_index].gold, chunk[c.prompt_index].task) for c in flat])
+        scores = scorer.score([(c.text, chunk[c.prompt_index].gold, chunk[c.prompt_index].task) for c in flat],
+                              with_answers=True)
         for i, (prompt, group) in enumerate(zip(chunk, groups)):
             mine = scores[i * sampling.n:(i + 1) * sampling.n]
             problems.append(ProblemSamples(uid=prompt.uid, answers=[s.answer for s in mine],
@@ -167,19 +168,8 @@ def format_table(results: list[BenchmarkResult], ks: list[int]) -> str:
 
 
 def write_json_atomic(data: dict, path: str | os.PathLike) -> Path:
-    """Writes ``data`` as JSON through a temp file in the same directory and an atomic rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2)
-            handle.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Writes ``data`` as indented JSON through a temp file and an atomic rename."""
+    return write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def mlflow_metrics(results: list[BenchmarkResult]) -> dict[str, float]:

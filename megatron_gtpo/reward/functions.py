@@ -109,7 +109,8 @@ def overlong_penalty(num_tokens: int, *, max_tokens: int, cache_tokens: int, fac
     is -1 beyond it: 0, -0.5, -1 at ``L_max - L_cache``, ``L_max - L_cache/2``, ``L_max + 1``.
     """
     if max_tokens <= 0 or cache_tokens <= 0:
-        raise ValueError(f"overlong_penalty needs max_tokens > 0 and cache_tokens > 0, got {max_tokens}, {cache_tokens}")
+        raise ValueError(f"overlong_penalty needs max_tokens > 0 and cache_tokens > 0, "
+                         f"got {max_tokens}, {cache_tokens}")
     free = max_tokens - cache_tokens
     if num_tokens <= free:
         return 0.0

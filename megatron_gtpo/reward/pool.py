@@ -43,7 +43,8 @@ class SampleScore:
     correct: bool
     """Answer correctness; False on timeout or error."""
     answer: str | None
-    """Canonical extracted answer (maj@k voting key), None when absent, timed out or failed."""
+    """Canonical extracted answer (maj@k voting key); None when not asked for (``with_answers``),
+    absent, timed out or failed."""
     status: str = STATUS_OK
     """'ok', 'timeout' (over the per-sample limit) or 'error' (the reward function raised)."""
     error: str = ""
@@ -65,9 +66,10 @@ def load_callable(path: str):
     return getattr(importlib.import_module(module_name), attr)
 
 
-def score_one(fn, text: str, gold: str, task: str, timeout_s: float | None) -> SampleScore:
+def score_one(fn, text: str, gold: str, task: str, timeout_s: float | None, with_answer: bool = False) -> SampleScore:
     """Runs reward ``fn`` on one sample, under a SIGALRM time limit when ``timeout_s`` is set (only
-    valid in a process's main thread). Never raises for a bad sample."""
+    valid in a process's main thread); ``with_answer`` also extracts the canonical answer (maj@k
+    needs it, training does not). Never raises for a bad sample."""
     from megatron_gtpo.reward.functions import as_output
     from megatron_gtpo.reward.verify import _judge_cached
 
@@ -76,7 +78,7 @@ def score_one(fn, text: str, gold: str, task: str, timeout_s: float | None) -> S
             signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:
             out = as_output(fn(text, gold, task), text, gold, task)
-            answer = _judge_cached(text, gold, task).answer
+            answer = _judge_cached(text, gold, task).answer if with_answer else None
         finally:
             if timeout_s:
                 signal.setitimer(signal.ITIMER_REAL, 0)
@@ -100,9 +102,12 @@ def install_alarm() -> bool:
 
 
 def _worker_main(conn: Connection, fn_path: str, timeout_s: float) -> None:
-    """Worker loop: receive a chunk ``[(index, text, gold, task), ...]``, send ``(index, score)`` per
-    sample; ``None`` ends the loop."""
+    """Worker loop: receive ``(with_answers, [(index, text, gold, task), ...])``, send
+    ``(index, score)`` per sample; ``None`` ends the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # SIGUSR1 is the trainer's "checkpoint and exit" (SLURM preemption), sent to the whole process
+    # group; the rank handles it and stops its pool in order, so a worker must not die of it.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         fn = load_callable(fn_path)
         from megatron_gtpo.reward.verify import _mv_parse
@@ -120,8 +125,9 @@ def _worker_main(conn: Connection, fn_path: str, timeout_s: float) -> None:
             return
         if chunk is None:
             return
-        for index, text, gold, task in chunk:
-            conn.send((index, score_one(fn, text, gold, task, timeout_s)))
+        with_answers, samples = chunk
+        for index, text, gold, task in samples:
+            conn.send((index, score_one(fn, text, gold, task, timeout_s, with_answers)))
 
 
 class _Worker:
@@ -176,18 +182,19 @@ class ScoringPool:
                 worker.kill()
         self._workers = []
 
-    def score(self, items: list[tuple[str, str, str]], *, desc: str = "scoring",
+    def score(self, items: list[tuple[str, str, str]], *, with_answers: bool = False, desc: str = "scoring",
               progress: bool = False) -> list[SampleScore]:
-        """Scores ``[(completion_text, gold, task), ...]`` in order; one SampleScore per item."""
+        """Scores ``[(completion_text, gold, task), ...]`` in order; one SampleScore per item.
+        ``with_answers`` fills ``SampleScore.answer`` (the maj@k voting key)."""
         bar = tqdm(total=len(items), desc=desc, unit="sample", disable=not progress, leave=False)
         try:
             if self.num_workers == 0:
-                return self._score_inline(items, bar)
-            return self._score_parallel(items, bar)
+                return self._score_inline(items, bar, with_answers)
+            return self._score_parallel(items, bar, with_answers)
         finally:
             bar.close()
 
-    def _score_inline(self, items, bar) -> list[SampleScore]:
+    def _score_inline(self, items, bar, with_answers: bool) -> list[SampleScore]:
         fn = load_callable(self.fn_path)
         in_main = threading.current_thread() is threading.main_thread()
         previous = signal.getsignal(signal.SIGALRM) if in_main else None
@@ -195,7 +202,7 @@ class ScoringPool:
         try:
             out = []
             for text, gold, task in items:
-                out.append(score_one(fn, text, gold, task, timeout))
+                out.append(score_one(fn, text, gold, task, timeout, with_answers))
                 bar.update(1)
             return out
         finally:
@@ -210,24 +217,24 @@ class ScoringPool:
         while len(self._workers) < self.num_workers:
             self._workers.append(_Worker(self._ctx, self.fn_path, self.timeout_s))
 
-    def _score_parallel(self, items, bar) -> list[SampleScore]:
+    def _score_parallel(self, items, bar, with_answers: bool) -> list[SampleScore]:
         self._ensure_workers()
         queue = collections.deque(range(len(items)))
         results: list[SampleScore | None] = [None] * len(items)
         while queue or any(w.pending for w in self._workers):
-            self._dispatch(queue, items)
+            self._dispatch(queue, items, with_answers)
             busy = {w.conn: w for w in self._workers if w.pending or not w.ready}
             for conn in wait(list(busy), timeout=0.5):
                 self._receive(busy[conn], queue, results, bar)
             self._enforce_deadlines(queue, results, bar)
         return results  # type: ignore[return-value]
 
-    def _dispatch(self, queue, items) -> None:
+    def _dispatch(self, queue, items, with_answers: bool) -> None:
         for worker in self._workers:
             if worker.ready and not worker.pending and queue:
                 size = max(1, min(self.chunk_size, -(-len(queue) // len(self._workers))))
                 chunk = [queue.popleft() for _ in range(min(size, len(queue)))]
-                worker.conn.send([(i, *items[i]) for i in chunk])
+                worker.conn.send((with_answers, [(i, *items[i]) for i in chunk]))
                 worker.pending.extend(chunk)
                 worker.since = time.monotonic()
 

@@ -74,10 +74,11 @@ class RewardScorer:
         """Stops the worker processes."""
         self.pool.close()
 
-    def score(self, items: list[tuple[str, str, str]], *, progress: bool = False,
+    def score(self, items: list[tuple[str, str, str]], *, with_answers: bool = False, progress: bool = False,
               desc: str = "scoring") -> list[SampleScore]:
-        """Scores ``[(completion_text, gold, task), ...]``; one SampleScore per item, in order."""
-        return self.pool.score(items, progress=progress, desc=desc)
+        """Scores ``[(completion_text, gold, task), ...]``; one SampleScore per item, in order.
+        ``with_answers`` also returns each canonical extracted answer (for maj@k)."""
+        return self.pool.score(items, with_answers=with_answers, progress=progress, desc=desc)
 
 
 def _group_indices(num_prompts: int, completions: list[Completion]) -> list[list[int]]:

@@ -172,14 +172,14 @@ class RolloutEngine:
         try:
             self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors),
                                                                "is_checkpoint_format": True})
+            self._llm.apply_model(_repack_tied_cpu_gemms)
+            # Cached prefix KV blocks were computed with the old weights.
+            self._llm.reset_prefix_cache()
         except BaseException as err:
             # The push was complete and well-formed, so this is a vLLM-side failure after layers
             # were already rewritten: refuse to serve a half-updated model.
             self._broken = f"vLLM failed while reloading weights v{version}: {err!r}"
             raise
-        self._llm.apply_model(_repack_tied_cpu_gemms)
-        # Cached prefix KV blocks were computed with the old weights.
-        self._llm.reset_prefix_cache()
         self._version = version
 
     # ----------------------------------------------------------------------------- memory

@@ -51,6 +51,30 @@ class PreemptionFlag:
         return self.received is not None
 
 
+@contextlib.contextmanager
+def signals_blocked():
+    """Blocks SIGTERM/SIGUSR1 while helper processes are started, so they inherit a blocked mask.
+
+    torchrun and SLURM deliver a preemption signal to a rank's whole process group; helpers
+    (Megatron's checkpoint-writer Manager, reward workers) would die of it mid-save, since only the
+    rank itself handles it. A blocked mask survives fork and exec; the rank's own mask is restored.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(PreemptionFlag.SIGNALS))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def start_checkpoint_helpers() -> None:
+    """Starts Megatron's checkpoint-writer Manager process now, with preemption signals blocked
+    (it is otherwise started lazily by the first save, inside the signalled process group)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    with signals_blocked():
+        filesystem_async._get_write_results_queue()
+
+
 def setup_logging(rank: int, level: str = "INFO") -> logging.Logger:
     """Rank 0 logs at ``level``; other ranks only warnings (one readable stream per job)."""
     logger = logging.getLogger("megatron_gtpo")

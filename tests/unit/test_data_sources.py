@@ -32,7 +32,8 @@ def test_benchmark_fields_are_read_as_documented():
     assert math.question.startswith("Convert the point") and math.gold == "\\left( 3, \\frac{\\pi}{2} \\right)"
     assert load_benchmark("aime24", data_root=SHARED_DATA)[0].uid == "aime24:60"  # its own id column
     assert load_benchmark("aime25", data_root=SHARED_DATA)[0].gold == "70"
-    assert [e.gold for e in load_benchmark("amc23", data_root=SHARED_DATA, limit=2)] == ["27", "36"]  # floats 27.0, 36.0
+    amc = load_benchmark("amc23", data_root=SHARED_DATA, limit=2)
+    assert [e.gold for e in amc] == ["27", "36"]  # stored as floats 27.0, 36.0
     mmlu = load_benchmark("mmlu", data_root=SHARED_DATA, limit=1)[0]
     assert mmlu.gold == "C" and len(mmlu.choices) == 4 and mmlu.uid == "mmlu_stem:0"
 

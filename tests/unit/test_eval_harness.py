@@ -111,3 +111,21 @@ def test_cli_flags_become_a_validated_config():
 def test_cli_bad_input_exits_2_naming_the_flag(argv, message, capsys):
     assert cli.main(argv) == cli.EXIT_BAD_INPUT
     assert message in capsys.readouterr().err
+
+
+@needs_data
+def test_a_failed_run_leaves_no_report_and_no_partial_samples(tmp_path):
+    calls = []
+
+    def failing_generate(prompts, **kwargs):
+        calls.append(len(prompts))
+        if len(calls) == 2:
+            raise RuntimeError("engine died")
+        return scripted_generate(prompts, **kwargs)
+
+    output = tmp_path / "report.json"
+    config = EvalConfig(model="scripted", benchmarks=["gsm8k"], n=2, k=[1], limit=4, workers=0, chunk_samples=4,
+                        output=str(output), save_samples=True, data_root=str(SHARED_DATA))
+    with pytest.raises(RuntimeError, match="engine died"):
+        cli.run(config, generate=failing_generate, tokenizer=tiny_tokenizer())
+    assert calls == [2, 2] and list(tmp_path.iterdir()) == []

@@ -21,7 +21,7 @@ def test_pool_survives_timeouts_hangs_and_errors():
     with ScoringPool(fn_path=f"{PLUGIN}:misbehaving_reward", num_workers=2, timeout_s=1.0, chunk_size=4,
                      start_method="fork") as pool:
         start = time.monotonic()
-        scores = pool.score(items)
+        scores = pool.score(items, with_answers=True)
         assert time.monotonic() - start < 60  # neither the 60 s sleep nor the hang was waited out
         assert [s.status for s in scores[:6]] == ["ok", "timeout", "timeout", "error", "error", "error"]
         assert "boom" in scores[3].error and "finite" in scores[4].error and "exit code 3" in scores[5].error
@@ -32,7 +32,7 @@ def test_pool_survives_timeouts_hangs_and_errors():
         assert [s.answer for s in scores[6:]] == [str(i) for i in range(30)]
         # the killed and the dead worker were replaced: the pool keeps working
         again = pool.score([("the answer is 5", "5", "gsm8k")] * 5)
-        assert all(s.status == "ok" and s.correct for s in again)
+        assert all(s.status == "ok" and s.correct and s.answer is None for s in again)  # no answers asked
 
 
 def test_inline_scoring_times_out_and_restores_handler():

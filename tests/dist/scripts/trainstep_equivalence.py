@@ -202,9 +202,10 @@ def _check_lr_schedule(ddp) -> None:
 
 
 def _check_vpp_guard(dims, tied) -> None:
-    """PP=2 x VPP with Megatron's default batched p2p silently swaps activations and gradients;
-    the step must refuse it."""
-    chunks = M.build_model(C.tiny_config(tied=tied), dims=dims)
+    """PP=2 x VPP with batched p2p silently swaps activations and gradients: the model builder
+    turns it off by default, and the step must refuse a user override that turns it back on."""
+    assert M.build_model(C.tiny_config(tied=tied), dims=dims)[0].config.batch_p2p_comm is False
+    chunks = M.build_model(C.tiny_config(tied=tied), dims=dims, overrides={"batch_p2p_comm": True})
     try:
         compute_logprobs(chunks, C.make_batch(0), dims=dims, micro_batch_size=MBS)
         emit(check="vpp_guard", raised=False)
