@@ -15,30 +15,29 @@ import re
 
 # A number as models write it: sign, thousands separators, decimals, an optional "/d" fraction.
 NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-_OPEN_ANSWER_RE = re.compile(r"<answer>", re.IGNORECASE)
 _HASH_RE = re.compile(r"####\s*([^\n]+)")
-# "The (final) answer is X", "answer: X". X runs to the end of the sentence or line; "is"/":" is
+# "The (final) answer is X", "answer: X". X is the rest of the line, cut at the end of its sentence
+# in Python (a lazy regex for that would backtrack quadratically on long lines). "is"/":" is
 # required so that prose such as "to answer this" is not taken for an answer.
-_PHRASE_RE = re.compile(
-    r"answer\s*(?:is|:|=)\s*:?\s*"
-    r"([^\n]*?)\s*(?:\.\s|\.$|\n|$)", re.IGNORECASE)
+_PHRASE_RE = re.compile(r"answer\s*(?:is|:|=)[ \t:]*([^\n]*)", re.IGNORECASE)
+_SENTENCE_END_RE = re.compile(r"\.(?:\s|$)")
 _BOXED_NAMES = ("\\boxed", "\\fbox")
 # Choice letters: "(C)", "C)", "C.", "C:" or a bare "C" that is its own token.
 _LETTER_RE = re.compile(r"(?<![A-Za-z])\(?([A-D])(?:\)|\.|:|(?![A-Za-z]))")
-_LETTER_PHRASE_RE = re.compile(
-    r"(?:answer|option|choice)\s*(?:is|:)?\s*:?\s*\(?([A-D])\b", re.IGNORECASE)
+_LETTER_PHRASE_RE = re.compile(r"(?:answer|option|choice)(?:\s|:|is\b)*\(?([A-D])\b", re.IGNORECASE)
 
 
 def answer_region(text: str) -> tuple[str, bool]:
     """Returns ``(region, tagged)``: the body of the last ``<answer>...</answer>`` block when there is
     one (or of a final unclosed ``<answer>``, as truncated models leave it), else the whole text."""
-    blocks = _ANSWER_TAG_RE.findall(text)
-    if blocks:
-        return blocks[-1].strip(), True
-    opens = list(_OPEN_ANSWER_RE.finditer(text))
-    if opens:
-        return text[opens[-1].end():].strip(), True
+    lower = text.lower()  # str.rfind keeps this linear even for text full of stray tags
+    close = lower.rfind("</answer>")
+    start = lower.rfind("<answer>", 0, close) if close >= 0 else -1
+    if start >= 0:
+        return text[start + len("<answer>"):close].strip(), True
+    start = lower.rfind("<answer>")
+    if start >= 0:
+        return text[start + len("<answer>"):].strip(), True
     return text, False
 
 
@@ -85,7 +84,11 @@ def choice_letter(text: str) -> str | None:
 
 
 def _phrase(text: str) -> str | None:
-    found = [m.group(1).strip() for m in _PHRASE_RE.finditer(text) if m.group(1).strip()]
+    found = []
+    for match in _PHRASE_RE.finditer(text):
+        span = _SENTENCE_END_RE.split(match.group(1), maxsplit=1)[0].strip()
+        if span:
+            found.append(span)
     return found[-1] if found else None
 
 

@@ -33,10 +33,6 @@ class RewardOutput:
     """Answer correctness (accuracy metric, DAPO's dynamic-sampling filter)."""
 
 
-_REASONING_BLOCK = re.compile(r"<reasoning>.*?</reasoning>", re.DOTALL)
-_FINAL_ANSWER_BLOCK = re.compile(r"<answer>.*?</answer>\s*$", re.DOTALL)
-_ANSWER_TAG = re.compile(r"</?answer>")
-_REASONING_TAG = re.compile(r"</?reasoning>")
 
 FORMAT_FULL = 10.0
 """Format reward of a completion with both tag pairs whose answer block ends the text."""
@@ -50,14 +46,17 @@ def paper_format_score(text: str) -> float:
     the other kind is present, 1.0 when not; 0 without a complete block. Trailing whitespace after
     ``</answer>`` is allowed (the reference regex's ``$`` already allowed one newline).
     """
-    has_reasoning = bool(_REASONING_BLOCK.search(text))
-    has_answer = bool(_FINAL_ANSWER_BLOCK.search(text))
+    # The reference regexes, <reasoning>.*?</reasoning> and <answer>.*?</answer>$, as linear scans.
+    opened = text.find("<reasoning>")
+    has_reasoning = opened >= 0 and text.find("</reasoning>", opened + len("<reasoning>")) >= 0
+    tail = text.rstrip()
+    has_answer = tail.endswith("</answer>") and tail.rfind("<answer>", 0, len(tail) - len("</answer>")) >= 0
     if has_reasoning and has_answer:
         return FORMAT_FULL
     if has_reasoning:
-        return 1.5 if _ANSWER_TAG.search(text) else 1.0
+        return 1.5 if "<answer>" in text or "</answer>" in text else 1.0
     if has_answer:
-        return 1.5 if _REASONING_TAG.search(text) else 1.0
+        return 1.5 if "<reasoning>" in text or "</reasoning>" in text else 1.0
     return 0.0
 
 

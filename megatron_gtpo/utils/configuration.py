@@ -53,13 +53,24 @@ def build(cls: type, data: Any, path: str = "") -> Any:
         raise ConfigError(
             f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(_join(path, k) for k in unknown)}; "
             f"allowed keys under {where}: {', '.join(sorted(fields))}")
-    kwargs = {name: _coerce(hints[name], value, _join(path, name)) for name, value in data.items()}
+    kwargs = {name: _coerce(hints[name], _with_dict_defaults(fields[name], value), _join(path, name))
+              for name, value in data.items()}
     try:
         return cls(**kwargs)
     except ConfigError as err:
         raise ConfigError(f"{path + '.' if path else ''}{err}") from None
     except TypeError as err:  # a required field is missing
         raise ConfigError(f"{where}: {err}") from None
+
+
+def _with_dict_defaults(f: dataclasses.Field, value: Any) -> Any:
+    """A mapping given for a dict field with a default mapping (native pass-through blocks such as
+    ``optim.optimizer``) is merged over the defaults: setting one key keeps the others."""
+    if isinstance(value, dict) and f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        default = f.default_factory()  # type: ignore[misc]
+        if isinstance(default, dict):
+            return {**default, **value}
+    return value
 
 
 def _join(path: str, key: str) -> str:
