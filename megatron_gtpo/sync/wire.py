@@ -24,11 +24,15 @@ class TensorMeta:
     """Where one tensor sits in a packed bucket."""
 
     name: str
+    """HF parameter name."""
     dtype: torch.dtype
+    """Element type of the tensor (the engine dtype after the trainer-side cast)."""
     shape: tuple[int, ...]
+    """Full (unsharded) shape."""
     offset: int
     """Byte offset in the buffer (a multiple of the alignment)."""
     nbytes: int
+    """Payload bytes (without the alignment padding that follows)."""
 
 
 def pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[TensorMeta]]:

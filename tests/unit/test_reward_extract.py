@@ -67,3 +67,24 @@ def test_last_number_keeps_separators_and_signs():
 ])
 def test_gold_answer(gold, task, expected):
     assert gold_answer(gold, task) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "the answer is" + " " * 200_000 + "x",
+    "answer" + " " * 200_000,
+    "<answer>" * 30_000 + "1",
+    "</answer><answer>" * 30_000,
+    "<reasoning>" * 30_000 + "\\boxed{" * 30_000,
+    "1," * 100_000,
+])
+def test_extraction_is_linear_on_adversarial_text(text):
+    # Quadratic regex backtracking would take minutes on these; a linear scan takes milliseconds.
+    import time
+
+    from megatron_gtpo.reward import paper_format_score
+
+    start = time.perf_counter()
+    for task in ("gsm8k", "math", "mmlu"):
+        extract_answer(text, task)
+    paper_format_score(text)
+    assert time.perf_counter() - start < 5.0
