@@ -29,7 +29,8 @@ TEMPERATURE, MAX_TOKENS, PAD = 1.0, 32, 0
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="trainer and engine dtype")
-    parser.add_argument("--repeats", type=int, default=3, help="timed pushes per transport and plain copies (fastest reported)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed pushes per transport and plain copies (fastest reported)")
     parser.add_argument("--transports", default="colocated,separate", help="comma-separated transports")
     parser.add_argument("--bucket-mb", type=int, default=256, help="exporter bucket size in MiB")
     parser.add_argument("--threads", type=int, default=1,

@@ -58,6 +58,12 @@ def engine_kwargs(model_dir: str, vllm_kwargs: dict | None, seed: int) -> dict[s
     return kwargs
 
 
+def call_seed(engine_seed: int, call: int) -> int:
+    """The sampling seed of an engine's ``call``-th generate when the caller gives none: runs are
+    reproducible and successive calls differ."""
+    return hash((engine_seed, call)) % _SEED_SPACE  # tuples of ints hash the same in every process
+
+
 def prompt_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
     """Seed of each prompt's request. vLLM seeds sample ``j`` of a request with ``seed + j``, so
     prompts are spaced ``n`` apart: no two samples of one call share a seed."""
@@ -129,7 +135,7 @@ class RolloutEngine:
         reproducible and successive calls differ; equal seeds give equal completions.
         """
         if seed is None:
-            seed = hash((self._seed, self._calls)) % _SEED_SPACE
+            seed = call_seed(self._seed, self._calls)
         self._calls += 1
         return self.sample(prompts, seeds=prompt_seeds(seed, len(prompts), n), n=n,
                            temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop)
@@ -142,6 +148,8 @@ class RolloutEngine:
         if stop and not self._has_tokenizer:
             raise ValueError("stop strings need detokenization; build the engine without skip_tokenizer_init")
         self._ensure_serving()
+        if not prompts:
+            return []
         from vllm import SamplingParams
 
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,

@@ -19,7 +19,8 @@ def chat_prompt(tokenizer, messages: str | list[dict], *, uid: str, gold: str = 
     if not turns or not all(isinstance(t, dict) and {"role", "content"} <= t.keys() for t in turns):
         raise ValueError(f"messages must be a string or a list of {{'role', 'content'}} dicts, got {messages!r:.120}")
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat template; use an instruct model's tokenizer")
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat template; "
+                         "use an instruct model's tokenizer")
     text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     # The template already holds the special tokens (BOS, role headers): do not add them twice.
     token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]

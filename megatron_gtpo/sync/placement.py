@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from megatron_gtpo.rollout.config import RolloutConfig
-from megatron_gtpo.rollout.engine import _SEED_SPACE, RolloutEngine, prompt_seeds
+from megatron_gtpo.rollout.engine import RolloutEngine, call_seed, prompt_seeds
 from megatron_gtpo.sync.base import WeightSync
 from megatron_gtpo.sync.colocated import ColocatedSync
 from megatron_gtpo.sync.config import SyncConfig
@@ -67,7 +67,7 @@ class RolloutGroup:
                  max_tokens: int, stop: list[str] | None = None, seed: int | None = None) -> list[Completion]:
         """As :meth:`RolloutEngine.generate`; the same result on every rank."""
         if seed is None:
-            seed = hash((self._seed, self._calls)) % _SEED_SPACE
+            seed = call_seed(self._seed, self._calls)
         self._calls += 1
         seeds = prompt_seeds(seed, len(prompts), n)
         sampling = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop)

@@ -7,8 +7,9 @@
 :class:`SeparateEngine` owns the process (spawned from trainer rank 0, outside the torchrun world)
 and mirrors :class:`~megatron_gtpo.rollout.engine.RolloutEngine`'s API, so the driver generates
 through it exactly as through a local engine. Control messages go over a pipe; tensor bytes go over
-a dedicated two-party gloo group (its own TCP store), which also works across hosts. On GPU the
-same role is played by vLLM's NCCL weight-transfer engine; this CPU transport is what runs here.
+a dedicated two-party gloo group on its own TCP store (a network transport, unlike shared memory).
+With CUDA tensors this path still works, staging through host memory; the fast GPU data plane
+would be vLLM's NCCL weight-transfer engine, which is not wired in yet (no GPU to test it here).
 
 The trainer packs bucket k+1 while bucket k is on the wire. The engine keeps every received bucket
 until the push is complete (one extra copy of the weights in the engine process) and then reloads
@@ -20,7 +21,7 @@ from __future__ import annotations
 import multiprocessing as mp
 from collections.abc import Iterable, Sequence
 
-from megatron_gtpo.rollout.engine import _SEED_SPACE, prompt_seeds
+from megatron_gtpo.rollout.engine import call_seed, prompt_seeds
 from megatron_gtpo.rollout.weights import Bucket, PushChecker, WeightPushError, WeightSpec
 from megatron_gtpo.sync import wire
 from megatron_gtpo.sync.base import PushTimer, SyncStats, WeightSync, agree, drain
@@ -71,7 +72,7 @@ class SeparateEngine:
                  max_tokens: int, stop: list[str] | None = None, seed: int | None = None) -> list[Completion]:
         """As :meth:`RolloutEngine.generate` (same seeds for the same engine seed and call count)."""
         if seed is None:
-            seed = hash((self._seed, self._calls)) % _SEED_SPACE
+            seed = call_seed(self._seed, self._calls)
         self._calls += 1
         return self.sample(prompts, seeds=prompt_seeds(seed, len(prompts), n), n=n,
                            temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop)
@@ -82,6 +83,9 @@ class SeparateEngine:
 
     def push(self, buckets: Iterable[Bucket], *, version: int) -> tuple[int, int]:
         """Sends one whole push; returns (tensors, bytes). Raises WeightPushError if rejected."""
+        if not isinstance(version, int) or version < self._version:
+            drain(iter(buckets))
+            raise ValueError(f"weight version must be an int >= the served version {self._version}, got {version!r}")
         checker = PushChecker(self.weight_spec, version)
         self._conn.send(("push", version))
         it, pending = iter(buckets), None
@@ -137,8 +141,9 @@ class SeparateEngine:
         reply = self._recv()
         if reply[0] == "ok":
             return reply[1]
-        if reply[1].startswith("WeightPushError"):
-            raise WeightPushError(reply[1].split(": ", 1)[1])
+        kind, _, message = reply[1].partition(": ")
+        if kind in ("WeightPushError", "ValueError"):  # the caller's mistake: same type as in-process
+            raise (WeightPushError if kind == "WeightPushError" else ValueError)(message)
         raise error_type(f"rollout engine process: {reply[1]}\n{reply[2]}")
 
 
@@ -159,7 +164,7 @@ class SeparateSync(WeightSync):
         try:
             num_tensors, num_bytes = self._engine.push(buckets, version=version)
             stats = timer.stats(version=version, num_tensors=num_tensors, num_bytes=num_bytes)
-        except (WeightPushError, EngineProcessError) as err:
+        except (WeightPushError, EngineProcessError, ValueError) as err:
             error = err
         return agree(error, stats)
 

@@ -172,7 +172,8 @@ def test_colocated_push_and_rejections(engine, prompts, hf_model):
     served = engine.generate(prompts[:2], n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=10, seed=2)
     for c in served:
         assert c.weight_version == 1
-        assert (torch.tensor(c.logprobs, dtype=torch.float64) - reference_logprobs(hf_model, c, TEMPERATURE)).abs().max() < 1e-4
+        want = reference_logprobs(hf_model, c, TEMPERATURE)
+        assert (torch.tensor(c.logprobs, dtype=torch.float64) - want).abs().max() < 1e-4
 
     def crashing():
         yield items[:6]

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from megatron_gtpo.rollout import PushChecker, RolloutConfig, WeightPushError, WeightSpec, logprob_mismatch, prompt_seeds
+from megatron_gtpo.rollout import (PushChecker, RolloutConfig, WeightPushError, WeightSpec, logprob_mismatch,
+                                   prompt_seeds)
 from megatron_gtpo.rollout.engine import engine_kwargs
 from megatron_gtpo.sync import SyncConfig
 from megatron_gtpo.sync import wire
@@ -48,7 +49,8 @@ def test_rollout_config_validation():
     cfg = build(RolloutConfig, {"n": 4, "temperature": 0.7, "stop": ["</answer>"], "vllm": {"dtype": "bfloat16"}})
     assert cfg.sampling() == {"n": 4, "temperature": 0.7, "top_p": 1.0, "max_tokens": 1024, "stop": ["</answer>"]}
     for bad, field in [({"n": 0}, "n"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-                       ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop"), ({"vllm": {"model": "x"}}, "vllm.model")]:
+                       ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop"),
+                       ({"vllm": {"model": "x"}}, "vllm.model")]:
         with pytest.raises(ConfigError, match=field):
             build(RolloutConfig, bad)
 
