@@ -44,7 +44,7 @@ def ensure_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = gguf_path()
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, replace=False) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype="float32")
         # The loaded model is already dequantized to fp32, but it still carries the GGUF

@@ -38,7 +38,7 @@ def ensure_tiny(cache_dir: str | os.PathLike | None = None, *, seed: int = 0) ->
     config = transformers.Qwen2Config(**TINY_CONFIG)
     config.architectures = ["Qwen2ForCausalLM"]
     model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, replace=False) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         for name in os.listdir(tok_dir):
             if name.startswith(("tokenizer", "chat_template", "special_tokens")):
@@ -99,7 +99,7 @@ def ensure_tiny_char(cache_dir: str | os.PathLike | None = None, *, seed: int = 
                                          "eos_token_id": 2, "pad_token_id": 2})
     config.architectures = ["Qwen2ForCausalLM"]
     model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, replace=False) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         _char_tokenizer().save_pretrained(tmp)
     return out

@@ -27,17 +27,27 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_directory(final: str | os.PathLike):
-    """Yields an empty temp directory next to ``final``; when the block succeeds it replaces
-    ``final`` (an existing one is removed first), when it raises the temp directory is deleted."""
+def atomic_directory(final: str | os.PathLike, *, replace: bool = True):
+    """Yields an empty temp directory next to ``final``; when the block succeeds it becomes
+    ``final``, when it raises the temp directory is deleted.
+
+    ``replace=False`` is for caches that several processes may fill at once (torchrun ranks on a
+    fresh machine): if another process committed ``final`` first, its copy is kept and ours is
+    dropped, so no reader ever sees the directory disappear.
+    """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}-"))
     try:
         yield tmp
-        if final.exists():
+        if final.exists() and replace:
             shutil.rmtree(final)
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if replace or not final.exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
