@@ -17,6 +17,7 @@ format); model weights alone reload at any layout (``load_model_weights``). RNG 
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import shutil
@@ -25,6 +26,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron_gtpo.convert.offline import checkpoint_model_dir
+from megatron_gtpo.parallel.dims import current_dims
+from megatron_gtpo.parallel.objects import any_rank
+from megatron_gtpo.train.model import unwrap
+from megatron_gtpo.utils.atomic import write_text_atomic
+from megatron_gtpo.utils.runtime import PreemptionFlag
+
+log = logging.getLogger("megatron_gtpo")
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 # Distributed-optimizer state format (Megatron-LM's default): every rank writes its own buffers
@@ -52,16 +62,12 @@ def model_sharded_state_dict(model_chunks: list[torch.nn.Module]) -> dict:
     """``{"model": ...}`` or ``{"model0": ..., "model1": ...}`` (VPP), as Megatron-LM names them.
     Built from the bare GPTModel (the stored keys are the same through DDP/Float16Module), so
     the loaded dicts fit ``GPTModel.load_state_dict``."""
-    from megatron_gtpo.train.model import unwrap
-
     if len(model_chunks) == 1:
         return {"model": unwrap(model_chunks[0]).sharded_state_dict()}
     return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model_chunks)}
 
 
 def _load_into_models(model_chunks: list[torch.nn.Module], state: dict) -> None:
-    from megatron_gtpo.train.model import unwrap
-
     keys = ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
     for chunk, key in zip(model_chunks, keys):
         # Non-strict only for ``_extra_state`` a converted checkpoint may not carry (TE spec).
@@ -101,8 +107,6 @@ def load_model_weights(model_chunks: list[torch.nn.Module], ckpt_dir: str | Path
     checkpoint or a training step dir. ConfigError when none is found."""
     from megatron.core import dist_checkpointing
 
-    from megatron_gtpo.convert.offline import checkpoint_model_dir
-
     ckpt_dir = checkpoint_model_dir(Path(ckpt_dir))
     sharded = model_sharded_state_dict(model_chunks)
     _drop_objects_missing_from(sharded, ckpt_dir)
@@ -131,8 +135,6 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _layout(model_chunks) -> dict:
-    from megatron_gtpo.parallel.dims import current_dims
-
     dims = current_dims()
     return {"tp": dims.tp, "pp": dims.pp, "model_chunks": len(model_chunks)}
 
@@ -140,8 +142,6 @@ def _layout(model_chunks) -> dict:
 def _rng_sharded():
     """This rank's RNG as a ShardedObject over the (PP, TP) grid; DP replicas share DP rank 0's."""
     from megatron.core.dist_checkpointing import ShardedObject
-
-    from megatron_gtpo.parallel.dims import current_dims
 
     dims = current_dims()
     return ShardedObject("rng_state", _rng_state(), (dims.pp, dims.tp), (dims.pp_rank, dims.tp_rank),
@@ -263,3 +263,56 @@ def load_checkpoint(root: str | Path, *, model_chunks: list[torch.nn.Module], op
     _restore_adam_steps(optimizer, loaded["optimizer"])
     _set_rng_state(loaded["rng_state"])
     return int(loaded["step"]), loaded["extra_state"]
+
+
+class Checkpointer:
+    """The run's checkpoints: restore on ``--resume``, save when due, stop cleanly when preempted.
+
+    It saves the policy (model, optimizer, LR schedule, RNG), the prompt cursor and the MLflow run
+    id. SIGTERM / SIGUSR1 (SLURM preemption, scancel) set a flag; ``after_step`` then saves and
+    writes ``PREEMPTED`` so the job can be requeued with ``--resume``. A checkpoint directory exists
+    only once complete, so a kill loses at most the steps since the last save.
+    """
+
+    def __init__(self, root: str | Path, *, policy, dataset, every: int, keep_last: int, total_steps: int,
+                 preempt: PreemptionFlag):
+        self.root, self.policy, self.dataset = Path(root), policy, dataset
+        self.every, self.keep_last, self.total_steps = every, keep_last, total_steps
+        self.preempt = preempt
+        """Set by SIGTERM/SIGUSR1; installed by the driver before anything slow starts."""
+        self.last_saved = -1
+
+    def restore(self) -> tuple[int, str | None]:
+        """Loads the newest checkpoint into the policy and the dataset cursor; returns
+        ``(step, run_id)``, or ``(0, None)`` when there is none (logged)."""
+        loaded = load_checkpoint(self.root, model_chunks=self.policy.chunks, optimizer=self.policy.optimizer)
+        if loaded is None:
+            log.warning("--resume: no checkpoint under %s, starting from step 0", self.root)
+            return 0, None
+        step, extra = loaded
+        self.dataset.load_state_dict(extra["data"])
+        self.policy.scheduler.load_state_dict(extra["scheduler"])
+        self.last_saved = step
+        log.info("resumed from step %d (MLflow run %s)", step, extra.get("run_id"))
+        return step, extra.get("run_id")
+
+    def after_step(self, step: int, *, run_id: str | None) -> bool:
+        """Saves when due (every N steps, the last step, a preemption signal); True = stop now."""
+        preempted = any_rank(self.preempt.set)
+        if step % self.every == 0 or step == self.total_steps or preempted:
+            self.save(step, run_id=run_id)
+        if preempted:
+            if dist.get_rank() == 0:
+                write_text_atomic(self.root.parent / "PREEMPTED", f"{step}\n")
+                log.warning("preempted: checkpoint of step %d saved, exiting (resume with --resume)", step)
+            return True
+        return False
+
+    def save(self, step: int, *, run_id: str | None) -> None:
+        if self.last_saved == step:
+            return
+        extra = {"data": self.dataset.state_dict(), "scheduler": self.policy.scheduler.state_dict(), "run_id": run_id}
+        path = save_checkpoint(self.root, step=step, model_chunks=self.policy.chunks, optimizer=self.policy.optimizer,
+                               extra_state=extra, keep_last=self.keep_last)
+        self.last_saved = step
+        log.info("checkpoint: %s", path)

@@ -17,6 +17,7 @@ from megatron_gtpo.algo.config import AlgoConfig
 from megatron_gtpo.data.config import DataConfig
 from megatron_gtpo.models.config import ModelConfig
 from megatron_gtpo.parallel.dims import ParallelConfig
+from megatron_gtpo.parallel.layout import batch_split_problem
 from megatron_gtpo.reward.config import RewardConfig
 from megatron_gtpo.rollout.config import RolloutConfig
 from megatron_gtpo.sync.config import SyncConfig
@@ -57,19 +58,17 @@ class RunConfig:
     """MLflow tracking."""
 
     def __post_init__(self):
-        algo = self.algo.resolved()
-        if algo.overlong_buffer_len and algo.overlong_buffer_len > self.rollout.max_tokens:
-            raise ConfigError(f"algo.overlong_buffer_len={algo.overlong_buffer_len} is not allowed: expected "
+        spec = self.algo.resolve(max_completion_tokens=self.rollout.max_tokens)
+        if spec.overlong_buffer_len > self.rollout.max_tokens:
+            raise ConfigError(f"algo.overlong_buffer_len={spec.overlong_buffer_len} is not allowed: expected "
                               f"<= rollout.max_tokens ({self.rollout.max_tokens}), the L_max of DAPO's punishment")
         if self.rollout.n < 2:
             raise ConfigError(f"rollout.n={self.rollout.n} is not allowed: group-relative advantages need >= 2 "
                               "completions per prompt")
-        rows = self.train.prompts_per_step * self.rollout.n
-        if rows % (self.parallel.dp * self.train.micro_batch_size):
-            raise ConfigError(
-                f"train.micro_batch_size={self.train.micro_batch_size} is not allowed: the global batch of "
-                f"train.prompts_per_step * rollout.n = {rows} completions must split evenly into parallel.dp="
-                f"{self.parallel.dp} ranks x micro-batches of that size")
+        problem = batch_split_problem(self.train.prompts_per_step * self.rollout.n, dp=self.parallel.dp,
+                                      micro_batch_size=self.train.micro_batch_size)
+        if problem:
+            raise ConfigError(problem)
 
 
 def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:

@@ -9,12 +9,17 @@ comes from ``tracking.uri`` or ``MLFLOW_TRACKING_URI``. Artifacts of the SQLite 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_gtpo.utils.configuration import flatten, require
+from megatron_gtpo.parallel.objects import broadcast_object
+from megatron_gtpo.utils.atomic import write_text_atomic
+from megatron_gtpo.utils.configuration import flatten, require, write_yaml_atomic
+
+log = logging.getLogger("megatron_gtpo")
 
 
 @dataclass(kw_only=True)
@@ -110,3 +115,96 @@ class Tracker:
         """Marks the run FINISHED (or KILLED/FAILED); a resumed run flips it back to RUNNING."""
         if self.enabled:
             self._client.set_terminated(self.run_id, status=status)
+
+
+class Reporter:
+    """Rank 0's view of a run: MLflow metrics and artifacts, one log line per step, sample tables.
+
+    Every rank builds one (the MLflow run id is shared with all ranks, for checkpoints); only rank 0
+    writes anything. Metric names are those of ``megatron_gtpo.metrics``.
+    """
+
+    def __init__(self, config: TrackingConfig, *, run_dir: Path, rank: int, total_steps: int,
+                 run_id: str | None = None):
+        self.config, self.run_dir, self.rank, self.total_steps = config, Path(run_dir), rank, total_steps
+        self.tracker: Tracker | None = None
+        if rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.tracker = Tracker(enabled=config.enabled, uri=resolve_uri(config.uri, self.run_dir),
+                                   experiment=config.experiment,
+                                   run_name=config.run_name or self.run_dir.resolve().name,
+                                   artifact_dir=self.run_dir / "mlartifacts", run_id=run_id)
+            if self.tracker.run_id:
+                write_text_atomic(self.run_dir / "run_id", self.tracker.run_id)
+        self.new_run = run_id is None
+        self.run_id: str | None = broadcast_object(self.tracker.run_id if self.tracker else None)
+        """The MLflow run id on every rank (None when tracking is off)."""
+
+    def start(self, config: dict) -> None:
+        """Writes the resolved config to ``<run dir>/config.yaml`` and, once per MLflow run (not on
+        resume), logs it as params and as an artifact."""
+        if self.tracker is None:
+            return
+        path = write_yaml_atomic(config, self.run_dir / "config.yaml")
+        if self.new_run and self.config.enabled:
+            self.tracker.log_params(config)
+            self.tracker.log_artifact(path)
+
+    def step(self, step: int, metrics: dict[str, float], groups) -> None:
+        """Logs one step: MLflow metrics, a one-line summary and, every N steps, sample completions."""
+        if self.tracker is None:
+            return
+        self.tracker.log_metrics(metrics, step)
+        get = lambda k: metrics.get(k, float("nan"))  # noqa: E731
+        log.info("step %d/%d | reward %.3f acc %.2f | len %.1f | H %.3f | conflicts %.2f | gnorm %.3f | "
+                 "rollout %.1fs reward %.1fs train %.1fs sync %.1fs = %.1fs", step, self.total_steps,
+                 get("reward/mean"), get("reward/accuracy"), get("completion/length_mean"), get("entropy/mean"),
+                 get("gtpo/conflict_tokens_per_completion"), get("optim/grad_norm"), get("time/rollout_s"),
+                 get("time/reward_s"), get("time/train_s"), get("time/sync_s"), get("time/step_s"))
+        every = self.config.samples_every
+        if every and (step % every == 0 or step == 1):
+            self.tracker.log_json(sample_table(groups, limit=self.config.num_samples), f"samples/step_{step:06d}.json")
+
+    def skipped(self, step: int, metrics: dict[str, float]) -> None:
+        """A step whose dynamic sampling kept no group: no update, the counters are still logged."""
+        if self.tracker is None:
+            return
+        self.tracker.log_metrics({**metrics, "rollout/skipped_step": 1.0}, step)
+        log.warning("step %d: dynamic sampling kept no group in %d tries (all-equal groups); no update this step",
+                    step, int(metrics["rollout/tries"]))
+
+    def evaluation(self, step: int, metrics: dict[str, float], *, num_prompts: int) -> None:
+        """Logs a periodic held-out evaluation (metrics and a JSON artifact)."""
+        if self.tracker is None:
+            return
+        self.tracker.log_metrics(metrics, step)
+        self.tracker.log_json({"step": step, **metrics, "prompts": num_prompts}, f"eval/step_{step:06d}.json")
+        log.info("eval at step %d: accuracy %.3f on %d held-out prompts", step, metrics["eval/accuracy"], num_prompts)
+
+    def finish(self, status: str) -> None:
+        """Marks the MLflow run FINISHED / KILLED / FAILED."""
+        if self.tracker is not None:
+            self.tracker.finish(status)
+
+
+def step_metrics(*parts: dict[str, float], times: dict[str, float], completion_tokens: float) -> dict[str, float]:
+    """One flat dict of a step: the stages' metrics, ``time/<stage>_s`` and throughput."""
+    out: dict[str, float] = {}
+    for part in parts:
+        out.update(part)
+    out.update({f"time/{k}_s": v for k, v in times.items()})
+    out["throughput/completion_tokens"] = completion_tokens
+    out["throughput/tokens_per_s"] = completion_tokens / max(times["step"], 1e-9)
+    return out
+
+
+def sample_table(groups, *, limit: int) -> list[dict]:
+    """Rows of prompt / completion / reward / correct for the sample-completions artifact."""
+    rows = []
+    for g in groups:
+        for c, r, ok in zip(g.completions, g.rewards, g.correct or [None] * len(g.rewards)):
+            rows.append({"prompt": g.prompt.text[-500:], "completion": c.text, "reward": r, "correct": ok,
+                         "tokens": len(c.token_ids), "finish_reason": c.finish_reason})
+            if len(rows) >= limit:
+                return rows
+    return rows

@@ -1,22 +1,38 @@
-"""The RL driver: one screen, each stage called once per step.
+"""The RL driver: builds the parts of a run once, then one loop of a few calls per step.
 
-    prompts -> rollout (vLLM) -> reward -> advantage + loss + optimizer (Megatron) -> weight sync
+    prompts --collector.collect--> RolloutBatch --collate--> Batch --learner.step--> metrics
+            --weight_sync.sync--> engines serve the new version --reporter / checkpointer
 
-Runs on every rank of a torchrun world (``megatron-gtpo train`` launches it); rank 0 alone logs to
-MLflow and prints. A checkpoint holds model, optimizer, RNG, data cursor, LR schedule and the
-MLflow run id, so ``--resume`` continues the same run. SIGTERM / SIGUSR1 make the run checkpoint
-after the current step and exit 0 (SLURM preemption); SIGKILL loses at most the steps since the
-last checkpoint, which is written atomically.
+This is the only module that sees the whole config: every part gets its own sub-config or the
+values it needs. It runs on every rank of a torchrun world (``megatron-gtpo train`` launches it);
+rank 0 alone logs to MLflow and prints. SIGTERM / SIGUSR1 make the run checkpoint after the current
+step and exit 0 (SLURM preemption); SIGKILL loses at most the steps since the last checkpoint,
+which is written atomically. ``docs/architecture.md`` draws the data path of one step.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from megatron_gtpo.utils.configuration import require
+from megatron_gtpo.checkpoint import Checkpointer
+from megatron_gtpo.data.dataset import build_dataset
+from megatron_gtpo.parallel.dims import init_distributed
+from megatron_gtpo.parallel.objects import barrier
+from megatron_gtpo.reward.functions import OverlongPunishment
+from megatron_gtpo.reward.score import RewardScorer
+from megatron_gtpo.rollout.collector import DynamicSampling, RolloutCollector, Sampling, rollout_metrics
+from megatron_gtpo.sync import ExportPlan, WeightSync, build_rollout
+from megatron_gtpo.tracking import Reporter, step_metrics
+from megatron_gtpo.train.batching import collate
+from megatron_gtpo.train.learner import Learner
+from megatron_gtpo.train.step import StepSettings
+from megatron_gtpo.utils.configuration import require, to_dict
+from megatron_gtpo.utils.runtime import PreemptionFlag, setup_logging, signals_blocked, start_checkpoint_helpers
 
 log = logging.getLogger("megatron_gtpo")
 
@@ -54,46 +70,122 @@ class TrainConfig:
 
 def run(cfg, *, resume: bool = False) -> dict[str, float]:
     """Trains ``cfg`` (a RunConfig) to ``cfg.train.steps``; returns the last step's metrics."""
-    from megatron_gtpo import session
-    from megatron_gtpo.stages import collate, collect_groups, rollout_metrics
-    from megatron_gtpo.train.step import train_on_batch
-
-    s = session.open_session(cfg, resume=resume)
-    algo_cfg, tc = cfg.algo.resolved(), cfg.train
-    metrics: dict[str, float] = {}
-    for step in range(s.start_step, tc.steps):
+    parts = build(cfg, resume=resume)
+    learner, collector, weight_sync, checkpointer, reporter = (
+        parts.learner, parts.collector, parts.weight_sync, parts.checkpointer, parts.reporter)
+    tc, metrics = cfg.train, {}
+    for step in range(parts.start_step + 1, tc.steps + 1):
         t0 = time.perf_counter()
-        result = collect_groups(s.rollout, s.dataset, s.scorer, prompts_per_step=tc.prompts_per_step,
-                                sampling=cfg.rollout.sampling(), dynamic_sampling=algo_cfg.dynamic_sampling,
-                                metric=algo_cfg.dynamic_sampling_metric,
-                                max_tries=algo_cfg.dynamic_sampling_max_tries, rank=s.dims.rank,
-                                seed=cfg.rollout.seed * 1_000_003 + step * 1_009, group_multiple=s.group_multiple)
-        if not result.groups:  # DAPO's dynamic sampling kept nothing within its tries: skip the update
-            session.report_skipped(s, step + 1, rollout_metrics(result))
-            if session.should_stop(s, step + 1, cfg):
-                break
-            continue
-        batch = collate(result.groups, pad_id=s.pad_id, std_scale=algo_cfg.adv_std_scale, adv_eps=algo_cfg.adv_eps)
-        t1 = time.perf_counter()
-        ref_logp = session.reference_logprobs(s, batch, cfg) if s.reference is not None else None
-        train = train_on_batch(s.policy.chunks, s.policy.optimizer, s.policy.scheduler, batch,
-                               algo_name=algo_cfg.name, prepare_kwargs=algo_cfg.prepare_kwargs(),
-                               loss_kwargs=algo_cfg.loss_kwargs(max_completion_tokens=cfg.rollout.max_tokens),
-                               micro_batch_size=tc.micro_batch_size, mu=algo_cfg.mu,
-                               temperature=cfg.rollout.temperature, dims=s.dims, ref_logp=ref_logp)
-        t2 = time.perf_counter()
-        sync = session.push_weights(s, cfg, version=step + 1)
-        t3 = time.perf_counter()
-        metrics = session.step_metrics(rollout_metrics(result), train, sync, batch=batch, times={
-            "rollout": result.rollout_s, "reward": result.reward_s, "train": t2 - t1, "sync": t3 - t2,
-            "step": t3 - t0})
-        session.report(s, cfg, step + 1, metrics, result.groups)
-        if tc.eval_every and (step + 1) % tc.eval_every == 0:
-            metrics.update(session.periodic_eval(s, cfg, step + 1))
-        if session.should_stop(s, step + 1, cfg):
+        rollout = collector.collect(step, prompts_per_step=tc.prompts_per_step)
+        if not rollout.groups:  # DAPO's dynamic sampling kept nothing within its tries: no update
+            reporter.skipped(step, rollout_metrics(rollout))
+        else:
+            batch = collate(rollout.groups, pad_id=parts.pad_id)
+            t1 = time.perf_counter()
+            train = learner.step(batch)
+            t2 = time.perf_counter()
+            sync = weight_sync.sync(learner.policy.chunks, version=step)
+            t3 = time.perf_counter()
+            times = {"rollout": rollout.rollout_s, "reward": rollout.reward_s, "train": t2 - t1, "sync": t3 - t2,
+                     "step": t3 - t0}
+            metrics = step_metrics(rollout_metrics(rollout), train, sync, times=times,
+                                   completion_tokens=float(batch.lengths.sum()))
+            reporter.step(step, metrics, rollout.groups)
+        if tc.eval_every and step % tc.eval_every == 0:
+            metrics.update(_evaluate(parts, step, seed=tc.seed))
+        if checkpointer.after_step(step, run_id=reporter.run_id):
             break
-    session.close_session(s, cfg, metrics)
+    _close(parts, status="KILLED" if checkpointer.preempt.set else "FINISHED")
     return metrics
+
+
+@dataclass(kw_only=True)
+class Parts:
+    """What ``build`` made: the run's parts, built once."""
+
+    learner: Learner
+    collector: RolloutCollector
+    weight_sync: WeightSync
+    checkpointer: Checkpointer
+    reporter: Reporter
+    scorer: RewardScorer | None
+    held_out: list
+    """Held-out prompts of the periodic evaluation (empty when it is off)."""
+    pad_id: int
+    start_step: int
+
+
+def build(cfg, *, resume: bool) -> Parts:
+    """Builds every part in an order that fails fast: groups, policy, engines, data, reward,
+    checkpoint restore, tracking; then pushes the (restored) weights into the engines."""
+    preempt = PreemptionFlag()  # first: a preemption signal during start-up must not kill the job
+    dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, seed=cfg.train.seed)
+    setup_logging(dims.rank)
+    spec = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
+    settings = StepSettings(spec=spec, micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature)
+    log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
+    learner = Learner.build(cfg.model, cfg.optim, settings=settings, dims=dims, rollout_steps=cfg.train.steps)
+    policy = learner.policy
+    rollout_cfg = cfg.rollout
+    if not policy.has_hf_weights:  # Megatron checkpoint: the engine starts empty, the first push fills it
+        rollout_cfg = dataclasses.replace(rollout_cfg, vllm={"load_format": "dummy", **rollout_cfg.vllm})
+    log.info("starting %s rollout engine(s)", cfg.sync.transport)
+    export = ExportPlan(hf_config=policy.hf_config, dims=dims, bucket_bytes=cfg.sync.bucket_bytes)
+    engines, weight_sync = build_rollout(rollout_cfg, cfg.sync, model_dir=str(policy.model_dir), export=export)
+    dataset = build_dataset(cfg.data, tokenizer=engines.tokenizer, progress=dims.rank == 0)
+    scorer = None
+    with signals_blocked():  # reward worker processes must not die of a preemption signal
+        if dims.rank == 0:
+            overlong = OverlongPunishment(max_tokens=spec.overlong_max_tokens, cache_tokens=spec.overlong_buffer_len,
+                                          factor=spec.overlong_penalty_factor) if spec.overlong_buffer_len else None
+            scorer = RewardScorer(cfg.reward, overlong=overlong)
+    start_checkpoint_helpers()
+    rows_unit = dims.dp * cfg.train.micro_batch_size
+    collector = RolloutCollector(
+        engines, dataset, scorer, sampling=Sampling(**cfg.rollout.sampling()), seed=cfg.rollout.seed,
+        dynamic=DynamicSampling(metric=spec.dynamic_sampling_metric, max_tries=spec.dynamic_sampling_max_tries)
+        if spec.dynamic_sampling else None, group_multiple=rows_unit // math.gcd(cfg.rollout.n, rows_unit))
+    checkpointer = Checkpointer(Path(cfg.output_dir) / "checkpoints", policy=policy, dataset=dataset,
+                                every=cfg.train.checkpoint_every, keep_last=cfg.train.keep_last,
+                                total_steps=cfg.train.steps, preempt=preempt)
+    start_step, run_id = checkpointer.restore() if resume else (0, None)
+    reporter = Reporter(cfg.tracking, run_dir=Path(cfg.output_dir), rank=dims.rank, total_steps=cfg.train.steps,
+                        run_id=run_id)
+    reporter.start(to_dict(cfg))
+    weight_sync.sync(policy.chunks, version=start_step)
+    tokenizer = engines.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    held_out = _held_out_prompts(cfg, tokenizer) if cfg.train.eval_every else []
+    log.info("ready: %d prompts, starting at step %d of %d", len(dataset), start_step, cfg.train.steps)
+    return Parts(learner=learner, collector=collector, weight_sync=weight_sync, checkpointer=checkpointer,
+                 reporter=reporter, scorer=scorer, held_out=held_out, pad_id=int(pad_id), start_step=start_step)
+
+
+def _held_out_prompts(cfg, tokenizer) -> list:
+    """The periodic evaluation's prompts: the first ``train.eval_prompts`` of ``train.eval_benchmark``."""
+    data = dataclasses.replace(cfg.data, benchmarks=[cfg.train.eval_benchmark], paths=[],
+                               limit=cfg.train.eval_prompts, shuffle=False)
+    return build_dataset(data, tokenizer=tokenizer, progress=False).prompts
+
+
+def _evaluate(parts: Parts, step: int, *, seed: int) -> dict[str, float]:
+    out = parts.collector.evaluate(parts.held_out, seed=seed)
+    parts.reporter.evaluation(step, out, num_prompts=len(parts.held_out))
+    return out
+
+
+def _close(parts: Parts, *, status: str) -> None:
+    """Finishes the MLflow run and stops scorers and engines. The process groups stay up: vLLM's
+    own exit hook tears down the groups it joined, and would fail on an already destroyed world."""
+    parts.reporter.finish(status)
+    if parts.scorer is not None:
+        parts.scorer.close()
+    parts.weight_sync.close()
+    parts.collector.engines.close()
+    reporter = parts.reporter
+    log.info("done. run dir: %s | checkpoints: %s | MLflow run %s | status %s", reporter.run_dir.resolve(),
+             parts.checkpointer.root.resolve(), reporter.run_id, status)
+    barrier()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,9 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="resolved config YAML (written by `megatron-gtpo train`)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     args = parser.parse_args(argv)
-    metrics = run(load_config(args.config), resume=args.resume)
-    log.info("final metrics: %s", json.dumps({k: round(v, 4) for k, v in metrics.items()
-                                              if k.startswith(("reward/", "time/step"))}))
+    run(load_config(args.config), resume=args.resume)
     return 0
 
 

@@ -1,8 +1,10 @@
-"""Typed records handed from one stage to the next.
+"""Typed records handed from one stage of a training step to the next.
 
-    Prompt --rollout--> Completion --reward--> ScoredGroup --advantage--> TrainBatch --train step--> StepMetrics
+    Prompt --rollout--> Completion --reward--> ScoredGroup --collect--> RolloutBatch
+    RolloutBatch.groups --collate--> Batch --learner.step--> metrics --weight sync--> engines
 
-Every record is a plain dataclass; tensor fields carry their shape in a comment.
+Every record is a plain dataclass; tensor fields carry their shape in a comment (``B`` completions
+of the global batch, ``T`` the longest completion, ``P`` the longest prompt).
 """
 
 from __future__ import annotations
@@ -63,30 +65,48 @@ class ScoredGroup:
 
 
 @dataclass(kw_only=True)
-class TrainBatch:
-    """A global rollout batch, padded, with everything the loss needs precomputed per sequence.
+class RolloutBatch:
+    """The groups one training step trains on, with what it took to get them."""
 
-    Sequences are prompt + completion; only completion positions carry loss. Index ``b`` runs over
-    all completions of all groups in the global batch (every DP rank holds the same object and
-    takes its own slice).
-    """
-
-    input_ids: torch.Tensor  # [B, S] long: prompt + completion tokens, right-padded with pad_id
-    loss_mask: torch.Tensor  # [B, S] float: 1 on completion tokens that carry loss (incl. EOS)
-    position_ids: torch.Tensor  # [B, S] long
-    group_ids: torch.Tensor  # [B] long: which prompt each row came from
-    rewards: torch.Tensor  # [B] float
-    advantages: torch.Tensor  # [B] float: unshaped group advantages (sign decides conflicts)
-    sampler_logprobs: torch.Tensor  # [B, S] float: engine log-probs on completion positions, 0 elsewhere
-    pad_id: int = 0
-    """Token id used for padding."""
-    completion_start: torch.Tensor | None = None  # [B] long: first completion position per row
+    groups: list[ScoredGroup]
+    """Kept groups (DAPO's dynamic sampling may have dropped and refilled)."""
+    tries: int = 1
+    """Rollout batches generated for this step."""
+    dropped_groups: int = 0
+    """Groups dropped by dynamic sampling (all-equal accuracy/reward) or to keep the batch divisible."""
+    reward_stats: dict[str, float] = field(default_factory=dict)
+    """Scoring counters summed over the tries (num_samples, timeouts, errors, overlong)."""
+    rollout_s: float = 0.0
+    """Wall time spent generating."""
+    reward_s: float = 0.0
+    """Wall time spent scoring."""
 
 
 @dataclass(kw_only=True)
-class StepMetrics:
-    """What one training step reports (flat name -> float), plus timings per stage."""
+class Batch:
+    """A global training batch in the completion view, built once per step by ``train.batching.collate``.
 
-    step: int
-    values: dict[str, float] = field(default_factory=dict)
-    """Metric name (``reward/mean``, ``gtpo/conflict_tokens_per_completion``, ...) -> value."""
+    Row ``b`` is one completion; every rank holds the whole record (token ids and rewards are small)
+    and trains on its own data-parallel rows. The model input ``[mb, S]`` (prompt + completion) is
+    made per micro-batch; the completion view is what ``algo/`` works in.
+    """
+
+    prompt_ids: torch.Tensor  # [B, P] long: prompt tokens, left-aligned, right-padded with pad_id
+    prompt_lengths: torch.Tensor  # [B] long: tokens of each prompt (where its completion starts)
+    token_ids: torch.Tensor  # [B, T] long: completion tokens, left-aligned, right-padded with pad_id
+    mask: torch.Tensor  # [B, T] bool: True on the first |o_b| columns (the loss tokens, EOS included)
+    sampler_logprobs: torch.Tensor  # [B, T] float: engine log-probs of the completion tokens, 0 elsewhere
+    rewards: torch.Tensor  # [B] float
+    group_ids: torch.Tensor  # [B] long: which prompt each row came from
+    pad_id: int = 0
+    """Token id used for padding."""
+
+    @property
+    def lengths(self) -> torch.Tensor:  # [B] long
+        """Completion lengths ``|o_b|``."""
+        return self.mask.sum(dim=1)
+
+    @property
+    def size(self) -> int:
+        """B: completions in the global batch."""
+        return int(self.mask.shape[0])

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gtpo.algo.checks import as_mask, check_shape
+from megatron_gtpo.algo.checks import as_mask
 
 Tensor = torch.Tensor
 
@@ -36,38 +36,36 @@ def aggregate(per_token_loss: Tensor, mask: Tensor, *, mode: str, num_tokens: fl
               num_seqs: float | Tensor | None = None, constant: float | None = None) -> Tensor:
     """Reduces ``per_token_loss`` [B, T] over the masked tokens to a 0-d tensor (see module table).
 
-    ``num_tokens``/``num_seqs`` override the local counts with global ones (python numbers or 0-d
-    tensors, e.g. all-reduced). A python-number normaliser smaller than the local count is rejected:
-    it cannot be a global count. Normalisers are clamped to >= 1 so an empty batch gives 0, not NaN.
-    Masked-out positions never contribute, even if they hold NaN or inf.
+    ``mask`` [B, T] bool (a 0/1 mask is checked and converted). ``num_tokens``/``num_seqs``
+    override the local counts with global ones (python numbers or 0-d tensors, e.g. all-reduced);
+    they are the caller's contract and not checked here (this runs once per micro-batch).
+    Normalisers are clamped to >= 1 so an empty batch gives 0, not NaN. Masked-out positions never
+    contribute, even if they hold NaN or inf.
     """
-    if mode not in AGG_MODES:
-        raise ValueError(f"mode={mode!r} must be one of {AGG_MODES}")
-    mask = as_mask(mask)
-    check_shape(per_token_loss, tuple(mask.shape), name="per_token_loss", what="[B, T], like mask")
+    if mask.dtype != torch.bool:
+        mask = as_mask(mask)
     masked = torch.where(mask, per_token_loss, torch.zeros((), dtype=per_token_loss.dtype,
                                                            device=per_token_loss.device))
     if mode == "token-mean":
-        denom = _normaliser(num_tokens, int(mask.sum()), "num_tokens", "masked tokens of the global batch")
-        return masked.sum() / denom
-    seqs = _normaliser(num_seqs, mask.shape[0], "num_seqs", "completions of the global batch")
+        return masked.sum() / _normaliser(num_tokens, mask.sum)
+    seqs = _normaliser(num_seqs, lambda: mask.shape[0])
     if mode == "seq-mean-token-mean":
         per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
         return per_seq.sum() / seqs
     if mode == "seq-mean-token-sum":
         return masked.sum() / seqs
+    if mode != "seq-mean-token-sum-norm":
+        raise ValueError(f"mode={mode!r} must be one of {AGG_MODES}")
     if constant is None or not (0 < float(constant) < float("inf")):
         raise ValueError(f"constant={constant!r}: mode 'seq-mean-token-sum-norm' (Dr. GRPO) needs the "
                          "constant L > 0, the max completion length (rollout max_tokens)")
     return masked.sum() / (seqs * float(constant))
 
 
-def _normaliser(value, local: int, name: str, what: str):
+def _normaliser(value, local):
+    """``value`` clamped to >= 1; ``local()`` (this call's own count) when ``value`` is None."""
     if value is None:
-        return max(local, 1)
+        return max(int(local()), 1)
     if isinstance(value, Tensor):
         return value.clamp(min=1)
-    if not (float(value) >= local):
-        raise ValueError(f"{name}={value!r} is smaller than this micro-batch's own count ({local}); "
-                         f"pass the number of {what}")
     return max(float(value), 1.0)

@@ -1,18 +1,19 @@
 """``AlgoConfig``: the ``algo:`` block of a recipe (validated, one docstring per field).
 
-Fields left at ``None`` take the chosen algorithm's default from ``registry.LOSSES`` (see
-``resolved()``). Functions in ``algo/`` never take this object: the trainer passes
-``cfg.prepare_kwargs()`` to ``prepare_batch`` and ``cfg.loss_kwargs(...)`` to ``compute_loss``.
+Fields left at ``None`` take the chosen algorithm's default from ``registry.LOSSES`` in
+``resolve()``, once per run. Functions in ``algo/`` never take this object: they take the frozen
+:class:`~megatron_gtpo.algo.spec.AlgoSpec` that ``resolve()`` returns.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from megatron_gtpo.algo.aggregate import AGG_MODES
 from megatron_gtpo.algo.registry import LOSSES
+from megatron_gtpo.algo.spec import AlgoSpec
 from megatron_gtpo.utils.configuration import require
 
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -144,33 +145,28 @@ class AlgoConfig:
         require(self.pad_id is None or (_is_int(self.pad_id) and self.pad_id >= 0), "pad_id", self.pad_id,
                 "null or a token id >= 0")
 
-    def resolved(self) -> "AlgoConfig":
-        """A copy with every algorithm-dependent ``None`` replaced by the algorithm's default
-        (``drgrpo_constant`` and ``pad_id`` stay: they come from the rollout and the tokenizer)."""
-        spec = LOSSES[self.name]
-        pick = lambda value, default: default if value is None else value  # noqa: E731
-        return replace(
-            self, adv_std_scale=pick(self.adv_std_scale, spec.std_scale), agg_mode=pick(self.agg_mode, spec.agg_mode),
-            clip_eps_high=pick(self.clip_eps_high, spec.clip_eps_high or self.clip_eps_low),
-            kl_beta=pick(self.kl_beta, spec.kl_beta),
-            dynamic_sampling=pick(self.dynamic_sampling, spec.dynamic_sampling),
-            overlong_buffer_len=pick(self.overlong_buffer_len, spec.overlong_buffer_len))
-
-    def prepare_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``prepare_batch(self.name, ...)`` (once per global batch)."""
-        cfg = self.resolved()
-        return {"adv_std_scale": cfg.adv_std_scale, "adv_eps": cfg.adv_eps, "conflict_weight": cfg.conflict_weight,
-                "conflict_overlap": cfg.conflict_overlap, "pad_id": cfg.pad_id,
-                "entropy_threshold": cfg.entropy_threshold, "entropy_gamma": cfg.entropy_gamma,
-                "gtpo_normalization": cfg.gtpo_normalization}
-
-    def loss_kwargs(self, *, max_completion_tokens: int) -> dict[str, Any]:
-        """Keyword arguments for ``compute_loss(self.name, ...)`` except tensors and global counts.
-        ``max_completion_tokens`` (rollout max_tokens) is Dr. GRPO's L when drgrpo_constant is None."""
-        cfg = self.resolved()
-        constant = cfg.drgrpo_constant if cfg.drgrpo_constant is not None else max_completion_tokens
-        return {"clip_low": cfg.clip_eps_low, "clip_high": cfg.clip_eps_high, "kl_beta": cfg.kl_beta,
-                "agg_mode": cfg.agg_mode, "constant": constant if cfg.agg_mode == "seq-mean-token-sum-norm" else None}
+    def resolve(self, *, max_completion_tokens: int) -> AlgoSpec:
+        """The one place where ``None`` fields take the algorithm's defaults (``registry.LOSSES``).
+        ``max_completion_tokens`` (rollout max_tokens) is Dr. GRPO's L unless drgrpo_constant is
+        set, and DAPO's L_max of the overlong punishment."""
+        default = LOSSES[self.name]
+        pick = lambda value, fallback: fallback if value is None else value  # noqa: E731
+        agg_mode = pick(self.agg_mode, default.agg_mode)
+        constant = pick(self.drgrpo_constant, max_completion_tokens)
+        buffer_len = pick(self.overlong_buffer_len, default.overlong_buffer_len)
+        return AlgoSpec(
+            name=self.name, conflict_aware=default.conflict_aware,
+            std_scale=pick(self.adv_std_scale, default.std_scale), adv_eps=self.adv_eps, agg_mode=agg_mode,
+            constant=float(constant) if agg_mode == "seq-mean-token-sum-norm" else None,
+            clip_low=self.clip_eps_low, clip_high=pick(self.clip_eps_high, default.clip_eps_high or self.clip_eps_low),
+            kl_beta=pick(self.kl_beta, default.kl_beta), mu=self.mu, conflict_weight=self.conflict_weight,
+            conflict_overlap=self.conflict_overlap, pad_id=self.pad_id, entropy_threshold=self.entropy_threshold,
+            entropy_gamma=self.entropy_gamma, gtpo_normalization=self.gtpo_normalization,
+            dynamic_sampling=pick(self.dynamic_sampling, default.dynamic_sampling),
+            dynamic_sampling_metric=self.dynamic_sampling_metric,
+            dynamic_sampling_max_tries=self.dynamic_sampling_max_tries,
+            overlong_max_tokens=max_completion_tokens if buffer_len else 0, overlong_buffer_len=buffer_len,
+            overlong_penalty_factor=self.overlong_penalty_factor)
 
 
 def _is_int(x: Any) -> bool:

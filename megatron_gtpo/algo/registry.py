@@ -1,8 +1,9 @@
 """The four algorithms as data: what each one changes in the shared surrogate (spec section 9).
 
-``LOSSES`` (re-exported by ``megatron_gtpo.algo``) is the only place an algorithm name is resolved.
-All four share one per-token surrogate (``losses.compute_loss``); they differ in the advantage, the
-aggregation normaliser, the clip range, the KL weight and GTPO's token weights / sequence scales.
+``LOSSES`` is the only place an algorithm name is looked up, by ``AlgoConfig.resolve`` (once per
+run). All four share one per-token surrogate (``losses.compute_loss``); they differ in the
+advantage, the aggregation normaliser, the clip range, the KL weight and GTPO's token weights /
+sequence scales.
 """
 
 from __future__ import annotations
@@ -31,11 +32,6 @@ class Algorithm:
     overlong_buffer_len: int
     """Default soft-overlong buffer L_cache in tokens; 0 disables the punishment."""
 
-    def __call__(self, **kwargs):
-        """Whole-batch, single-process loss: ``policy_loss(self.name, **kwargs) -> (loss, metrics)``."""
-        from megatron_gtpo.algo.losses import policy_loss  # losses imports this module
-        return policy_loss(self.name, **kwargs)
-
 
 LOSSES: dict[str, Algorithm] = {
     # GTPO official code [spec 5, 5.10]: R - mean, seq-mean with per-completion scales, no KL, mu = 1.
@@ -51,11 +47,3 @@ LOSSES: dict[str, Algorithm] = {
     "dapo": Algorithm(name="dapo", std_scale=True, agg_mode="token-mean", clip_eps_high=0.28,
                       kl_beta=0.0, conflict_aware=False, dynamic_sampling=True, overlong_buffer_len=4096),
 }
-
-
-def get_algorithm(name: str) -> Algorithm:
-    """``LOSSES[name]`` with an error that lists the valid names."""
-    try:
-        return LOSSES[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"algo={name!r} is not known; choose one of {sorted(LOSSES)}") from None

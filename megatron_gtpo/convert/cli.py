@@ -83,30 +83,15 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--output {args.output} already exists; choose a new directory or remove it first")
 
 
-def _to_hf(args: argparse.Namespace, tmp: Path) -> int:
-    """Streams the checkpoint's model tensors into HF safetensors shards; returns bytes written."""
-    from megatron_gtpo.convert.hf_io import HFWriter, copy_side_files
-    from megatron_gtpo.convert.offline import MANIFEST, checkpoint_model_dir, iter_hf_tensors, validate_checkpoint
-    from megatron_gtpo.train.model import hf_config_from_dir
-
-    config_dir = args.hf_config or args.input
-    hf_config = hf_config_from_dir(config_dir)
-    ckpt_dir = checkpoint_model_dir(args.input)
-    validate_checkpoint(ckpt_dir, hf_config)
-    writer = HFWriter(tmp, shard_bytes=int(args.max_shard_mb * 2**20))
-    for name, tensor in iter_hf_tensors(ckpt_dir, hf_config):
-        writer.add(name, tensor)
-    writer.close()
-    copy_side_files(config_dir, tmp, exclude=(MANIFEST,))
-    return writer.total_bytes
-
-
 def _convert(args: argparse.Namespace, tmp: Path) -> int:
     if args.to == "megatron":
         from megatron_gtpo.convert.offline import hf_to_megatron
 
         return hf_to_megatron(args.input, tmp, tp=args.tp, pp=args.pp, vpp=args.vpp)["bytes"]
-    return _to_hf(args, tmp)
+    from megatron_gtpo.convert.offline import megatron_to_hf
+
+    return megatron_to_hf(args.input, tmp, config_dir=args.hf_config or args.input,
+                          shard_bytes=int(args.max_shard_mb * 2**20))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,8 @@ import torch
 from megatron_gtpo.convert import mapping as mp
 from megatron_gtpo.convert.hf_io import HFReader
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.train.model import architecture_of, layer_offset, tied_embeddings, unwrap
+from megatron_gtpo.models.hf_config import architecture_of, tied_embeddings
+from megatron_gtpo.train.model import layer_offset, unwrap
 
 
 def load_hf_weights(model_chunks: list[torch.nn.Module], *, hf_dir: str | Path, hf_config: dict,

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_gtpo.models.hf_config import head_dim_of, num_kv_heads_of
+
 # Kinds of Megatron parameters, i.e. how they are fused and split across TP ranks.
 QKV, FC1, COLUMN, ROW, VOCAB, REPLICATED = "qkv", "fc1", "column", "row", "vocab", "replicated"
 
@@ -83,8 +85,6 @@ class Shapes:
 
 def shapes_of(hf_config: dict) -> Shapes:
     """Head counts and width from an HF config.json."""
-    from megatron_gtpo.train.model import head_dim_of, num_kv_heads_of
-
     return Shapes(heads=int(hf_config["num_attention_heads"]), groups=num_kv_heads_of(hf_config),
                   head_dim=head_dim_of(hf_config))
 

@@ -20,9 +20,10 @@ from typing import Iterator
 import torch
 
 from megatron_gtpo.convert import mapping as mp
-from megatron_gtpo.convert.hf_io import HFReader, copy_side_files, torch_dtype_name
+from megatron_gtpo.convert.hf_io import HFReader, HFWriter, copy_side_files, torch_dtype_name
 from megatron_gtpo.convert.mcore_ckpt import CheckpointReader, Chunk, ObjectItem, write_checkpoint
-from megatron_gtpo.train.model import architecture_of, check_layout, tied_embeddings
+from megatron_gtpo.models.hf_config import architecture_of, read_hf_config, tied_embeddings
+from megatron_gtpo.train.model import check_layout
 from megatron_gtpo.utils.configuration import ConfigError
 
 MANIFEST = "megatron_gtpo.json"
@@ -103,9 +104,7 @@ def plan_from_hf(reader: HFReader, hf_config: dict) -> tuple[list, list[ObjectIt
 
 def open_hf(input_dir: Path, *, tp: int, pp: int, vpp: int | None) -> tuple[HFReader, dict]:
     """Validates an HF checkpoint (config, layout, tensor names and shapes) before any write."""
-    from megatron_gtpo.train.model import hf_config_from_dir
-
-    hf_config = hf_config_from_dir(input_dir)
+    hf_config = read_hf_config(input_dir)
     family = architecture_of(hf_config)
     check_layout(hf_config, tp=tp, pp=pp, vpp=vpp)
     tied = tied_embeddings(hf_config)
@@ -192,3 +191,18 @@ def iter_hf_tensors(ckpt_dir: Path, hf_config: dict) -> Iterator[tuple[str, torc
     for layer in range(layers):
         yield from emit(mp.layer_maps(family), layer)
     yield from emit(mp.post_maps(tied=tied), None)
+
+
+def megatron_to_hf(input_dir: Path, output_dir: Path, *, config_dir: Path, shard_bytes: int = 5 << 30) -> int:
+    """Streams a Megatron checkpoint's model tensors into HF safetensors shards in ``output_dir``
+    (which must not exist) and copies config/tokenizer files from ``config_dir``; returns the bytes
+    written. ConfigError when the checkpoint and config.json disagree (checked before writing)."""
+    hf_config = read_hf_config(config_dir)
+    ckpt_dir = checkpoint_model_dir(Path(input_dir))
+    validate_checkpoint(ckpt_dir, hf_config)
+    writer = HFWriter(Path(output_dir), shard_bytes=shard_bytes)
+    for name, tensor in iter_hf_tensors(ckpt_dir, hf_config):
+        writer.add(name, tensor)
+    writer.close()
+    copy_side_files(config_dir, output_dir, exclude=(MANIFEST,))
+    return writer.total_bytes

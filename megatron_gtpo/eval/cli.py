@@ -109,11 +109,12 @@ def run(config, *, generate=None, tokenizer=None, hf_config: str = ""):
 
     ``generate``/``tokenizer`` override the engine (tests); otherwise the model is resolved, an
     engine started, and closed at the end."""
-    from megatron_gtpo.eval.engine import open_engine, resolve_model
+    from megatron_gtpo.models.resolve import as_hf_dir
+    from megatron_gtpo.rollout.engine import RolloutEngine
 
     if generate is not None:
         return _run_with(config, generate=generate, tokenizer=tokenizer)
-    with resolve_model(config.model, hf_config=hf_config) as model_dir:
+    with as_hf_dir(config.model, hf_config=hf_config) as model_dir:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -122,7 +123,7 @@ def run(config, *, generate=None, tokenizer=None, hf_config: str = ""):
             # Prompts are built before the engine starts (~30 s) so data errors surface at once.
             config = _fit_context(config, model_dir)
             prompt_sets, too_long = load_prompt_sets(config, tokenizer=tokenizer)
-            engine = open_engine(model_dir=str(model_dir), vllm_kwargs=dict(config.vllm), seed=config.seed)
+            engine = RolloutEngine(model_dir=str(model_dir), vllm_kwargs=dict(config.vllm), seed=config.seed)
             return _run_with(config, generate=engine.generate, prompt_sets=(prompt_sets, too_long))
         finally:
             if engine is not None:

@@ -23,7 +23,7 @@ from typing import Any
 from megatron_gtpo.launch.layout import Layout, LayoutError, plan_layout
 from megatron_gtpo.launch.memory import GIB, MemoryEstimate, check_memory, estimate_memory, \
     optimizer_bytes_per_param
-from megatron_gtpo.launch.model_shape import ModelShape, load_model_shape
+from megatron_gtpo.models.shape import ModelShape, load_model_shape
 from megatron_gtpo.utils.configuration import ConfigError
 
 EXIT_IMPOSSIBLE = 1
@@ -240,10 +240,10 @@ def model_shape_of(model_path: str) -> ModelShape:
     resolved by megatron_gtpo.models (which builds such a test model once and caches it)."""
     path = Path(model_path).expanduser()
     if not path.is_dir():
-        from megatron_gtpo.models.tiny import resolve_model_path
+        from megatron_gtpo.models.resolve import resolve_model
 
         try:
-            path = resolve_model_path(model_path)
+            path = resolve_model(model_path)
         except FileNotFoundError as err:
             raise ConfigError(f"{err}; or pass --hf-config with the model's Hugging Face config.json "
                               f"(copies for common models: configs/models/)") from None

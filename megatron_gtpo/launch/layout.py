@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_gtpo.launch.model_shape import ModelShape
+from megatron_gtpo.models.shape import ModelShape
+from megatron_gtpo.parallel.layout import batch_split_problem, divisors, model_split_problems, pipeline_problem
 from megatron_gtpo.utils.configuration import ConfigError
 
 
@@ -103,7 +104,7 @@ def plan_layout(*, shape: ModelShape, nodes: int, gpus_per_node: int, tp: int, p
                                            gpus_per_node=gpus_per_node, placement=placement,
                                            rollout_tp=rollout_tp, engines=engines)
     trainer_gpus = max(nodes - rollout_nodes, 0) * gpus_per_node
-    _check_model_split(problems, shape=shape, tp=tp, pp=pp, vpp=vpp)
+    problems += model_split_problems(shape, tp=tp, pp=pp, vpp=vpp)
     if trainer_gpus and trainer_gpus % (tp * pp):
         problems.append(f"{trainer_gpus} trainer GPUs are not divisible by TP*PP = {tp}*{pp} = {tp * pp}: "
                         f"change parallel.tp/parallel.pp or the GPU count")
@@ -140,46 +141,17 @@ def _check_positive(problems: list[str], **values: int) -> None:
             problems.append(f"{name}={value!r} must be an integer >= 1")
 
 
-def _check_model_split(problems: list[str], *, shape: ModelShape, tp: int, pp: int, vpp: int | None) -> None:
-    """The rules of megatron_gtpo.train.model.check_layout (the model builder, which stops at the first;
-    tests/unit/test_dryrun_layout.py keeps the two in step), all reported, each with the values that work."""
-    if shape.heads % tp:
-        problems.append(f"num_attention_heads={shape.heads} is not divisible by TP={tp}: "
-                        f"choose parallel.tp among {_divisors(shape.heads)}")
-    if shape.kv_heads % tp:
-        problems.append(f"num_key_value_heads={shape.kv_heads} is not divisible by TP={tp} (Megatron splits "
-                        f"query groups evenly): choose parallel.tp among {_divisors(shape.kv_heads)}")
-    if shape.heads % shape.kv_heads:
-        problems.append(f"num_attention_heads={shape.heads} is not a multiple of num_key_value_heads={shape.kv_heads}")
-    for name, size in (("intermediate_size", shape.ffn), ("vocab_size", shape.vocab)):
-        if size % tp:  # the builder does not pad the vocabulary
-            problems.append(f"{name}={size} is not divisible by TP={tp}: choose parallel.tp dividing it")
-    if shape.layers % pp:
-        problems.append(f"num_hidden_layers={shape.layers} is not divisible by PP={pp}: "
-                        f"choose parallel.pp among {_divisors(shape.layers)}")
-    elif vpp is not None:
-        if pp < 2:
-            problems.append(f"VPP={vpp} needs PP >= 2 (the interleaved schedule runs virtual stages "
-                            f"across pipeline ranks): set parallel.vpp to null or raise parallel.pp")
-        elif (shape.layers // pp) % vpp:
-            problems.append(f"{shape.layers // pp} layers per PP stage (num_hidden_layers={shape.layers} / "
-                            f"PP={pp}) are not divisible by VPP={vpp}: choose parallel.vpp among "
-                            f"{_divisors(shape.layers // pp)}")
-
-
 def _check_batch(problems: list[str], warnings: list[str], *, sequences: int, dp: int, mbs: int,
                  pp: int, vpp: int | None) -> int:
     """Micro-batches per DP rank; the global batch must split evenly into DP * micro-batch."""
-    if sequences % (dp * mbs):
-        problems.append(f"global batch of {sequences} sequences (prompts per step * completions per prompt) "
-                        f"is not divisible by DP*micro_batch_size = {dp}*{mbs} = {dp * mbs}: change the "
-                        f"prompts per step, the group size or the micro-batch size")
+    problem = batch_split_problem(sequences, dp=dp, micro_batch_size=mbs)
+    if problem:
+        problems.append(problem)
         return 0
     microbatches = sequences // (dp * mbs)
-    if vpp is not None and (microbatches < pp or microbatches % pp):
-        # megatron.core.pipeline_parallel.schedules rejects this for the interleaved schedule.
-        problems.append(f"the interleaved schedule (VPP={vpp}) needs the micro-batches per DP rank "
-                        f"({microbatches}) to be a multiple of PP={pp}")
+    problem = pipeline_problem(microbatches, pp=pp, vpp=vpp)
+    if problem:
+        problems.append(problem)
     elif pp > 1 and microbatches < pp:
         warnings.append(f"{microbatches} micro-batches for PP={pp}: most of the pipeline idles; "
                         f"use at least {pp} (smaller micro-batches or more prompts per step)")
@@ -191,7 +163,7 @@ def _plan_rollout(problems: list[str], warnings: list[str], *, shape: ModelShape
     """(engines, rollout-only nodes). vLLM's own rules plus the launcher's: an engine stays in a node."""
     if shape.heads % rollout_tp:
         problems.append(f"num_attention_heads={shape.heads} is not divisible by the rollout TP={rollout_tp} "
-                        f"(rollout.vllm.tensor_parallel_size): choose among {_divisors(shape.heads)}")
+                        f"(rollout.vllm.tensor_parallel_size): choose among {divisors(shape.heads)}")
     if shape.kv_heads % rollout_tp and rollout_tp % shape.kv_heads:
         problems.append(f"num_key_value_heads={shape.kv_heads} and rollout TP={rollout_tp}: vLLM needs one to "
                         f"divide the other (rollout.vllm.tensor_parallel_size)")
@@ -218,7 +190,3 @@ def _plan_rollout(problems: list[str], warnings: list[str], *, shape: ModelShape
         warnings.append(f"separate placement: {rollout_nodes * gpus_per_node - rollout_gpus} GPU(s) of the "
                         f"rollout node(s) stay idle")
     return engines, rollout_nodes
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

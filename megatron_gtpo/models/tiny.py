@@ -103,18 +103,3 @@ def ensure_tiny_char(cache_dir: str | os.PathLike | None = None, *, seed: int = 
         model.save_pretrained(tmp, safe_serialization=True)
         _char_tokenizer().save_pretrained(tmp)
     return out
-
-
-def resolve_model_path(path: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """``"smollm2"``, ``"tiny"`` and ``"tiny-char"`` name the built-in models; anything else is a directory."""
-    if path == "smollm2":
-        return ensure_smollm2(cache_dir)
-    if path == "tiny":
-        return ensure_tiny(cache_dir)
-    if path == "tiny-char":
-        return ensure_tiny_char(cache_dir)
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise FileNotFoundError(f"model.path={path!r}: no such directory; give an HF model directory, "
-                                f"a Megatron checkpoint from `megatron-gtpo convert`, or 'smollm2' / 'tiny'")
-    return p

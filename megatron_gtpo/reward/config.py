@@ -32,30 +32,9 @@ class RewardConfig:
     """How workers are started. ``spawn`` is safe next to CUDA and vLLM threads; ``fork`` starts
     fastest but only suits processes without CUDA or threads."""
 
-    overlong_max_tokens: int = 0
-    """DAPO soft overlong punishment: L_max in completion tokens; 0 disables the punishment."""
-
-    overlong_cache_tokens: int = 0
-    """DAPO soft overlong punishment: L_cache, the length of the linear ramp before L_max."""
-
-    overlong_factor: float = 1.0
-    """Scale of the overlong punishment (its value at and beyond L_max is ``-overlong_factor``)."""
-
     def __post_init__(self) -> None:
         require(bool(self.fn.strip()), "fn", self.fn, "a built-in reward name or a dotted import path")
         require(self.num_workers >= 0, "num_workers", self.num_workers, "an integer >= 0")
         require(math.isfinite(self.timeout_s) and self.timeout_s > 0, "timeout_s", self.timeout_s,
                 "a number of seconds > 0")
         require(self.chunk_size >= 1, "chunk_size", self.chunk_size, "an integer >= 1")
-        require(self.overlong_max_tokens >= 0, "overlong_max_tokens", self.overlong_max_tokens,
-                "0 (off) or L_max > 0")
-        if self.overlong_max_tokens:
-            require(0 < self.overlong_cache_tokens <= self.overlong_max_tokens, "overlong_cache_tokens",
-                    self.overlong_cache_tokens, f"0 < L_cache <= overlong_max_tokens ({self.overlong_max_tokens})")
-        require(math.isfinite(self.overlong_factor) and self.overlong_factor >= 0, "overlong_factor",
-                self.overlong_factor, "a number >= 0")
-
-    @property
-    def overlong_enabled(self) -> bool:
-        """True when the soft overlong punishment is added to rewards."""
-        return self.overlong_max_tokens > 0

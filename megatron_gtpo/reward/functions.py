@@ -9,7 +9,9 @@ Functions run inside scorer worker processes, so a user function must be importa
 (``my_pkg.rewards.fn`` or ``my_pkg.rewards:fn``) and must not rely on state of the training process.
 
 Length shaping (DAPO's soft overlong punishment) is not a reward function: it needs token counts,
-so ``score.py`` adds ``overlong_penalty`` on top of whichever function is configured.
+so ``score.py`` adds ``OverlongPunishment`` on top of whichever function is configured. Its one
+setting lives in the algorithm config (``algo.overlong_buffer_len``/``overlong_penalty_factor``, with
+L_max = ``rollout.max_tokens``); the driver hands the resolved values to the scorer.
 """
 
 from __future__ import annotations
@@ -98,6 +100,22 @@ REWARDS: dict[str, Callable[[str, str, str], RewardOutput]] = {
     "dapo": dapo_reward,
 }
 """Built-in reward functions by name: the only place a reward name is resolved."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlongPunishment:
+    """DAPO's soft overlong punishment settings (spec 4.4), resolved from the algorithm config."""
+
+    max_tokens: int
+    """L_max: the rollout's max completion tokens."""
+    cache_tokens: int
+    """L_cache: length of the linear ramp before L_max (> 0)."""
+    factor: float = 1.0
+    """The punishment at and beyond L_max is ``-factor``."""
+
+    def __call__(self, num_tokens: int) -> float:
+        return overlong_penalty(num_tokens, max_tokens=self.max_tokens, cache_tokens=self.cache_tokens,
+                                factor=self.factor)
 
 
 def overlong_penalty(num_tokens: int, *, max_tokens: int, cache_tokens: int, factor: float = 1.0) -> float:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_gtpo.reward.config import RewardConfig
-from megatron_gtpo.reward.functions import overlong_penalty, resolve_reward, reward_path
+from megatron_gtpo.reward.functions import OverlongPunishment, resolve_reward, reward_path
 from megatron_gtpo.reward.pool import STATUS_ERROR, STATUS_TIMEOUT, SampleScore, ScoringPool
 from megatron_gtpo.types import Completion, Prompt, ScoredGroup
 
@@ -57,8 +57,10 @@ class RewardScorer:
     clear message rather than inside a worker. Use as a context manager or call ``close()``.
     """
 
-    def __init__(self, config: RewardConfig):
+    def __init__(self, config: RewardConfig, *, overlong: OverlongPunishment | None = None):
         self.config = config
+        self.overlong = overlong
+        """DAPO's soft overlong punishment added to every reward, or None."""
         resolve_reward(config.fn)  # fail fast on a typo or an unimportable user reward
         self.pool = ScoringPool(fn_path=reward_path(config.fn), num_workers=config.num_workers,
                                 timeout_s=config.timeout_s, start_method=config.start_method,
@@ -81,7 +83,8 @@ class RewardScorer:
         return self.pool.score(items, with_answers=with_answers, progress=progress, desc=desc)
 
 
-def _group_indices(num_prompts: int, completions: list[Completion]) -> list[list[int]]:
+def group_indices(num_prompts: int, completions: list[Completion]) -> list[list[int]]:
+    """Positions in ``completions`` of each prompt's completions (by ``prompt_index``), in order."""
     groups: list[list[int]] = [[] for _ in range(num_prompts)]
     for i, completion in enumerate(completions):
         if not 0 <= completion.prompt_index < num_prompts:
@@ -106,8 +109,7 @@ def score_groups(prompts: list[Prompt], completions: list[Completion], *, scorer
         with RewardScorer(config) as own:  # type: ignore[arg-type]
             return score_groups(prompts, completions, scorer=own, progress=progress)
     start = time.perf_counter()
-    cfg = scorer.config
-    index_groups = _group_indices(len(prompts), completions)
+    index_groups = group_indices(len(prompts), completions)
     items = [(c.text, prompts[c.prompt_index].gold, prompts[c.prompt_index].task) for c in completions]
     scores = scorer.score(items, progress=progress)
     stats = ScoringStats(num_samples=len(completions))
@@ -116,9 +118,8 @@ def score_groups(prompts: list[Prompt], completions: list[Completion], *, scorer
         stats.num_timeouts += score.status == STATUS_TIMEOUT
         stats.num_errors += score.status == STATUS_ERROR
         penalty = 0.0
-        if cfg.overlong_enabled:
-            penalty = overlong_penalty(len(completion.token_ids), max_tokens=cfg.overlong_max_tokens,
-                                       cache_tokens=cfg.overlong_cache_tokens, factor=cfg.overlong_factor)
+        if scorer.overlong is not None:
+            penalty = scorer.overlong(len(completion.token_ids))
             stats.num_overlong += penalty != 0.0
         rewards.append(score.reward + penalty)
     groups = [ScoredGroup(prompt=prompts[p], completions=[completions[i] for i in idx],

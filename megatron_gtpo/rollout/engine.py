@@ -1,17 +1,18 @@
 """vLLM rollout engine: G sampled completions per prompt from the current policy weights.
 
     list[Prompt] --generate(n, temperature, top_p, max_tokens, stop, seed)--> list[Completion]
-    load_weights(whole push of HF tensors, version) --checked, then vLLM in-place reload--> serves it
+    load_weights(whole push of HF tensors, version) --vLLM in-place reload--> serves it
 
 The engine always lives in the calling process (vLLM's V1 multiprocessing is switched off): a
 weight push then hands tensors to vLLM by reference instead of serialising them to an engine-core
 subprocess. Engines in *other* processes are driven through :mod:`megatron_gtpo.sync.separate`,
-which runs one of these in its own process.
+which runs one of these in its own process. Pushes are checked before they get here, by the weight
+sync (:mod:`megatron_gtpo.sync.checks`): the engine only loads.
 
 Inside a torchrun world vLLM joins the existing torch.distributed world at start-up; an ``LLM``
 built on a subset of ranks hangs there. The engine therefore defaults to vLLM's
 ``external_launcher`` backend in a multi-rank world, where every rank builds its own engine
-(``megatron_gtpo.sync.placement`` documents how ranks share the generation work).
+(``megatron_gtpo.rollout.group`` documents how ranks share the generation work).
 
 Sampler log-probs are vLLM's ``processed_logprobs``: log-probs of the sampled token under the
 distribution actually sampled from (temperature applied; top-p renormalised when top_p < 1), which
@@ -26,7 +27,6 @@ from typing import Any
 
 import torch
 
-from megatron_gtpo.rollout.weights import Bucket, PushChecker, WeightSpec
 from megatron_gtpo.types import Completion, Prompt
 
 _SEED_SPACE = 2**31 - 1
@@ -93,7 +93,6 @@ class RolloutEngine:
         self._has_tokenizer = not kwargs.get("skip_tokenizer_init", False)
         self._tokenizer_path = str(kwargs.get("tokenizer") or model_dir)
         self._tokenizer = None
-        self._spec: WeightSpec | None = None
         self._sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
         self._asleep = False
         self._broken: str | None = None
@@ -118,12 +117,14 @@ class RolloutEngine:
         return self._version
 
     @property
-    def weight_spec(self) -> WeightSpec:
-        """HF parameter names/shapes this engine loads, in its dtype (from its own config.json)."""
-        if self._spec is None:
-            dtype = self._llm.llm_engine.model_config.dtype
-            self._spec = WeightSpec.from_model_dir(self._model_dir, dtype=dtype)
-        return self._spec
+    def model_dir(self) -> str:
+        """The HF directory the engine was built from (its config.json defines the weight names)."""
+        return self._model_dir
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The engine's weight dtype."""
+        return self._llm.llm_engine.model_config.dtype
 
     # ----------------------------------------------------------------------------- sampling
 
@@ -163,29 +164,22 @@ class RolloutEngine:
 
     # ----------------------------------------------------------------------------- weights
 
-    def load_weights(self, named_tensors: Bucket, *, version: int) -> None:
-        """Replaces every weight with ``named_tensors`` (one whole push) and serves ``version``.
-
-        The push is checked against :attr:`weight_spec` first; a rejected push raises
-        :class:`~megatron_gtpo.rollout.weights.WeightPushError` and leaves the previous weights in
-        place. Tensors of another floating dtype are cast to the engine dtype.
-        """
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Replaces every weight with ``named_tensors`` (one whole push, already checked against the
+        engine's names and shapes and cast to its dtype by ``sync.checks.PushChecker``) and serves
+        ``version``. vLLM's in-place reload is not transactional: a failure inside it leaves the
+        engine refusing to serve rather than serving a half-updated model."""
         if not isinstance(version, int) or version < self._version:
             raise ValueError(f"weight version must be an int >= the served version {self._version}, "
                              f"got {version!r}")
-        checker = PushChecker(self.weight_spec, version)
-        tensors = checker.prepare(named_tensors)
-        checker.finish()
         self._ensure_serving()
         try:
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors),
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors),
                                                                "is_checkpoint_format": True})
             self._llm.apply_model(_repack_tied_cpu_gemms)
             # Cached prefix KV blocks were computed with the old weights.
             self._llm.reset_prefix_cache()
         except BaseException as err:
-            # The push was complete and well-formed, so this is a vLLM-side failure after layers
-            # were already rewritten: refuse to serve a half-updated model.
             self._broken = f"vLLM failed while reloading weights v{version}: {err!r}"
             raise
         self._version = version

@@ -1,19 +1,20 @@
-"""Policy weights from the Megatron trainer to the vLLM engines, one class per transport.
+"""Policy weights from the Megatron trainer to the vLLM engines: export, checks, transports.
 
-    build_rollout(rollout_cfg, sync_cfg, model_dir=...) -> (RolloutGroup, WeightSync)
-    syncer.push(export_hf_weights(..., dst_ranks=syncer.dst_ranks), version=step) -> SyncStats
+    build_rollout(rollout_cfg, sync_cfg, model_dir=..., export=ExportPlan(...)) -> (RolloutGroup, WeightSync)
+    weight_sync.sync(chunks, version=step) -> sync/* metrics
 
-``colocated`` (:mod:`.colocated`): engines in the trainer processes. ``separate`` (:mod:`.separate`):
-one engine in its own process, fed over a gloo group. See :mod:`.base` for the contract and
-:mod:`.placement` for which ranks hold engines.
+``export.py`` turns TP/PP-sharded Megatron chunks into HF-named full tensors in buckets;
+``checks.py`` checks a whole push against the engine before vLLM is touched; ``colocated`` (engines
+in the trainer processes) and ``separate`` (one engine in its own process, fed over a gloo group)
+are the transports; ``placement`` builds the engines and their weight sync.
 """
 
-from megatron_gtpo.rollout.weights import WeightPushError
-from megatron_gtpo.sync.base import SyncStats, WeightSync
+from megatron_gtpo.sync.base import ExportPlan, SyncStats, WeightSync
+from megatron_gtpo.sync.checks import PushChecker, WeightPushError, WeightSpec
 from megatron_gtpo.sync.colocated import ColocatedSync
 from megatron_gtpo.sync.config import SyncConfig
-from megatron_gtpo.sync.placement import RolloutGroup, build_rollout
+from megatron_gtpo.sync.placement import build_rollout
 from megatron_gtpo.sync.separate import EngineProcessError, SeparateEngine, SeparateSync
 
-__all__ = ["SyncConfig", "SyncStats", "WeightSync", "WeightPushError", "ColocatedSync", "SeparateSync",
-           "SeparateEngine", "EngineProcessError", "RolloutGroup", "build_rollout"]
+__all__ = ["ColocatedSync", "EngineProcessError", "ExportPlan", "PushChecker", "SeparateEngine", "SeparateSync",
+           "SyncConfig", "SyncStats", "WeightPushError", "WeightSpec", "WeightSync", "build_rollout"]

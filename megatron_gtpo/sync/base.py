@@ -1,13 +1,11 @@
 """Weight sync: one interface, one class per transport.
 
-    Megatron chunks --export_hf_weights (TP gather, PP collect)--> buckets of (HF name, full tensor)
-        --WeightSync.push(buckets, version=step)--> every engine serves `version`, or none changes
+    WeightSync.sync(chunks, version=step):
+        Megatron chunks --export_hf_weights (TP gather, PP collect)--> buckets of (HF name, full tensor)
+            --push(buckets, version)--> every engine serves `version`, or none changes
 
-The driver asks the syncer which ranks need full tensors (``dst_ranks``, handed to the exporter),
-calls ``push`` on every rank after the optimizer step, and never asks which transport runs:
-
-    syncer.push(export_hf_weights(chunks, hf_config=cfg, dims=dims, dst_ranks=syncer.dst_ranks,
-                                  bucket_bytes=sync_cfg.bucket_bytes), version=step)
+The driver calls ``sync`` on every rank after the optimizer step and never asks which transport runs;
+each transport says which ranks need full tensors (``dst_ranks``, handed to the exporter).
 
 Contract of every transport:
 * All-or-nothing. The whole push is checked against the engine's parameters (names, shapes,
@@ -29,7 +27,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megatron_gtpo.rollout.weights import Bucket, WeightPushError
+from megatron_gtpo.parallel.dims import ParallelDims
+from megatron_gtpo.sync.checks import Bucket, WeightPushError
+from megatron_gtpo.sync.export import export_hf_weights
 
 
 @dataclass(kw_only=True)
@@ -55,11 +55,34 @@ class SyncStats:
                 "sync/gigabytes": self.num_bytes / 1e9, "sync/version": float(self.version)}
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExportPlan:
+    """What the exporter needs to turn this rank's Megatron chunks into HF tensors."""
+
+    hf_config: dict
+    """The policy's config.json (architecture, tied embeddings, head layout)."""
+    dims: ParallelDims
+    """The trainer's layout and this rank's coordinates."""
+    bucket_bytes: int
+    """Bucket size: bounds the extra memory of a gather and of one transfer."""
+
+
 class WeightSync(ABC):
     """Moves one version of the policy weights into the rollout engines."""
 
     dst_ranks: str = "all"
     """Which ranks must receive full tensors from the exporter: ``all`` or ``first``."""
+
+    def __init__(self, export: ExportPlan):
+        self._export = export
+
+    def sync(self, model_chunks, *, version: int) -> dict[str, float]:
+        """Exports the chunks (lazily, bucket by bucket) and pushes them as ``version``; called on
+        every rank. Returns the ``sync/*`` metrics."""
+        plan = self._export
+        buckets = export_hf_weights(model_chunks, hf_config=plan.hf_config, dims=plan.dims,
+                                    bucket_bytes=plan.bucket_bytes, dst_ranks=self.dst_ranks)
+        return self.push(buckets, version=version).as_metrics()
 
     @abstractmethod
     def push(self, buckets: Iterable[Bucket], *, version: int) -> SyncStats:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from megatron_gtpo.rollout.engine import RolloutEngine
-from megatron_gtpo.rollout.weights import Bucket, PushChecker, WeightPushError
-from megatron_gtpo.sync.base import PushTimer, SyncStats, WeightSync, agree, drain
+from megatron_gtpo.sync.base import ExportPlan, PushTimer, SyncStats, WeightSync, agree, drain
+from megatron_gtpo.sync.checks import Bucket, PushChecker, WeightPushError, WeightSpec
 
 
 class ColocatedSync(WeightSync):
@@ -24,12 +24,14 @@ class ColocatedSync(WeightSync):
 
     dst_ranks = "all"
 
-    def __init__(self, engine: RolloutEngine):
+    def __init__(self, engine: RolloutEngine, export: ExportPlan):
+        super().__init__(export)
         self._engine = engine
+        self._spec = WeightSpec.from_model_dir(engine.model_dir, dtype=engine.dtype)
 
     def push(self, buckets: Iterable[Bucket], *, version: int) -> SyncStats:
         timer = PushTimer()
-        checker = PushChecker(self._engine.weight_spec, version)
+        checker = PushChecker(self._spec, version)
         staged: Bucket = []
         error = None
         it = iter(buckets)

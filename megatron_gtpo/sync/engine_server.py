@@ -38,7 +38,7 @@ def serve(conn, *, model_dir: str, vllm_kwargs: dict, seed: int, host: str, port
         from megatron_gtpo.rollout.engine import RolloutEngine
 
         engine = RolloutEngine(model_dir=model_dir, vllm_kwargs=vllm_kwargs, seed=seed)
-        conn.send(("ready", engine.weight_spec, engine.weight_version))
+        conn.send(("ready", engine.dtype, engine.weight_version))
     except BaseException:  # noqa: BLE001 - reported to the trainer, which raises
         conn.send(("error", traceback.format_exc()))
         return

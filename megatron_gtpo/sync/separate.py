@@ -22,9 +22,9 @@ import multiprocessing as mp
 from collections.abc import Iterable, Sequence
 
 from megatron_gtpo.rollout.engine import call_seed, prompt_seeds
-from megatron_gtpo.rollout.weights import Bucket, PushChecker, WeightPushError, WeightSpec
 from megatron_gtpo.sync import wire
-from megatron_gtpo.sync.base import PushTimer, SyncStats, WeightSync, agree, drain
+from megatron_gtpo.sync.base import ExportPlan, PushTimer, SyncStats, WeightSync, agree, drain
+from megatron_gtpo.sync.checks import Bucket, PushChecker, WeightPushError, WeightSpec
 from megatron_gtpo.types import Completion, Prompt
 
 
@@ -52,7 +52,8 @@ class SeparateEngine:
         reply = self._recv()
         if reply[0] != "ready":
             raise EngineProcessError(f"rollout engine process failed to start:\n{reply[1]}")
-        self.weight_spec: WeightSpec = reply[1]
+        self.weight_spec = WeightSpec.from_model_dir(self._model_dir, dtype=reply[1])
+        """Names and shapes a push must hold, in the engine's dtype (checked here, before sending)."""
         self._version: int = reply[2]
 
     @property
@@ -152,7 +153,8 @@ class SeparateSync(WeightSync):
 
     dst_ranks = "first"
 
-    def __init__(self, engine: SeparateEngine | None):
+    def __init__(self, engine: SeparateEngine | None, export: ExportPlan):
+        super().__init__(export)
         self._engine = engine
 
     def push(self, buckets: Iterable[Bucket], *, version: int) -> SyncStats:

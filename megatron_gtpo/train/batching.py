@@ -1,22 +1,21 @@
-"""Global ``TrainBatch`` -> this data-parallel rank's micro-batches, and the completion view that
-``algo/`` works in.
+"""Scored groups -> the global ``Batch`` (completion view) -> this data-parallel rank's micro-batches.
 
 Two coordinate systems meet here::
 
-    sequence view   [B, S]  prompt + completion, what the model consumes; loss_mask marks completions
     completion view [B, T]  completion token t of row b at column t (left-aligned, prefix mask):
-                            what algo/ (conflicts, advantages, loss) expects
+                            the Batch record and everything in algo/ (conflicts, advantages, loss)
+    sequence view   [mb, S] prompt + completion, what the model consumes; built per micro-batch
 
-``CompletionView.take`` maps a sequence-view tensor to the completion view. Every rank builds the
-view of the WHOLE global batch (token ids and masks are small), so per-sequence quantities such as
-GTPO's conflict weights are computed once, exactly as in a single process, and then sliced.
+``collate`` builds the completion view once per step; ``micro_batches`` makes the model input of
+one micro-batch from it, and ``take`` maps the model's per-position outputs back to the completion
+view. Every rank holds the whole Batch (token ids and rewards are small), so per-sequence
+quantities such as GTPO's conflict weights are computed once, exactly as in a single process.
 
 Data parallelism takes contiguous row blocks (DP rank r owns rows ``r*B/dp .. (r+1)*B/dp - 1``), so
 a prompt's group may straddle ranks and micro-batches; nothing here needs groups to stay together.
-Variable lengths are handled by padding: each micro-batch is cut to its longest used sequence
-(right padding never influences earlier positions under the causal mask). With pipeline
-parallelism every micro-batch of the step uses one common length instead, because Megatron's p2p
-buffers have a fixed shape (``variable_seq_lengths`` would add a shape exchange to every send).
+Each micro-batch is cut to its longest used sequence (right padding never influences earlier
+positions under the causal mask). With pipeline parallelism every micro-batch of the step uses one
+common length instead, because Megatron's p2p buffers have a fixed shape.
 """
 
 from __future__ import annotations
@@ -25,116 +24,112 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_gtpo.types import TrainBatch
+from megatron_gtpo.parallel.layout import batch_split_problem
+from megatron_gtpo.types import Batch, ScoredGroup
 
 Tensor = torch.Tensor
 
 
-@dataclass(kw_only=True)
-class CompletionView:
-    """Where each row's completion sits inside its padded sequence, for the whole global batch."""
+def collate(groups: list[ScoredGroup], *, pad_id: int) -> Batch:
+    """The completion-view Batch of ``groups`` (rows in group order, completions in sampling order).
 
-    start: Tensor  # [B] long
-    """Sequence position of the first completion (loss) token of each row."""
-    lengths: Tensor  # [B] long
-    """Number of loss tokens of each row (``|o_i|``; 0 for a fully masked completion)."""
-    token_ids: Tensor  # [B, T] long
-    """Completion tokens, left-aligned, right-padded with the batch's pad id."""
-    mask: Tensor  # [B, T] bool
-    """Prefix mask: True for the first ``lengths[b]`` columns."""
-
-    @property
-    def width(self) -> int:
-        """T: the longest completion of the global batch."""
-        return self.mask.shape[1]
-
-    def take(self, seq: Tensor, rows: Tensor | slice | None = None, width: int | None = None) -> Tensor:
-        """Completion view of a sequence-view tensor: ``seq`` ``[b, S']`` holds rows ``rows`` of the
-        batch (all rows when None); returns ``[b, width]``, zero outside each row's completion."""
-        start = (self.start if rows is None else self.start[rows]).to(seq.device)
-        lengths = (self.lengths if rows is None else self.lengths[rows]).to(seq.device)
-        width = self.width if width is None else width
-        cols = torch.arange(width, device=seq.device)
-        index = (start[:, None] + cols).clamp(max=seq.shape[1] - 1)
-        out = seq.gather(1, index)
-        return torch.where(cols < lengths[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
-
-
-    def to(self, device) -> "CompletionView":
-        """The same view with every tensor on ``device`` (the step moves it next to the logits)."""
-        return CompletionView(start=self.start.to(device), lengths=self.lengths.to(device),
-                              token_ids=self.token_ids.to(device), mask=self.mask.to(device))
-
-
-def completion_view(batch: TrainBatch) -> CompletionView:
-    """Builds the completion view; the loss mask must be one contiguous run per row (or empty)."""
-    mask = batch.loss_mask != 0
-    lengths = mask.sum(dim=1)
-    if batch.completion_start is not None:
-        start = batch.completion_start.long()
-    else:  # first loss position; 0 for an empty row (its length is 0, so it is never read)
-        start = torch.where(lengths > 0, mask.long().argmax(dim=1), torch.zeros_like(lengths))
-    seq_cols = torch.arange(mask.shape[1])
-    contiguous = (seq_cols >= start[:, None]) & (seq_cols < (start + lengths)[:, None])
-    if not torch.equal(contiguous, mask):
-        row = int((contiguous != mask).any(dim=1).nonzero()[0])
-        raise ValueError(f"TrainBatch.loss_mask row {row} is not one contiguous run of completion tokens "
-                         "(starting at completion_start); mask whole completions, not scattered tokens")
-    width = max(int(lengths.max()) if lengths.numel() else 0, 1)
-    view = CompletionView(start=start, lengths=lengths, token_ids=torch.empty(0, dtype=torch.long),
-                          mask=torch.arange(width)[None, :] < lengths[:, None])
-    ids = view.take(batch.input_ids)
-    view.token_ids = torch.where(view.mask, ids, torch.full_like(ids, batch.pad_id))
-    return view
+    The mask covers the completion tokens (EOS included, as TRL and the GTPO code); the sampler
+    log-probs sit on the same columns. Advantages are not computed here: ``algo.prepare_batch``
+    derives them from the rewards with the run's algorithm settings.
+    """
+    rows = [(gi, g.prompt.token_ids, c, r) for gi, g in enumerate(groups) for c, r in zip(g.completions, g.rewards)]
+    num = len(rows)
+    prompt_width = max(len(p) for _, p, _, _ in rows)
+    width = max(max(len(c.token_ids) for _, _, c, _ in rows), 1)
+    prompt_ids = torch.full((num, prompt_width), pad_id, dtype=torch.long)
+    token_ids = torch.full((num, width), pad_id, dtype=torch.long)
+    sampler = torch.zeros((num, width), dtype=torch.float32)
+    lengths = torch.tensor([len(c.token_ids) for _, _, c, _ in rows], dtype=torch.long)
+    for b, (_, prompt, comp, _) in enumerate(rows):
+        prompt_ids[b, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        if comp.token_ids:
+            token_ids[b, :len(comp.token_ids)] = torch.tensor(comp.token_ids, dtype=torch.long)
+            sampler[b, :len(comp.token_ids)] = torch.tensor(comp.logprobs, dtype=torch.float32)
+    return Batch(prompt_ids=prompt_ids, prompt_lengths=torch.tensor([len(p) for _, p, _, _ in rows], dtype=torch.long),
+                 token_ids=token_ids, mask=torch.arange(width)[None, :] < lengths[:, None], sampler_logprobs=sampler,
+                 rewards=torch.tensor([r for *_, r in rows], dtype=torch.float32),
+                 group_ids=torch.tensor([gi for gi, *_ in rows], dtype=torch.long), pad_id=pad_id)
 
 
 def local_rows(batch_size: int, *, dp: int, dp_rank: int, micro_batch_size: int) -> slice:
     """This DP rank's contiguous block of global rows; the global batch must split evenly into DP
     ranks and micro-batches (Megatron's pipeline schedules need equally sized micro-batches)."""
-    if batch_size % (dp * micro_batch_size) != 0:
-        raise ValueError(f"global batch of {batch_size} rows does not split into dp={dp} ranks x micro-batches "
-                         f"of {micro_batch_size}; make rollout prompts x samples a multiple of {dp * micro_batch_size}")
+    problem = batch_split_problem(batch_size, dp=dp, micro_batch_size=micro_batch_size)
+    if problem:
+        raise ValueError(problem)
     per_rank = batch_size // dp
     return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
 
+def global_normalisers(batch: Batch) -> tuple[float, float]:
+    """``(num_tokens, num_seqs)`` of the whole global batch: every rank computes them from the same
+    global record, so no communication is needed."""
+    return float(batch.lengths.sum()), float(batch.size)
+
+
 @dataclass(kw_only=True)
 class MicroBatch:
-    """One micro-batch as the forward step consumes it (sequence view cut to ``seq_len``)."""
+    """One micro-batch as the forward step consumes it, plus how to map its outputs back."""
 
     rows: Tensor  # [mb] long
     """Indices of these rows in the global batch (to slice per-sequence values)."""
-    input_ids: Tensor  # [mb, seq_len] long
+    input_ids: Tensor  # [mb, seq_len] long: prompt + completion, right-padded
     position_ids: Tensor  # [mb, seq_len] long
+    start: Tensor  # [mb] long
+    """Sequence position of each row's first completion token (its prompt length)."""
+    lengths: Tensor  # [mb] long
+    """Completion lengths of the rows."""
     width: int
     """Completion-view width of this micro-batch: its longest completion (>= 1)."""
 
+    def take(self, seq: Tensor) -> Tensor:
+        """Completion view ``[mb, width]`` of a sequence-view output ``seq`` ``[mb, seq_len]``
+        (the value predicting completion token t of row b at column t; 0 outside the completion)."""
+        cols = torch.arange(self.width, device=seq.device)
+        index = (self.start.to(seq.device)[:, None] + cols).clamp(max=seq.shape[1] - 1)
+        out = seq.gather(1, index)
+        return torch.where(cols < self.lengths.to(seq.device)[:, None], out,
+                           torch.zeros((), dtype=out.dtype, device=out.device))
 
-def used_length(view: CompletionView, rows: Tensor) -> int:
-    """Sequence length that covers every completion token of ``rows`` (the rest is padding)."""
-    return max(int((view.start[rows] + view.lengths[rows]).max()), 1)
+
+def _model_input(batch: Batch, rows: Tensor, seq_len: int) -> Tensor:
+    """``[len(rows), seq_len]``: prompt tokens, then completion tokens, then pad_id."""
+    cols = torch.arange(seq_len)[None, :]
+    start = batch.prompt_lengths[rows][:, None]
+    in_prompt = cols < start
+    prompt = batch.prompt_ids[rows].gather(1, cols.clamp(max=batch.prompt_ids.shape[1] - 1).expand(len(rows), -1))
+    offset = (cols - start).clamp(min=0, max=batch.token_ids.shape[1] - 1)
+    completion = batch.token_ids[rows].gather(1, offset)
+    in_completion = ~in_prompt & (cols < start + batch.lengths[rows][:, None])
+    return torch.where(in_prompt, prompt, torch.where(in_completion, completion, batch.pad_id))
 
 
-def micro_batches(batch: TrainBatch, view: CompletionView, rows: slice, *, micro_batch_size: int,
-                  common_length: bool, pad_to_multiple: int = 1, device=None) -> list[MicroBatch]:
+def micro_batches(batch: Batch, rows: slice, *, micro_batch_size: int, common_length: bool,
+                  pad_to_multiple: int = 1, device=None) -> list[MicroBatch]:
     """Cuts ``rows`` of the global batch into micro-batches of ``micro_batch_size`` rows.
 
-    ``common_length`` (pipeline parallel): one sequence length for all micro-batches. The length is
-    rounded up to ``pad_to_multiple`` (GPU kernels prefer multiples of 8/64) but never past ``S``.
-    ``device``: where the micro-batch tensors are placed (the model's device; default: CPU).
+    ``common_length`` (pipeline parallel): one sequence length for all micro-batches. Lengths are
+    rounded up to ``pad_to_multiple`` but never past the batch's longest sequence. ``device``:
+    where the micro-batch tensors are placed (the model's device; default: CPU).
     """
-    all_rows = torch.arange(batch.input_ids.shape[0])[rows]
-    chunks = list(all_rows.split(micro_batch_size))
-    full = batch.input_ids.shape[1]
+    ends = batch.prompt_lengths + batch.lengths
+    full = int(ends.max())
+    all_rows = torch.arange(batch.size)[rows]
 
     def rounded(length: int) -> int:
-        return min(-(-length // pad_to_multiple) * pad_to_multiple, full)
+        return min(-(-max(length, 1) // pad_to_multiple) * pad_to_multiple, full)
 
-    shared = rounded(used_length(view, all_rows)) if common_length else None
+    shared = rounded(int(ends[all_rows].max())) if common_length else None
     out = []
-    for idx in chunks:
-        seq_len = shared or rounded(used_length(view, idx))
-        out.append(MicroBatch(rows=idx.to(device), input_ids=batch.input_ids[idx, :seq_len].to(device),
-                              position_ids=batch.position_ids[idx, :seq_len].to(device),
-                              width=max(int(view.lengths[idx].max()), 1)))
+    for idx in all_rows.split(micro_batch_size):
+        seq_len = shared or rounded(int(ends[idx].max()))
+        out.append(MicroBatch(rows=idx.to(device), input_ids=_model_input(batch, idx, seq_len).to(device),
+                              position_ids=torch.arange(seq_len).expand(len(idx), seq_len).to(device),
+                              start=batch.prompt_lengths[idx].to(device), lengths=batch.lengths[idx].to(device),
+                              width=max(int(batch.lengths[idx].max()), 1)))
     return out

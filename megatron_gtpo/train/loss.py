@@ -5,7 +5,7 @@ micro-batch. Here that function:
 
 1. turns the TP-sharded logits ``[mb, s, V/TP]`` into per-token log-probs and entropies with the
    fused vocab-parallel pass (``train/logprobs.py``),
-2. moves them to the completion view ``[mb, T]`` that ``algo/`` expects,
+2. moves them to the completion view ``[mb, T]`` that ``algo/`` expects (``MicroBatch.take``),
 3. calls the pure ``algo.compute_loss`` with this micro-batch's rows of the per-sequence inputs
    (advantages, GTPO lambda and scales) that were prepared ONCE for the whole global batch, and with
    the GLOBAL normalisers (masked tokens and completions of the global batch), so the per-micro-batch
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_gtpo import algo
-from megatron_gtpo.algo.prepare import PreparedBatch
-from megatron_gtpo.train.batching import CompletionView, MicroBatch
+from megatron_gtpo.algo import AlgoSpec, PreparedBatch
+from megatron_gtpo.train.batching import MicroBatch
 from megatron_gtpo.train.logprobs import shifted_token_logprobs
 
 Tensor = torch.Tensor
@@ -56,24 +56,24 @@ class LogprobSettings:
 
 @dataclass(kw_only=True)
 class StepInputs:
-    """Everything the loss of any micro-batch needs during one optimizer step (global batch)."""
+    """Everything the loss of any micro-batch on this rank needs during one optimizer step."""
 
-    algo: str
-    """Algorithm name resolved by ``algo.LOSSES``."""
+    spec: AlgoSpec
+    """The resolved algorithm."""
     prepared: PreparedBatch
-    """Output of ``algo.prepare_batch`` for the whole global batch."""
-    view: CompletionView
-    """Completion coordinates of the whole global batch."""
-    loss_kwargs: dict
-    """clip_low/clip_high/kl_beta/agg_mode/constant for ``compute_loss`` (``AlgoConfig.loss_kwargs``)."""
+    """Output of ``algo.prepare_batch`` for the whole global batch (on the device)."""
+    mask: Tensor  # [B, T] bool
+    """Completion mask of the whole global batch (on the device)."""
     num_tokens: float
     """Masked (loss) tokens of the whole global batch: the token-mean normaliser."""
     num_seqs: float
     """Completions in the whole global batch: the seq-mean normaliser."""
-    old_logp: Tensor | None  # [B, T]
-    """pi_old log-probs (completion view) when mu > 1; None: ratio = exp(logp - logp.detach())."""
-    ref_logp: Tensor | None  # [B, T]
-    """Reference-model log-probs for the KL term, or None."""
+    local: slice
+    """This DP rank's rows of the global batch: the rows of ``old_logp``/``ref_logp`` below."""
+    old_logp: Tensor | None  # [local B, T]
+    """pi_old log-probs of this rank's rows when mu > 1; None: ratio = exp(logp - logp.detach())."""
+    ref_logp: Tensor | None  # [local B, T]
+    """Reference-model log-probs of this rank's rows for the KL term, or None."""
     sampler_logp: Tensor | None  # [B, T]
     """Rollout engine log-probs, for the train-inference mismatch metric (first update only)."""
     scale: float
@@ -82,6 +82,10 @@ class StepInputs:
     """1 / (micro-batches x DP ranks): summing this over all micro-batches gives 1, so a summed
     metric (the loss) survives the (sum, count) reduction unchanged."""
 
+    def local_rows(self, tensor: Tensor | None, rows: Tensor, width: int) -> Tensor | None:
+        """``tensor[rows - local.start, :width]`` for a tensor that holds only this rank's rows."""
+        return None if tensor is None else tensor[rows - self.local.start, :width]
+
 
 def micro_batch_loss(inputs: StepInputs, settings: LogprobSettings, mb: MicroBatch, logits: Tensor):
     """Loss of one micro-batch, already rescaled for Megatron, and its metric pairs."""
@@ -89,40 +93,35 @@ def micro_batch_loss(inputs: StepInputs, settings: LogprobSettings, mb: MicroBat
     # the gradient, so backward never holds two logits-sized buffers.
     logp_seq, ent_seq = settings.token_stats(logits, mb.input_ids, inplace_backward=True)
     rows, width = mb.rows, mb.width
-    view = inputs.view
-    logp = view.take(logp_seq, rows, width)
-    entropy = view.take(ent_seq.detach(), rows, width)
-    mask = view.mask[rows, :width]
-    prepared = inputs.prepared.rows(rows)
-    tensors = {k: (None if v is None else (v[:, :width] if v.dim() == 2 else v))
-               for k, v in prepared.loss_inputs().items()}
-    old = None if inputs.old_logp is None else inputs.old_logp[rows, :width]
-    ref = None if inputs.ref_logp is None else inputs.ref_logp[rows, :width]
-    loss, metrics = algo.compute_loss(
-        inputs.algo, logp=logp, mask=mask, old_logp=old, ref_logp=ref, entropy=entropy,
-        num_tokens=inputs.num_tokens, num_seqs=inputs.num_seqs, **tensors, **inputs.loss_kwargs)
+    mask = inputs.mask[rows, :width]
+    tokens = algo.TokenInputs(logp=mb.take(logp_seq), mask=mask,
+                              old_logp=inputs.local_rows(inputs.old_logp, rows, width),
+                              ref_logp=inputs.local_rows(inputs.ref_logp, rows, width))
+    loss, metrics = algo.compute_loss(inputs.spec, tokens, inputs.prepared.rows(rows), num_tokens=inputs.num_tokens,
+                                      num_seqs=inputs.num_seqs)
     pairs = _metric_pairs(metrics, mask)
     pairs["loss"] = torch.stack([loss.detach().double(), _f64(inputs.metric_weight, loss.device)])
+    if not inputs.spec.needs_mean_entropy:  # GTPO's <H>_i pre-pass reports entropy/mean itself
+        mean_h = algo.completion_mean_entropy(mb.take(ent_seq.detach()), mask)
+        pairs["entropy/mean"] = torch.stack([mean_h.sum().double(), _f64(mask.shape[0], mask.device)])
     if inputs.sampler_logp is not None:
-        pairs.update(_mismatch_pairs(logp.detach(), inputs.sampler_logp[rows, :width], mask))
+        pairs.update(_mismatch_pairs(tokens.logp.detach(), inputs.sampler_logp[rows, :width], mask))
     return loss * inputs.scale, pairs
 
 
 def _metric_pairs(metrics: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
-    """``compute_loss`` metrics are means over this micro-batch (tokens; completions for
-    ``entropy_mean``); weighting by that count makes the reduced value the global-batch mean.
-    ``*_min``/``*_max`` are kept as (value, 1) under a ``min:``/``max:`` prefix for a min/max reduce."""
+    """``compute_loss`` metrics are means over this micro-batch's tokens; weighting by that count
+    makes the reduced value the global-batch mean. ``*_min``/``*_max`` are kept as (value, 1) under
+    a ``min:``/``max:`` prefix for a min/max reduce."""
     tokens = mask.sum().double()
-    rows = _f64(mask.shape[0], mask.device)
     out = {}
     for name, value in metrics.items():
         value = value.detach().double()
-        if name.endswith("_min") or name.endswith("_max"):
+        if name.endswith(("_min", "_max")):
             if tokens > 0:
-                out[f"{name[-3:]}:train/{name}"] = torch.stack([value, _f64(1.0, value.device)])
+                out[f"{name[-3:]}:{name}"] = torch.stack([value, _f64(1.0, value.device)])
             continue
-        weight = rows if name == "entropy_mean" else tokens
-        out[f"train/{name}"] = torch.stack([value * weight, weight])
+        out[name] = torch.stack([value * tokens, tokens])
     return out
 
 
@@ -139,10 +138,10 @@ def _mismatch_pairs(logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[st
     abs_diff = torch.where(mask, (logp - sampler_logp).abs(), 0.0)
     diff = abs_diff.sum().double()
     k3 = torch.where(mask, algo.kl_k3(sampler_logp, logp), 0.0).sum().double()
-    out = {"mismatch/logp_abs_diff": torch.stack([diff, tokens]),
+    out = {"mismatch/logprob_abs_mean": torch.stack([diff, tokens]),
            "mismatch/kl_k3": torch.stack([k3, tokens])}
     if tokens > 0:  # the max over the global batch: reduced with the other max: entries
-        out["max:mismatch/logp_abs_diff_max"] = torch.stack([abs_diff.max().double(), _f64(1.0, logp.device)])
+        out["max:mismatch/logprob_abs_max"] = torch.stack([abs_diff.max().double(), _f64(1.0, logp.device)])
     return out
 
 
@@ -157,9 +156,3 @@ def split_extrema(pairs: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str
         else:
             plain[name] = value
     return plain, lows, highs
-
-
-def global_normalisers(view: CompletionView) -> tuple[float, float]:
-    """``(num_tokens, num_seqs)`` of the whole global batch: every rank computes them from the same
-    global metadata, so no communication is needed."""
-    return float(view.lengths.sum()), float(view.lengths.shape[0])

@@ -40,87 +40,16 @@ HF); Llama ``attention_bias``/``mlp_bias`` and RoPE types other than default/lla
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, architecture_of, head_dim_of, num_kv_heads_of,
+                                            rope_settings, tied_embeddings)
+from megatron_gtpo.models.shape import shape_from_hf_config
 from megatron_gtpo.parallel.dims import ParallelDims
+from megatron_gtpo.parallel.layout import model_split_problems
 from megatron_gtpo.utils.configuration import ConfigError
-
-# architectures[0] in config.json -> family name used across train/ and convert/.
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MistralForCausalLM": "mistral",
-}
-
-# Megatron's llama3 RoPE scaling hard-codes these; other values are re-applied after build.
-_MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192}
-
-
-def hf_config_from_dir(path: str | Path) -> dict:
-    """Reads ``<path>/config.json`` of a Hugging Face checkpoint; ConfigError names the file."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise ConfigError(f"{file} does not exist; pass a Hugging Face model directory that holds config.json")
-    try:
-        data = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{file} is not valid JSON ({err}); re-download or re-save the model") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{file} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
-def architecture_of(hf_config: dict) -> str:
-    """Family name (``llama``, ``qwen2``, ``qwen3``, ``mistral``) of ``hf_config['architectures'][0]``."""
-    archs = hf_config.get("architectures")
-    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise ConfigError(
-            f"config.json field 'architectures'={archs!r} is not supported; expected exactly one of "
-            f"{', '.join(sorted(ARCHITECTURES))}")
-    return ARCHITECTURES[archs[0]]
-
-
-def head_dim_of(hf_config: dict) -> int:
-    """Per-head width: ``head_dim`` when present (Qwen3, Mistral-NeMo), else hidden/heads."""
-    if hf_config.get("head_dim"):
-        return int(hf_config["head_dim"])
-    return int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"])
-
-
-def num_kv_heads_of(hf_config: dict) -> int:
-    """Key/value heads (query groups); equals the head count for models without GQA."""
-    return int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"])
-
-
-def tied_embeddings(hf_config: dict) -> bool:
-    """True when lm_head shares the input embedding (SmolLM2); the four families default to False."""
-    return bool(hf_config.get("tie_word_embeddings", False))
-
-
-def rope_settings(hf_config: dict) -> dict:
-    """``{"theta", "type", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}`` from transformers-5 ``rope_parameters`` or the older
-    ``rope_theta`` + ``rope_scaling`` pair."""
-    params = dict(hf_config.get("rope_parameters") or {})
-    scaling = hf_config.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    merged = {**scaling, **params}
-    if kind not in ("default", "llama3"):
-        raise ConfigError(f"config.json rope type {kind!r} is not supported; supported: default, llama3")
-    out = {"theta": float(theta), "type": kind}
-    if kind == "llama3":
-        out["factor"] = float(merged["factor"])
-        for key, default in _MCORE_LLAMA3_ROPE.items():
-            out[key] = float(merged.get(key, default))
-    return out
-
 
 def _check_supported(hf_config: dict, family: str) -> None:
     """Rejects HF options that the Megatron local/TE GPT layers cannot reproduce exactly."""
@@ -136,21 +65,11 @@ def _check_supported(hf_config: dict, family: str) -> None:
 
 
 def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None) -> None:
-    """Divisibility that Megatron asserts deep inside; checked here to name the field and the fix."""
-    heads, groups = int(hf_config["num_attention_heads"]), num_kv_heads_of(hf_config)
-    layers, vocab = int(hf_config["num_hidden_layers"]), int(hf_config["vocab_size"])
-    stages = pp * (vpp or 1)
-    checks = [
-        (heads % tp == 0, f"num_attention_heads={heads} is not divisible by tp={tp}"),
-        (groups % tp == 0, f"num_key_value_heads={groups} is not divisible by tp={tp}"),
-        (heads % groups == 0, f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}"),
-        (int(hf_config["intermediate_size"]) % tp == 0, f"intermediate_size is not divisible by tp={tp}"),
-        (vocab % tp == 0, f"vocab_size={vocab} is not divisible by tp={tp}"),
-        (layers % stages == 0, f"num_hidden_layers={layers} is not divisible by pp*vpp={stages}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(f"config.json: {message}; choose a tensor/pipeline layout that divides it")
+    """Raises ConfigError with every reason ``hf_config`` cannot be split into this layout
+    (``parallel.layout.model_split_problems``: the rules the dry-run reports too)."""
+    problems = model_split_problems(shape_from_hf_config(hf_config, name="model"), tp=tp, pp=pp, vpp=vpp)
+    if problems:
+        raise ConfigError("config.json: " + "; ".join(problems))
 
 
 def validate_overrides(overrides: dict | None) -> dict:
@@ -289,7 +208,7 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
 def _apply_llama3_rope(model, rope: dict) -> None:
     """Megatron's llama3 scaling fixes low/high freq factors at 1/4 and the original context at
     8192; checkpoints with other values get their inverse frequencies recomputed exactly."""
-    if rope["type"] != "llama3" or all(rope[k] == v for k, v in _MCORE_LLAMA3_ROPE.items()):
+    if rope["type"] != "llama3" or all(rope[k] == v for k, v in LLAMA3_ROPE_DEFAULTS.items()):
         return
     emb = model.rotary_pos_emb
     dim = emb.inv_freq.numel() * 2

@@ -1,21 +1,22 @@
-"""One rollout batch -> ``mu`` optimizer steps of the Megatron policy, plus no-grad log-prob and
-greedy-decoding passes through the same pipeline schedule.
+"""One global ``Batch`` -> ``mu`` optimizer steps of the Megatron policy, and the no-grad forward
+passes the step needs (pi_old, GTPO's <H>_i, the reference model's log-probs).
 
-Dataflow of :func:`train_on_batch` (every rank holds the whole global ``TrainBatch``)::
+Dataflow of :func:`train_step` (every rank holds the whole Batch; rows are split over DP)::
 
-    batch --completion_view--> view [B, T]                                  (same on every rank)
-    rows of this DP rank --micro_batches--> [mb_0, mb_1, ...]
-    if GTPO or mu > 1:  no-grad forward (compute_logprobs)    -> pi_old logp, <H>_i   (all-gathered over DP)
-    algo.prepare_batch(whole batch, <H>)                       -> A / A~, lambda, seq scales   (once)
+    rows of this DP rank --micro_batches--> [mb_0, mb_1, ...]   (model input [mb, S] built per micro-batch)
+    if GTPO or mu > 1:  no-grad forward (forward_stats)     -> pi_old logp [local B, T] (stays here),
+                                                               <H>_i [local B] (all-gathered: [B])
+    last stage: algo.prepare_batch(spec, whole batch, <H>)   -> A / A~, lambda, seq scales   (once)
     repeat mu times:
         Megatron forward_backward_func(loss_func = loss.micro_batch_loss)   # TP/PP/VPP, DDP reduce
         optimizer.step() (grad clip inside), scheduler.step()
-    metrics: (sum, count) pairs summed over micro-batches and DP, broadcast from the last PP stage
+    metrics: (sum, count) pairs summed over micro-batches and DP on the last stage, then handed to
+             every rank
 
-GTPO's ``<H>_i`` is the mean entropy of pi_old (the policy before the first update); for mu > 1 it
-is not recomputed between updates, like the advantages. ``entropy_prob_floor`` (default 1e-6)
-reproduces the GTPO reference's clamp inside the log for that statistic (see logprobs.py); the
-entropy reported by the loss is exact.
+Only the last pipeline stage computes losses, so only it prepares the batch and holds per-token
+inputs. GTPO's ``<H>_i`` is the mean entropy of pi_old (before the first update) with the reference
+code's 1e-6 probability floor (``AlgoSpec.entropy_prob_floor``); for mu > 1 it is not recomputed
+between updates, like the advantages.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from functools import partial
 import torch
 
 from megatron_gtpo import algo
+from megatron_gtpo.algo import AlgoSpec
 from megatron_gtpo.parallel import collectives
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.train.batching import MicroBatch, completion_view, local_rows, micro_batches
-from megatron_gtpo.train.logprobs import vocab_parallel_argmax
-from megatron_gtpo.train.loss import (LogprobSettings, StepInputs, global_normalisers, micro_batch_loss,
-                                      split_extrema)
+from megatron_gtpo.parallel.layout import pipeline_problem
+from megatron_gtpo.train.batching import MicroBatch, global_normalisers, local_rows, micro_batches
+from megatron_gtpo.train.loss import LogprobSettings, StepInputs, micro_batch_loss, split_extrema
 from megatron_gtpo.train.optim import current_lr, zero_grads
-from megatron_gtpo.types import TrainBatch
+from megatron_gtpo.types import Batch
 
 Tensor = torch.Tensor
 
@@ -55,18 +56,26 @@ def megatron_loss_scale(*, num_microbatches: int, dp_size: int) -> float:
     return float(num_microbatches * dp_size)
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepSettings:
+    """How a Batch becomes updates; fixed for a run (built once by the learner)."""
+
+    spec: AlgoSpec
+    """The resolved algorithm."""
+    micro_batch_size: int
+    """Completions per micro-batch on one DP rank."""
+    temperature: float
+    """The rollout's sampling temperature: log-probs and entropies refer to that distribution."""
+    vocab_size: int | None = None
+    """True vocabulary size (padding columns of the output layer excluded); None: the logits' width."""
+    chunk_tokens: int | None = None
+    """Rows per chunk of the fused log-prob/entropy pass (None: automatic)."""
+    pad_to_multiple: int = 1
+    """Micro-batch sequence lengths are rounded up to this multiple."""
+
+
 @dataclass(kw_only=True)
-class TokenStats:
-    """Per-token log-probs and entropies of a whole global batch (sequence view)."""
-
-    logp: Tensor  # [B, S] fp32
-    """``logp[b, t]`` = log pi(input_ids[b, t] | tokens before t) at the given temperature; 0 at t = 0."""
-    entropy: Tensor  # [B, S] fp32
-    """Entropy (nats) of the distribution that predicted token t; 0 at t = 0."""
-
-
-@dataclass(kw_only=True)
-class _Groups:
+class Groups:
     """Process groups the step needs, fetched once from parallel_state."""
 
     tp: object
@@ -75,26 +84,34 @@ class _Groups:
     last_stage_rank: int
 
 
-def _groups() -> _Groups:
+def process_groups() -> Groups:
     from megatron.core import parallel_state as ps
 
-    return _Groups(tp=ps.get_tensor_model_parallel_group(), dp=ps.get_data_parallel_group(),
-                   pp=ps.get_pipeline_model_parallel_group(),
-                   last_stage_rank=ps.get_pipeline_model_parallel_last_rank())
+    return Groups(tp=ps.get_tensor_model_parallel_group(), dp=ps.get_data_parallel_group(),
+                  pp=ps.get_pipeline_model_parallel_group(),
+                  last_stage_rank=ps.get_pipeline_model_parallel_last_rank())
 
 
-def _check_schedule(model_chunks, num_microbatches: int, dims: ParallelDims) -> None:
+@dataclass(kw_only=True)
+class ForwardStats:
+    """No-grad per-token statistics of this DP rank's rows (last pipeline stage only)."""
+
+    logp: Tensor  # [local B, T] float32, completion view
+    """log pi of each completion token at the sampling temperature."""
+    mean_entropy: Tensor  # [local B] float32
+    """<H>_i of each row (with the probability floor the caller asked for)."""
+
+
+def check_schedule(model_chunks, num_microbatches: int, dims: ParallelDims) -> None:
     """Layout checks Megatron does not make (or makes deep inside), each naming the fix."""
     if not (dims.vpp and dims.pp > 1):
         return
-    if num_microbatches % dims.pp != 0:
-        raise ValueError(f"interleaved pipeline (vpp={dims.vpp}) needs the micro-batches per DP rank "
-                         f"({num_microbatches}) to be a multiple of pp={dims.pp}; change micro_batch_size "
-                         "or the rollout batch size")
+    problem = pipeline_problem(num_microbatches, pp=dims.pp, vpp=dims.vpp)
+    if problem:
+        raise ValueError(problem)
     from megatron.core.utils import get_model_config
 
-    config = get_model_config(model_chunks[0])
-    if dims.pp == 2 and config.batch_p2p_comm:
+    if dims.pp == 2 and get_model_config(model_chunks[0]).batch_p2p_comm:
         # With two stages the previous and the next stage are the same rank, and the interleaved
         # schedule's batched exchange posts two untagged sends to it: activation and gradient are
         # paired in posting order and arrive swapped (same shape, so nothing fails; gradients are
@@ -104,7 +121,7 @@ def _check_schedule(model_chunks, num_microbatches: int, dims: ParallelDims) -> 
                          "activations and gradients between the two stages")
 
 
-def _run_schedule(model_chunks, mbs: list[MicroBatch], loss_for, *, forward_only: bool) -> list[dict]:
+def run_schedule(model_chunks, mbs: list[MicroBatch], loss_for, *, forward_only: bool) -> list[dict]:
     """Megatron's forward_backward_func over ``mbs``; ``loss_for(mb, logits)`` runs on the last stage.
     Returns the per-micro-batch metric dicts (last stage only; empty elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -121,109 +138,106 @@ def _run_schedule(model_chunks, mbs: list[MicroBatch], loss_for, *, forward_only
         forward_only=forward_only)
 
 
-def _settings(dims: ParallelDims, groups: _Groups, *, temperature: float, vocab_size: int | None,
-              chunk_tokens: int | None) -> LogprobSettings:
-    return LogprobSettings(tp_group=groups.tp, tp_rank=dims.tp_rank, vocab_size=vocab_size,
-                           temperature=temperature, chunk_tokens=chunk_tokens)
+def logprob_settings(settings: StepSettings, dims: ParallelDims, groups: Groups) -> LogprobSettings:
+    return LogprobSettings(tp_group=groups.tp, tp_rank=dims.tp_rank, vocab_size=settings.vocab_size,
+                           temperature=settings.temperature, chunk_tokens=settings.chunk_tokens)
 
 
-def _token_stats(model_chunks, batch: TrainBatch, mbs: list[MicroBatch], settings: LogprobSettings,
-                 dims: ParallelDims, groups: _Groups, *, entropy_prob_floor: float) -> TokenStats:
-    """No-grad forward over this rank's micro-batches; result gathered over DP and PP."""
+def rank_micro_batches(batch: Batch, settings: StepSettings, dims: ParallelDims) -> tuple[slice, list[MicroBatch]]:
+    """This DP rank's rows and their micro-batches (on the model's device)."""
+    rows = local_rows(batch.size, dp=dims.dp, dp_rank=dims.dp_rank, micro_batch_size=settings.micro_batch_size)
+    return rows, micro_batches(batch, rows, micro_batch_size=settings.micro_batch_size, common_length=dims.pp > 1,
+                               pad_to_multiple=settings.pad_to_multiple, device=collectives.comm_device())
+
+
+@torch.no_grad()
+def forward_stats(model_chunks, batch: Batch, mbs: list[MicroBatch], settings: LogprobSettings, *,
+                  entropy_prob_floor: float = 0.0) -> ForwardStats | None:
+    """No-grad forward of this rank's micro-batches: per-token log-probs and <H>_i of its rows in
+    the global batch's completion width. Returns None on all but the last pipeline stage."""
+    width = batch.token_ids.shape[1]
+
     def loss_for(mb, logits):
         logp, ent = settings.token_stats(logits, mb.input_ids, entropy_prob_floor=entropy_prob_floor)
-        return logits.new_zeros(()), {"logp": logp.float(), "entropy": ent.float()}
+        view = dataclasses.replace(mb, width=width)  # the global width: rows line up with the Batch
+        return logits.new_zeros(()), {"logp": view.take(logp.float()), "entropy": view.take(ent.float())}
 
-    with torch.no_grad():
-        store = _run_schedule(model_chunks, mbs, loss_for, forward_only=True)
-    full_shape = (batch.input_ids.shape[0], 2, batch.input_ids.shape[1])
-    packed = None
-    if dims.is_last_stage:
-        local = torch.zeros(len(mbs) * mbs[0].rows.numel(), 2, batch.input_ids.shape[1])
-        for i, (mb, out) in enumerate(zip(mbs, store)):
-            block = local[i * mb.rows.numel():(i + 1) * mb.rows.numel()]
-            block[:, 0, :out["logp"].shape[1]] = out["logp"]
-            block[:, 1, :out["entropy"].shape[1]] = out["entropy"]
-        packed = collectives.all_gather_rows(local.to(collectives.comm_device()), groups.dp)
-    packed = collectives.broadcast_tensor_from_last_stage(
-        packed, shape=full_shape, dtype=torch.float32, pp_group=groups.pp,
-        last_stage_rank=groups.last_stage_rank).cpu()
-    return TokenStats(logp=packed[:, 0], entropy=packed[:, 1])
+    store = run_schedule(model_chunks, mbs, loss_for, forward_only=True)
+    if not store:
+        return None
+    rows = torch.cat([mb.rows for mb in mbs])
+    entropy = torch.cat([out["entropy"] for out in store])
+    return ForwardStats(logp=torch.cat([out["logp"] for out in store]),
+                        mean_entropy=algo.completion_mean_entropy(entropy, batch.mask[rows.cpu()].to(entropy.device)))
 
 
-def compute_logprobs(model_chunks, batch: TrainBatch, *, dims: ParallelDims, micro_batch_size: int,
-                     temperature: float = 1.0, vocab_size: int | None = None,
-                     chunk_tokens: int | None = None, entropy_prob_floor: float = 0.0) -> TokenStats:
-    """No-grad log-probs and entropies of ``batch`` under ``model_chunks`` (the policy for pi_old or
-    the mismatch metric, or a reference model for GRPO's KL). Every rank returns the whole batch."""
-    groups = _groups()
-    view = completion_view(batch)
-    rows = local_rows(batch.input_ids.shape[0], dp=dims.dp, dp_rank=dims.dp_rank, micro_batch_size=micro_batch_size)
-    mbs = micro_batches(batch, view, rows, micro_batch_size=micro_batch_size, common_length=dims.pp > 1,
-                        device=collectives.comm_device())
-    _check_schedule(model_chunks, len(mbs), dims)
-    settings = _settings(dims, groups, temperature=temperature, vocab_size=vocab_size, chunk_tokens=chunk_tokens)
-    return _token_stats(model_chunks, batch, mbs, settings, dims, groups, entropy_prob_floor=entropy_prob_floor)
+def train_step(policy, batch: Batch, settings: StepSettings, dims: ParallelDims, *,
+               ref_logp: Tensor | None = None) -> dict[str, float]:
+    """``spec.mu`` optimizer steps of ``policy`` (chunks, optimizer, scheduler) on one global batch;
+    returns metrics identical on every rank.
 
-
-def train_on_batch(model_chunks, optimizer, scheduler, batch: TrainBatch, *, algo_name: str,
-                   prepare_kwargs: dict, loss_kwargs: dict, micro_batch_size: int, mu: int, temperature: float,
-                   dims: ParallelDims, ref_logp: Tensor | None = None, vocab_size: int | None = None,
-                   chunk_tokens: int | None = None, entropy_prob_floor: float = 1e-6,
-                   pad_to_multiple: int = 1) -> dict[str, float]:
-    """``mu`` optimizer steps on one global rollout batch; returns metrics identical on every rank.
-
-    ``prepare_kwargs``/``loss_kwargs``: ``AlgoConfig.prepare_kwargs()`` and ``.loss_kwargs(...)``.
-    ``ref_logp`` [B, S]: reference-model log-probs (``compute_logprobs`` of the reference model) when
-    ``kl_beta > 0``. ``temperature`` must be the rollout's sampling temperature. Metric names:
-    ``loss``, ``train/*`` (algo.compute_loss), ``batch/*`` (algo.prepare_batch), ``mismatch/*``
-    (first update vs the sampler's log-probs), ``optim/*``; values are means over the mu updates
-    except ``mismatch/*`` (first update), ``optim/lr`` (last) and ``optim/grad_norm_max``.
-    ``batch.advantages`` is not read: advantages come from ``batch.rewards`` through
-    ``algo.prepare_batch`` with ``prepare_kwargs``, so they cannot disagree with the loss settings.
+    ``ref_logp`` [local B, T]: the reference model's log-probs of this rank's rows (last stage),
+    when ``kl_beta > 0``. Metric names are the logged ones (``megatron_gtpo.metrics``); values are
+    means over the mu updates except ``mismatch/*`` (first update), ``optim/lr`` (last) and
+    ``optim/grad_norm_max``.
     """
-    if mu < 1:
-        raise ValueError(f"mu={mu} must be >= 1 (optimizer steps per rollout batch)")
-    groups, device = _groups(), collectives.comm_device()
-    view = completion_view(batch)
-    rows = local_rows(batch.input_ids.shape[0], dp=dims.dp, dp_rank=dims.dp_rank, micro_batch_size=micro_batch_size)
-    mbs = micro_batches(batch, view, rows, micro_batch_size=micro_batch_size, common_length=dims.pp > 1,
-                        pad_to_multiple=pad_to_multiple, device=device)
-    _check_schedule(model_chunks, len(mbs), dims)
-    settings = _settings(dims, groups, temperature=temperature, vocab_size=vocab_size, chunk_tokens=chunk_tokens)
-    old_logp = mean_entropy = None
-    if mu > 1 or algo.get_algorithm(algo_name).conflict_aware:  # pi_old and/or GTPO's <H>_i: forward first
-        stats = _token_stats(model_chunks, batch, mbs, settings, dims, groups, entropy_prob_floor=entropy_prob_floor)
-        mean_entropy = algo.completion_mean_entropy(view.take(stats.entropy), view.mask)
-        old_logp = view.take(stats.logp).to(device) if mu > 1 else None
-    prepared = algo.prepare_batch(algo_name, token_ids=view.token_ids, mask=view.mask, rewards=batch.rewards,
-                                  group_ids=batch.group_ids, mean_entropy=mean_entropy, **prepare_kwargs)
-    num_tokens, num_seqs = global_normalisers(view)
-    # per-sequence inputs are built on the CPU from global metadata, then placed next to the logits
-    inputs = StepInputs(
-        algo=algo_name, prepared=_to_device(prepared, device), view=view.to(device), loss_kwargs=loss_kwargs,
-        num_tokens=num_tokens, num_seqs=num_seqs, old_logp=old_logp,
-        ref_logp=None if ref_logp is None else view.take(ref_logp).to(device),
-        sampler_logp=view.take(batch.sampler_logprobs).to(device),
-        scale=megatron_loss_scale(num_microbatches=len(mbs), dp_size=dims.dp),
-        metric_weight=1.0 / (len(mbs) * dims.dp))
-    out = _merge_updates([_update(model_chunks, optimizer, scheduler, mbs, inputs if i == 0 else
-                                  dataclasses.replace(inputs, sampler_logp=None), settings, dims, groups)
-                          for i in range(mu)])
-    out.update({f"batch/{k}": float(v) for k, v in prepared.metrics.items()})
-    return out
+    spec, groups = settings.spec, process_groups()
+    rows, mbs = rank_micro_batches(batch, settings, dims)
+    check_schedule(policy.chunks, len(mbs), dims)
+    lp_settings = logprob_settings(settings, dims, groups)
+    stats = None
+    if spec.needs_old_logp or spec.needs_mean_entropy:  # pi_old and/or GTPO's <H>_i: forward first
+        stats = forward_stats(policy.chunks, batch, mbs, lp_settings, entropy_prob_floor=spec.entropy_prob_floor)
+    inputs = None
+    if dims.is_last_stage:
+        inputs = _step_inputs(batch, settings, dims, groups, rows=rows, stats=stats, ref_logp=ref_logp,
+                              num_microbatches=len(mbs))
+    per_update = []
+    for update in range(spec.mu):
+        step_inputs = inputs if (update == 0 or inputs is None) else dataclasses.replace(inputs, sampler_logp=None)
+        per_update.append(_update(policy, mbs, step_inputs, lp_settings, dims, groups))
+    result = None
+    if dims.is_last_stage:
+        result = _merge_updates(per_update)
+        result.update({k: float(v) for k, v in inputs.prepared.metrics.items()})
+    return collectives.broadcast_from_last_stage(result, pp_group=groups.pp, last_stage_rank=groups.last_stage_rank)
 
 
-def _update(model_chunks, optimizer, scheduler, mbs, inputs: StepInputs, settings, dims, groups) -> dict[str, float]:
+def _step_inputs(batch: Batch, settings: StepSettings, dims: ParallelDims, groups: Groups, *, rows: slice,
+                 stats: ForwardStats | None, ref_logp: Tensor | None, num_microbatches: int) -> StepInputs:
+    """Prepares the whole global batch once (last stage) and places the loss inputs on the device."""
+    device = collectives.comm_device()
+    mean_entropy = None
+    if settings.spec.needs_mean_entropy:
+        mean_entropy = collectives.all_gather_rows(stats.mean_entropy.to(device), groups.dp).cpu()
+    prepared = algo.prepare_batch(settings.spec, token_ids=batch.token_ids, mask=batch.mask, rewards=batch.rewards,
+                                  group_ids=batch.group_ids, mean_entropy=mean_entropy)
+    old_logp = stats.logp.to(device) if settings.spec.needs_old_logp else None
+    algo.validate_loss_inputs(settings.spec, prepared.rows(torch.arange(batch.size)[rows]), mask=batch.mask[rows],
+                              old_logp=None if old_logp is None else old_logp.cpu(),
+                              ref_logp=None if ref_logp is None else ref_logp.cpu())
+    num_tokens, num_seqs = global_normalisers(batch)
+    return StepInputs(spec=settings.spec, prepared=_to_device(prepared, device), mask=batch.mask.to(device),
+                      num_tokens=num_tokens, num_seqs=num_seqs, local=rows, old_logp=old_logp,
+                      ref_logp=None if ref_logp is None else ref_logp.to(device),
+                      sampler_logp=batch.sampler_logprobs.to(device),
+                      scale=megatron_loss_scale(num_microbatches=num_microbatches, dp_size=dims.dp),
+                      metric_weight=1.0 / (num_microbatches * dims.dp))
+
+
+def _update(policy, mbs, inputs: StepInputs | None, lp_settings, dims, groups) -> dict[str, float] | None:
     """One optimizer step: forward/backward over all micro-batches (Megatron schedule; DP grad
-    reduction in its finalize hook), clipped optimizer step, LR schedule step, reduced metrics."""
-    zero_grads(model_chunks, optimizer)
-    store = _run_schedule(model_chunks, mbs, partial(micro_batch_loss, inputs, settings), forward_only=False)
-    update_ok, grad_norm, _ = optimizer.step()
-    scheduler.step(increment=1)
-    metrics = _reduce_metrics(store, dims, groups)
+    reduction in its finalize hook), clipped optimizer step, LR schedule step; metrics reduced over
+    DP on the last stage (None elsewhere)."""
+    zero_grads(policy.chunks, policy.optimizer)
+    store = run_schedule(policy.chunks, mbs, partial(micro_batch_loss, inputs, lp_settings), forward_only=False)
+    update_ok, grad_norm, _ = policy.optimizer.step()
+    policy.scheduler.step(increment=1)
+    if not dims.is_last_stage:
+        return None
+    metrics = _reduce_metrics(store, groups)
     metrics.update({"optim/grad_norm": float("nan") if grad_norm is None else float(grad_norm),
-                    "optim/update_ok": float(bool(update_ok)), "optim/lr": current_lr(optimizer)})
+                    "optim/update_ok": float(bool(update_ok)), "optim/lr": current_lr(policy.optimizer)})
     return metrics
 
 
@@ -239,23 +253,21 @@ def _to_device(record, device):
     return dataclasses.replace(record, **changes)
 
 
-def _reduce_metrics(store: list[dict], dims: ParallelDims, groups: _Groups) -> dict[str, float]:
-    """Sums the last stage's per-micro-batch pairs over DP, then hands the result to every stage."""
-    result = None
-    if dims.is_last_stage:
-        pairs, lows, highs = [], {}, {}
-        for item in store:
-            plain, low, high = split_extrema(item)
-            pairs.append(plain)
-            lows.update({k: min(v, lows.get(k, v)) for k, v in low.items()})
-            highs.update({k: max(v, highs.get(k, v)) for k, v in high.items()})
-        result = collectives.reduce_metric_pairs(collectives.sum_metric_pairs(pairs), groups.dp)
-        result.update(collectives.reduce_min_max(lows, highs, groups.dp))
-    return collectives.broadcast_from_last_stage(result, pp_group=groups.pp, last_stage_rank=groups.last_stage_rank)
+def _reduce_metrics(store: list[dict], groups: Groups) -> dict[str, float]:
+    """Sums the last stage's per-micro-batch pairs over DP (min/max entries reduced as such)."""
+    pairs, lows, highs = [], {}, {}
+    for item in store:
+        plain, low, high = split_extrema(item)
+        pairs.append(plain)
+        lows.update({k: min(v, lows.get(k, v)) for k, v in low.items()})
+        highs.update({k: max(v, highs.get(k, v)) for k, v in high.items()})
+    result = collectives.reduce_metric_pairs(collectives.sum_metric_pairs(pairs), groups.dp)
+    result.update(collectives.reduce_min_max(lows, highs, groups.dp))
+    return result
 
 
 def _merge_updates(per_update: list[dict[str, float]]) -> dict[str, float]:
-    """Means over the mu updates, except first-update-only, last and max entries (see train_on_batch)."""
+    """Means over the mu updates, except first-update-only, last and max entries (see train_step)."""
     out = {}
     for name in per_update[0]:
         values = [m[name] for m in per_update if name in m]
@@ -265,41 +277,3 @@ def _merge_updates(per_update: list[dict[str, float]]) -> dict[str, float]:
             out[name] = per_update[0][name]
     out["optim/grad_norm_max"] = max(m["optim/grad_norm"] for m in per_update)
     return out
-
-
-@torch.no_grad()
-def greedy_generate(model_chunks, prompt_ids: list[list[int]], max_new_tokens: int, dims: ParallelDims, *,
-                    eos_id: int | None = None, vocab_size: int | None = None) -> list[list[int]]:
-    """Greedy continuation of each prompt with plain Megatron forwards (no KV cache: O(n^2), meant
-    for comparing against vLLM's greedy tokens on short prompts). Works with TP, PP and VPP: every
-    token goes through the forward-only pipeline schedule and is broadcast from the last stage.
-    Returns the new tokens per prompt (stops after ``eos_id`` when given)."""
-    groups = _groups()
-    results = []
-    for prompt in prompt_ids:
-        tokens = list(prompt)
-        new: list[int] = []
-        for _ in range(max_new_tokens):
-            device = collectives.comm_device()
-            ids = torch.tensor([tokens], dtype=torch.long, device=device)
-            mb = MicroBatch(rows=torch.zeros(1, dtype=torch.long), input_ids=ids,
-                            position_ids=torch.arange(len(tokens), device=device)[None, :], width=1)
-
-            def loss_for(mb, logits):
-                nxt = vocab_parallel_argmax(logits[:, -1], group=groups.tp, vocab_start=dims.tp_rank * logits.shape[-1],
-                                            vocab_size=vocab_size)
-                return logits.new_zeros(()), {"next": nxt}
-
-            # the interleaved schedule needs >= pp micro-batches: repeat the same one (greedy is a test aid)
-            repeats = dims.pp if (dims.vpp and dims.pp > 1) else 1
-            store = _run_schedule(model_chunks, [mb] * repeats, loss_for, forward_only=True)
-            nxt = store[0]["next"].to(collectives.comm_device()) if dims.is_last_stage else None
-            nxt = collectives.broadcast_tensor_from_last_stage(
-                nxt, shape=(1,), dtype=torch.long, pp_group=groups.pp, last_stage_rank=groups.last_stage_rank)
-            token = int(nxt[0])
-            tokens.append(token)
-            new.append(token)
-            if eos_id is not None and token == eos_id:
-                break
-        results.append(new)
-    return results

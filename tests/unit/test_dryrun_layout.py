@@ -6,7 +6,7 @@ import pytest
 
 from megatron_gtpo.launch.layout import LayoutError, plan_layout
 from megatron_gtpo.launch.memory import check_memory, estimate_memory, stage_params
-from megatron_gtpo.launch.model_shape import load_model_shape, shape_from_hf_config
+from megatron_gtpo.models.shape import load_model_shape, shape_from_hf_config
 from megatron_gtpo.utils.configuration import ConfigError
 from tests.helpers import REPO
 

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from megatron_gtpo.convert import mapping as mp
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.train.model import architecture_of, layer_offset, tied_embeddings, unwrap
+from megatron_gtpo.models.hf_config import architecture_of, tied_embeddings
+from megatron_gtpo.train.model import layer_offset, unwrap
 
 
 def local_params(model_chunks: list[torch.nn.Module], *, family: str, tied: bool) -> dict:

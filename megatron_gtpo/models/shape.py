@@ -9,10 +9,10 @@ Megatron-Core builds for them, so ``params_total`` equals the checkpoint's param
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.utils.configuration import ConfigError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -86,16 +86,8 @@ class ModelShape:
 def load_model_shape(path: str | Path) -> ModelShape:
     """Reads ``config.json`` (or a directory holding one); ConfigError names the missing key."""
     path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise ConfigError(f"model config {file} does not exist; pass --hf-config with a Hugging Face "
-                          f"config.json (copies for common models are in configs/models/)")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"model config {file} is not valid JSON: {err}") from None
-    name = path.name if path.is_dir() else (file.parent.name if file.name == "config.json" else file.stem)
-    return shape_from_hf_config(raw, name=name, source=str(file))
+    name = path.parent.name if path.name == "config.json" else (path.name if path.is_dir() else path.stem)
+    return shape_from_hf_config(read_hf_config(path), name=name, source=str(path))
 
 
 def shape_from_hf_config(raw: dict, *, name: str, source: str = "config.json") -> ModelShape:

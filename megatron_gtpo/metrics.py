@@ -1,0 +1,63 @@
+"""The one list of metric names the training loop logs, with what each means.
+
+Every metric is named where it is produced (the collector, ``algo``, the train step, the weight
+sync, the reporter); this list documents them. The README's metrics table is generated from it
+(``python -m megatron_gtpo.metrics``), a unit test checks the README against it, and the e2e tests
+check that everything a run logs is listed here.
+"""
+
+from __future__ import annotations
+
+ROWS: list[tuple[tuple[str, ...], str]] = [
+    (("reward/mean", "reward/std", "reward/accuracy"),
+     "reward of the step's completions; share judged correct"),
+    (("reward/timeouts", "reward/errors", "reward/overlong", "reward/num_samples"),
+     "scoring counters (a timeout or exception scores 0 and is counted)"),
+    (("completion/length_mean", "completion/length_max", "completion/truncated_frac"),
+     "completion tokens; share that hit `rollout.max_tokens`"),
+    (("rollout/groups", "rollout/tries", "rollout/dropped_groups", "rollout/skipped_step"),
+     "groups trained on; DAPO dynamic-sampling refills and drops"),
+    (("entropy/mean",),
+     "mean over completions of `<H>_i`, the mean token entropy (nats, full vocabulary) of the policy before "
+     "the update; for GTPO the filter's statistic (probabilities floored at 1e-6 inside the log, as the "
+     "reference code), otherwise exact"),
+    (("gtpo/filtered_frac",), "share of completions with delta = 0 (entropy above `algo.entropy_threshold`)"),
+    (("gtpo/conflict_tokens_per_completion",), "conflict tokens per completion (forward + backward runs)"),
+    (("gtpo/lambda_zero_share", "gtpo/lambda_ge2_share"), "share of loss tokens with lambda = 0 / lambda >= 2"),
+    (("batch/active_frac",), "share of completions with a non-zero advantage"),
+    (("loss",), "the loss value (at rho = 1 a covariance-like statistic, not a progress measure: spec 6, Prop. 4)"),
+    (("clip/low_frac", "clip/high_frac"), "share of tokens clipped below / above (non-zero only for mu > 1)"),
+    (("train/ratio_mean", "train/ratio_min", "train/ratio_max"), "importance ratio pi_theta / pi_old"),
+    (("train/kl_mean",), "k3 KL to the reference model (only with `algo.kl_beta` > 0)"),
+    (("optim/grad_norm", "optim/grad_norm_max", "optim/lr", "optim/update_ok"),
+     "Megatron optimizer: grad norm before clipping (mean and max over the mu updates), learning rate, "
+     "update-applied flag"),
+    (("mismatch/logprob_abs_mean", "mismatch/logprob_abs_max", "mismatch/kl_k3"),
+     "train-inference mismatch: \\|log-prob(vLLM) - log-prob(Megatron)\\| over sampled tokens, and k3 "
+     "KL(engine \\|\\| trainer)"),
+    (("sync/seconds", "sync/gb_per_s", "sync/gigabytes", "sync/version"), "weight push into the engines"),
+    (("time/rollout_s", "time/reward_s", "time/train_s", "time/sync_s", "time/step_s"),
+     "wall time per stage and per step"),
+    (("throughput/tokens_per_s", "throughput/completion_tokens"), "completion tokens trained per second of step time"),
+    (("eval/accuracy", "eval/reward_mean"), "greedy accuracy on held-out prompts every `train.eval_every` steps"),
+]
+"""Rows of the README table: the names of one row are logged together."""
+
+METRICS: dict[str, str] = {name: meaning for names, meaning in ROWS for name in names}
+"""Metric name -> meaning."""
+
+
+def markdown_table() -> str:
+    """The README's metrics table."""
+    lines = ["| name | meaning |", "|---|---|"]
+    lines += ["| " + ", ".join(f"`{n}`" for n in names) + f" | {meaning} |" for names, meaning in ROWS]
+    return "\n".join(lines)
+
+
+def unknown(names) -> list[str]:
+    """The names in ``names`` that this list does not document."""
+    return sorted(set(names) - set(METRICS))
+
+
+if __name__ == "__main__":
+    print(markdown_table())

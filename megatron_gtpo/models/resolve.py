@@ -1,0 +1,70 @@
+"""The one model resolver: what ``model.path`` / ``--model`` names, as a directory.
+
+    "smollm2" | "tiny" | "tiny-char"  --built once, cached-->  HF directory
+    an HF directory (config.json + safetensors)                 HF directory (as is)
+    a Megatron checkpoint (converted or a training step)        as is for the trainer; for vLLM
+                                                                  ``as_hf_dir`` converts it with the
+                                                                  converter's own function
+
+Used by the learner, evaluation, the dry-run and preflight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from megatron_gtpo.models.smollm2 import ensure_smollm2
+from megatron_gtpo.models.tiny import ensure_tiny, ensure_tiny_char
+from megatron_gtpo.utils.configuration import ConfigError
+
+BUILT_IN = {"smollm2": ensure_smollm2, "tiny": ensure_tiny, "tiny-char": ensure_tiny_char}
+"""Built-in model names -> functions that build (once) and return their HF directory."""
+
+_MEGATRON_MARKERS = ("megatron_gtpo.json", ".metadata", "model/.metadata")
+
+
+def resolve_model(path: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The directory ``path`` names: a built-in model (built and cached on first use) or an existing
+    directory (HF model or Megatron checkpoint). FileNotFoundError names the value and the choices."""
+    if path in BUILT_IN:
+        return BUILT_IN[path](cache_dir)
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise FileNotFoundError(f"model.path={path!r}: no such directory; give an HF model directory, a Megatron "
+                                f"checkpoint from `megatron-gtpo convert`, or one of {', '.join(BUILT_IN)}")
+    return directory
+
+
+def is_megatron_checkpoint(path: Path) -> bool:
+    """True for a converted Megatron checkpoint or a training step directory."""
+    return any((path / marker).is_file() for marker in _MEGATRON_MARKERS)
+
+
+@contextlib.contextmanager
+def as_hf_dir(model: str, *, hf_config: str = "") -> Iterator[Path]:
+    """Yields an HF model directory for ``model``. A Megatron checkpoint is converted into a
+    temporary HF directory (removed on exit); ``hf_config`` supplies config.json + tokenizer for a
+    training checkpoint that lacks them."""
+    try:
+        path = resolve_model(model)
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from None
+    if not is_megatron_checkpoint(path):
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model={model!r} is neither an HF model directory (config.json + weights) nor a "
+                              f"Megatron checkpoint ({' or '.join(_MEGATRON_MARKERS)})")
+        yield path
+        return
+    from megatron_gtpo.convert.offline import megatron_to_hf  # torch.distributed.checkpoint: only when needed
+
+    tmp = Path(tempfile.mkdtemp(prefix="megatron-gtpo-hf-"))
+    try:
+        megatron_to_hf(path, tmp / "hf", config_dir=Path(hf_config) if hf_config else path)
+        yield tmp / "hf"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
