@@ -44,10 +44,11 @@ def build_trainer(model_dir: str, dtype: torch.dtype):
     optimizer step, so the push changes what the engine (started from the checkpoint) serves."""
     from megatron_gtpo.convert.load import load_hf_weights
     from megatron_gtpo.parallel.dims import init_distributed
-    from megatron_gtpo.train.model import build_model, hf_config_from_dir
+    from megatron_gtpo.models.hf_config import read_hf_config
+    from megatron_gtpo.train.model import build_model
 
     dims = init_distributed(tp=1, seed=1234)
-    hf_config = hf_config_from_dir(model_dir)
+    hf_config = read_hf_config(model_dir)
     chunks = build_model(hf_config, dims=dims, dtype=dtype)
     load_hf_weights(chunks, hf_dir=model_dir, hf_config=hf_config, dims=dims)
     gen = torch.Generator().manual_seed(0)
@@ -58,7 +59,7 @@ def build_trainer(model_dir: str, dtype: torch.dtype):
 
 
 def export_buckets(chunks, hf_config: dict, dims, bucket_bytes: int):
-    from megatron_gtpo.convert.export import export_hf_weights
+    from megatron_gtpo.sync.export import export_hf_weights
 
     start = time.perf_counter()
     buckets = [[(n, t.clone()) for n, t in b]  # TP=1 exports may alias the parameters
@@ -90,42 +91,41 @@ def make_transport(name: str, model_dir: str, vllm: dict):
     from megatron_gtpo.rollout import RolloutEngine
     from megatron_gtpo.sync import ColocatedSync, SeparateEngine, SeparateSync
 
+    # export=None: the benchmark pushes pre-exported buckets (timed apart from the export)
     if name == "colocated":
         engine = RolloutEngine(model_dir=model_dir, vllm_kwargs=vllm, seed=0)
-        return engine, ColocatedSync(engine)
+        return engine, ColocatedSync(engine, export=None)
     engine = SeparateEngine(model_dir=model_dir, vllm_kwargs=vllm, seed=0)
-    return engine, SeparateSync(engine)
+    return engine, SeparateSync(engine, export=None)
 
 
-def to_batch(completions):
-    from megatron_gtpo.types import TrainBatch
+def chat_prompt(tokenizer, question: str, uid: str):
+    from megatron_gtpo.types import Prompt
 
-    rows = [c.prompt_token_ids + c.token_ids for c in completions]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask, sampler = torch.zeros(len(rows), width), torch.zeros(len(rows), width)
-    for b, c in enumerate(completions):
-        ids[b, :len(rows[b])] = torch.tensor(rows[b])
-        mask[b, len(c.prompt_token_ids):len(rows[b])] = 1.0
-        sampler[b, len(c.prompt_token_ids):len(rows[b])] = torch.tensor(c.logprobs)
-    zeros = torch.zeros(len(rows))
-    return TrainBatch(input_ids=ids, loss_mask=mask, position_ids=torch.arange(width).expand(len(rows), width).clone(),
-                      group_ids=torch.tensor([c.prompt_index for c in completions]), rewards=zeros, advantages=zeros,
-                      sampler_logprobs=sampler, pad_id=PAD)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return Prompt(uid=uid, token_ids=list(tokenizer(text, add_special_tokens=False)["input_ids"]), text=text)
 
 
 def logprob_diff(engine, chunks, dims, hf_config: dict) -> dict[str, float]:
     """Engine vs trainer log-probs of tokens the engine samples now (temperature 1)."""
-    from megatron_gtpo.rollout import chat_prompt, logprob_mismatch
-    from megatron_gtpo.train.step import compute_logprobs
+    from megatron_gtpo.algo import AlgoConfig
+    from megatron_gtpo.train.batching import collate
+    from megatron_gtpo.train.step import (StepSettings, forward_stats, logprob_settings, process_groups,
+                                          rank_micro_batches)
+    from megatron_gtpo.types import ScoredGroup
 
     prompts = [chat_prompt(engine.tokenizer, q, uid=str(i)) for i, q in enumerate(QUESTIONS)]
     completions = engine.generate(prompts, n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=MAX_TOKENS, seed=1)
-    batch = to_batch(completions)
-    trainer = compute_logprobs(chunks, batch, dims=dims, micro_batch_size=len(completions), temperature=TEMPERATURE,
-                               vocab_size=int(hf_config["vocab_size"])).logp
-    out = logprob_mismatch(batch.sampler_logprobs, trainer, batch.loss_mask > 0)
-    return {"max": out["train_infer/logprob_abs_diff_max"], "mean": out["train_infer/logprob_abs_diff_mean"]}
+    groups = [ScoredGroup(prompt=p, completions=[c for c in completions if c.prompt_index == i], rewards=[0.0, 0.0])
+              for i, p in enumerate(prompts)]
+    batch = collate(groups, pad_id=PAD)
+    settings = StepSettings(spec=AlgoConfig().resolve(max_completion_tokens=MAX_TOKENS), micro_batch_size=batch.size,
+                            temperature=TEMPERATURE, vocab_size=int(hf_config["vocab_size"]))
+    _, mbs = rank_micro_batches(batch, settings, dims)
+    trainer = forward_stats(chunks, batch, mbs, logprob_settings(settings, dims, process_groups())).logp
+    diff = (batch.sampler_logprobs.double() - trainer.double())[batch.mask].abs()
+    return {"max": diff.max().item(), "mean": diff.mean().item()}
 
 
 def timed_pushes(syncer, buckets, repeats: int) -> tuple[list, list[float]]:
@@ -144,15 +144,14 @@ def bench_transport(name: str, *, model_dir: str, vllm: dict, buckets, repeats: 
     engine, syncer = make_transport(name, model_dir, vllm)
     startup = time.perf_counter() - start
     before = logprob_diff(engine, *trainer)
-    _ = engine.weight_spec  # read config.json once, outside the timed pushes
     stats, cpus = timed_pushes(syncer, buckets, repeats)
     seconds = min(s.seconds for s in stats)
     reload_s = cpu_ratio = check_s = None
     if name == "colocated":  # split one push: our check + staging vs vLLM's in-place reload
-        from megatron_gtpo.rollout import PushChecker
+        from megatron_gtpo.sync import PushChecker, WeightSpec
 
         start = time.perf_counter()
-        checker = PushChecker(engine.weight_spec, repeats + 1)
+        checker = PushChecker(WeightSpec.from_model_dir(model_dir, dtype=engine.dtype), repeats + 1)
         staged = [item for b in buckets for item in checker.prepare(b)]
         checker.finish()
         check_s = round(time.perf_counter() - start, 4)

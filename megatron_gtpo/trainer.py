@@ -186,22 +186,3 @@ def _close(parts: Parts, *, status: str) -> None:
     log.info("done. run dir: %s | checkpoints: %s | MLflow run %s | status %s", reporter.run_dir.resolve(),
              parts.checkpointer.root.resolve(), reporter.run_id, status)
     barrier()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Worker entry point (one per rank): ``python -m megatron_gtpo.trainer CONFIG.yaml [--resume]``."""
-    import argparse
-
-    from megatron_gtpo.config import load_config
-
-    parser = argparse.ArgumentParser(prog="megatron_gtpo.trainer",
-                                     description="One training rank; normally started by `megatron-gtpo train`.")
-    parser.add_argument("config", help="resolved config YAML (written by `megatron-gtpo train`)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    args = parser.parse_args(argv)
-    run(load_config(args.config), resume=args.resume)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

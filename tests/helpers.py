@@ -34,3 +34,13 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600,
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"torchrun {script} (nproc={nproc}) failed rc={proc.returncode}:\n{out[-8000:]}"
     return [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def chat_prompt(tokenizer, question: str, *, uid: str, gold: str = ""):
+    """``question`` as one user turn under the tokenizer's chat template (generation prompt added)."""
+    from megatron_gtpo.types import Prompt
+
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    # The template already holds the special tokens (BOS, role headers): do not add them twice.
+    return Prompt(uid=uid, token_ids=list(tokenizer(text, add_special_tokens=False)["input_ids"]), text=text, gold=gold)

@@ -50,14 +50,12 @@ def as_hf_dir(model: str, *, hf_config: str = "") -> Iterator[Path]:
     """Yields an HF model directory for ``model``. A Megatron checkpoint is converted into a
     temporary HF directory (removed on exit); ``hf_config`` supplies config.json + tokenizer for a
     training checkpoint that lacks them."""
-    try:
-        path = resolve_model(model)
-    except FileNotFoundError as err:
-        raise ConfigError(str(err)) from None
+    path = resolve_model(model) if model in BUILT_IN or Path(model).expanduser().is_dir() else None
+    if path is None or not (is_megatron_checkpoint(path) or (path / "config.json").is_file()):
+        raise ConfigError(f"model={model!r} is neither an HF model directory (config.json + weights) nor a "
+                          f"Megatron checkpoint ({' or '.join(_MEGATRON_MARKERS)}); pass a directory or one of "
+                          f"{', '.join(BUILT_IN)}")
     if not is_megatron_checkpoint(path):
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model={model!r} is neither an HF model directory (config.json + weights) nor a "
-                              f"Megatron checkpoint ({' or '.join(_MEGATRON_MARKERS)})")
         yield path
         return
     from megatron_gtpo.convert.offline import megatron_to_hf  # torch.distributed.checkpoint: only when needed

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_gtpo.models.hf_config import read_hf_config
+from megatron_gtpo.models.hf_config import ARCHITECTURES, read_hf_config
 from megatron_gtpo.utils.configuration import ConfigError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -93,7 +93,7 @@ def load_model_shape(path: str | Path) -> ModelShape:
 def shape_from_hf_config(raw: dict, *, name: str, source: str = "config.json") -> ModelShape:
     """Builds a ModelShape from a parsed HF config dict (``text_config`` of multimodal configs too)."""
     raw = raw.get("text_config", raw)
-    family = raw.get("model_type", "")
+    family = raw.get("model_type") or (ARCHITECTURES.get((raw.get("architectures") or [""])[0], ""))
     if family not in FAMILIES:
         raise ConfigError(f"{source}: model_type={family!r} is not supported by dry-run; "
                           f"supported: {', '.join(FAMILIES)} (dense decoders)")

@@ -98,6 +98,8 @@ class ForwardStats:
 
     logp: Tensor  # [local B, T] float32, completion view
     """log pi of each completion token at the sampling temperature."""
+    entropy: Tensor  # [local B, T] float32
+    """Entropy of the distribution that sampled each completion token (with the caller's floor)."""
     mean_entropy: Tensor  # [local B] float32
     """<H>_i of each row (with the probability floor the caller asked for)."""
 
@@ -167,7 +169,7 @@ def forward_stats(model_chunks, batch: Batch, mbs: list[MicroBatch], settings: L
         return None
     rows = torch.cat([mb.rows for mb in mbs])
     entropy = torch.cat([out["entropy"] for out in store])
-    return ForwardStats(logp=torch.cat([out["logp"] for out in store]),
+    return ForwardStats(logp=torch.cat([out["logp"] for out in store]), entropy=entropy,
                         mean_entropy=algo.completion_mean_entropy(entropy, batch.mask[rows.cpu()].to(entropy.device)))
 
 

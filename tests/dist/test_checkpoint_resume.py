@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from megatron_gtpo.convert.cli import main as convert_main
+from megatron_gtpo.cli.convert import main as convert_main
 from megatron_gtpo.convert.hf_io import HFReader
 from tests.helpers import REPO, torchrun
 from tests.tiny_hf import tiny_hf_config

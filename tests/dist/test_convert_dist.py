@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gtpo.convert.cli import main as convert_main
+from megatron_gtpo.cli.convert import main as convert_main
 from megatron_gtpo.convert.hf_io import HFReader
 from tests.helpers import REPO, torchrun
 from tests.tiny_hf import FAMILIES, save_tiny_hf_model

@@ -36,7 +36,7 @@ def _worker(rank: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from megatron_gtpo.rollout.engine import prompt_seeds
-    from megatron_gtpo.sync.placement import RolloutGroup
+    from megatron_gtpo.rollout.group import RolloutGroup
     from megatron_gtpo.types import Prompt
 
     for mode in MODES:

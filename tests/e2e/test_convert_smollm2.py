@@ -47,7 +47,7 @@ def converted(smollm2, tmp_path_factory):
 
 
 def test_tp2_is_refused(smollm2, tmp_path, capsys):
-    from megatron_gtpo.convert.cli import main
+    from megatron_gtpo.cli.convert import main
 
     assert main(["--to", "megatron", "--input", str(smollm2), "--output", str(tmp_path / "x"), "--tp", "2"]) == 2
     assert "num_attention_heads=9 is not divisible by tp=2" in capsys.readouterr().err

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow,
 def run_eval(tmp_path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "MEGATRON_GTPO_DATA": str(SHARED_DATA)}
     # cwd = tmp_path: MLflow's sqlite store puts artifacts under ./mlruns of the working directory
-    proc = subprocess.run([sys.executable, "-m", "megatron_gtpo.eval.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "megatron_gtpo.cli.eval", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=tmp_path)
     (tmp_path / "eval.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"eval failed rc={proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"

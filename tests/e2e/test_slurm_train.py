@@ -10,7 +10,7 @@ signal to the whole group). One job serves
 both tests below (a second, uninterrupted job would only repeat its first half: ~3 min of CI).
 
 What this assumes of the driver (``megatron-gtpo train --prepare-only`` + ``python -m
-megatron_gtpo.trainer CONFIG [--resume]``): checkpoints under ``<output dir>/checkpoints/step_%08d``;
+megatron_gtpo.cli.worker CONFIG [--resume]``): checkpoints under ``<output dir>/checkpoints/step_%08d``;
 rank-0 log lines "step K/N |", "preempted: checkpoint of step K saved", "resumed from step K (MLflow
 run ID)" and "done. run dir"; MLflow at $MLFLOW_TRACKING_URI with the metric ``time/step_s`` per step
 and one run continued across the restart.

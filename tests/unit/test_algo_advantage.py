@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_gtpo.algo import (completion_mean_entropy, dapo_group_filter, entropy_filter, entropy_from_logits,
-                                group_advantages, shape_advantages, soft_overlong_punishment)
+                                group_advantages, shape_advantages)
+from megatron_gtpo.reward.functions import OverlongPunishment
 
 ONE_GROUP = torch.zeros(4, dtype=torch.long)
 
@@ -98,10 +99,9 @@ def test_dapo_group_filter_drops_all_equal_groups():  # invariant 7
 
 def test_soft_overlong_punishment_values():  # invariant 7
     max_len, buffer = 20480, 4096
-    lengths = torch.tensor([100, max_len - buffer, max_len - buffer // 2, max_len, max_len + 1])
-    got = soft_overlong_punishment(lengths, max_len=max_len, buffer_len=buffer)
-    assert got.tolist() == [0.0, 0.0, -0.5, -1.0, -1.0]
-    assert soft_overlong_punishment(lengths, max_len=max_len, buffer_len=buffer, factor=2.0)[2].item() == -1.0
-    assert soft_overlong_punishment(lengths, max_len=max_len, buffer_len=0).tolist() == [0, 0, 0, 0, -1.0]
-    with pytest.raises(ValueError, match="buffer_len=30000 must be an int in"):
-        soft_overlong_punishment(lengths, max_len=max_len, buffer_len=30000)
+    lengths = [100, max_len - buffer, max_len - buffer // 2, max_len, max_len + 1]
+    punish = OverlongPunishment(max_tokens=max_len, cache_tokens=buffer)
+    assert [punish(n) for n in lengths] == [0.0, 0.0, -0.5, -1.0, -1.0]
+    assert OverlongPunishment(max_tokens=max_len, cache_tokens=buffer, factor=2.0)(lengths[2]) == -1.0
+    with pytest.raises(ValueError, match="cache_tokens > 0"):
+        OverlongPunishment(max_tokens=max_len, cache_tokens=0)(5)

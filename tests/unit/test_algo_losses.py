@@ -9,21 +9,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gtpo.algo import LOSSES, compute_loss, conflict_weights, policy_loss, prepare_batch
+from megatron_gtpo.algo import LOSSES, TokenInputs, aggregate, compute_loss, conflict_weights, prepare_batch, \
+    validate_loss_inputs
+from tests.algo_helpers import policy_loss, prepared_of, spec_of
 from tests.unit.test_algo_conflict import EXAMPLE1, padded
 
 REWARDS1 = torch.tensor([1.0, 1.0, 0.0, 0.0])
 ENTROPY1 = torch.tensor([0.35, 0.50, 0.90, 0.40])
 GROUP1 = torch.zeros(4, dtype=torch.long)
-REQUIRED_METRICS = {"entropy_mean", "filtered_frac", "conflict_tokens_per_seq", "lambda_zero_frac",
-                    "lambda_ge2_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max"}
+REQUIRED_METRICS = {"entropy/mean", "gtpo/filtered_frac", "gtpo/conflict_tokens_per_completion",
+                    "gtpo/lambda_zero_share", "gtpo/lambda_ge2_share", "clip/low_frac", "clip/high_frac",
+                    "train/ratio_mean", "train/ratio_min", "train/ratio_max"}
 
 
-def coefficients(algo: str, ids, mask, rewards, group_ids, **kwargs):
-    """(c [B, T], loss, metrics) of ``policy_loss`` at rho = 1 (mu = 1, old_logp None)."""
+def coefficients(algo: str, ids, mask, rewards, group_ids, *, mean_entropy=None, **fields):
+    """(c [B, T], loss, metrics) of ``policy_loss`` at rho = 1 (mu = 1, old_logp None); ``fields``
+    are AlgoConfig fields."""
     logp = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1)).requires_grad_()
-    loss, metrics = policy_loss(algo, logp=logp, mask=mask, rewards=rewards, group_ids=group_ids, token_ids=ids,
-                                **kwargs)
+    loss, metrics = policy_loss(spec_of(algo, **fields), logp=logp, mask=mask, rewards=rewards, group_ids=group_ids,
+                                token_ids=ids, mean_entropy=mean_entropy)
     loss.backward()
     return -logp.grad, loss.detach(), metrics
 
@@ -48,12 +52,12 @@ def test_example1_gtpo_coefficients(normalization, o1, o2, o4):  # invariant 6, 
     assert got[3][0] == 0.0 and got[3][3] == 0.0        # negative conflict tokens: exactly zero
     assert c[:, 0].sum().item() == pytest.approx(0.0915 if normalization == "paper" else 0.183, abs=1e-7)
     assert REQUIRED_METRICS <= set(metrics)
-    assert metrics["filtered_frac"].item() == 0.25
-    assert metrics["conflict_tokens_per_seq"].item() == 3.5
-    assert metrics["lambda_zero_frac"].item() == pytest.approx(6 / 21)
-    assert metrics["lambda_ge2_frac"].item() == pytest.approx(8 / 21)
-    assert metrics["entropy_mean"].item() == pytest.approx(0.5375)
-    assert metrics["ratio_mean"].item() == metrics["ratio_min"].item() == metrics["ratio_max"].item() == 1.0
+    assert metrics["gtpo/filtered_frac"].item() == 0.25
+    assert metrics["gtpo/conflict_tokens_per_completion"].item() == 3.5
+    assert metrics["gtpo/lambda_zero_share"].item() == pytest.approx(6 / 21)
+    assert metrics["gtpo/lambda_ge2_share"].item() == pytest.approx(8 / 21)
+    assert metrics["entropy/mean"].item() == pytest.approx(0.5375)
+    assert metrics["train/ratio_mean"].item() == metrics["train/ratio_min"].item() == metrics["train/ratio_max"].item() == 1.0
 
 
 def test_example1_shared_first_token_w_agg():  # invariant 2 and spec 5.9's W_agg table
@@ -63,7 +67,7 @@ def test_example1_shared_first_token_w_agg():  # invariant 2 and spec 5.9's W_ag
     adv = (REWARDS1 - 0.5) / (torch.tensor([1.0, 1, 0, 0]).std() + 1e-4)
     assert c[:, 0].sum().item() == pytest.approx((adv / (4 * lengths)).sum().item(), abs=1e-8)
     assert c[:, 0].sum().item() == pytest.approx(0.0072, abs=5e-5)
-    c, _, _ = coefficients("drgrpo", ids, mask, REWARDS1, GROUP1, constant=6)
+    c, _, _ = coefficients("drgrpo", ids, mask, REWARDS1, GROUP1, drgrpo_constant=6)
     assert c[:, 0].sum().item() == 0.0
     assert c[0, 0].item() == pytest.approx(0.5 / (4 * 6))   # A / (G L)
     c, _, _ = coefficients("dapo", ids, mask, REWARDS1, GROUP1)
@@ -89,25 +93,25 @@ def test_invariant1_loss_values_at_rho_one():
     _, loss, _ = coefficients("grpo", ids, mask, rewards, gids, kl_beta=0.0)
     assert abs(loss.item()) < 1e-7
     lengths = mask.sum(1).float()
-    adv = prepare_batch("dapo", mask=mask, rewards=rewards, group_ids=gids).advantages
+    adv = prepare_batch(spec_of("dapo"), token_ids=ids, mask=mask, rewards=rewards, group_ids=gids).advantages
     _, loss, _ = coefficients("dapo", ids, mask, rewards, gids)
     assert loss.item() == pytest.approx(-(adv * lengths).sum().item() / lengths.sum().item(), abs=1e-7)
-    adv = prepare_batch("drgrpo", mask=mask, rewards=rewards, group_ids=gids).advantages
-    _, loss, _ = coefficients("drgrpo", ids, mask, rewards, gids, constant=20)
+    adv = prepare_batch(spec_of("drgrpo"), token_ids=ids, mask=mask, rewards=rewards, group_ids=gids).advantages
+    _, loss, _ = coefficients("drgrpo", ids, mask, rewards, gids, drgrpo_constant=20)
     assert loss.item() == pytest.approx(-(adv * lengths).sum().item() / (len(rewards) * 20), abs=1e-7)
 
 
 @pytest.mark.parametrize("overlap", ["product", "union"])
 def test_invariant3_conflict_gradients(overlap):
     ids, mask, rewards, gids, mean_h = random_batch(seed=3, width=10, vocab=2)
-    prep = prepare_batch("gtpo", token_ids=ids, mask=mask, rewards=rewards, group_ids=gids, mean_entropy=mean_h,
-                         entropy_threshold=777.0, conflict_overlap=overlap)
+    spec = spec_of("gtpo", entropy_threshold=777.0, conflict_overlap=overlap)
+    prep = prepare_batch(spec, token_ids=ids, mask=mask, rewards=rewards, group_ids=gids, mean_entropy=mean_h)
     lam = prep.token_weights
     grads = []
     for weights in (lam, torch.ones_like(lam)):
         logp = torch.zeros(ids.shape, requires_grad=True)
-        loss, _ = compute_loss("gtpo", logp=logp, mask=mask, advantages=prep.advantages, token_weights=weights,
-                               seq_scale=prep.seq_scale)
+        loss, _ = compute_loss(spec, TokenInputs(logp=logp, mask=mask),
+                               prepared_of(prep.advantages, token_weights=weights, seq_scale=prep.seq_scale))
         loss.backward()
         grads.append(logp.grad)
     gtpo, plain = grads
@@ -129,8 +133,9 @@ def test_invariant4_filtered_completion_still_creates_conflicts():
     cold = torch.tensor([0.35, 0.50, 0.10, 0.40])      # o3 below the threshold: not filtered
     c_hot, _, _ = coefficients("gtpo", ids, mask, REWARDS1, GROUP1, mean_entropy=hot)
     assert torch.all(c_hot[2] == 0.0)
-    prep_hot = prepare_batch("gtpo", token_ids=ids, mask=mask, rewards=REWARDS1, group_ids=GROUP1, mean_entropy=hot)
-    prep_cold = prepare_batch("gtpo", token_ids=ids, mask=mask, rewards=REWARDS1, group_ids=GROUP1,
+    prep_hot = prepare_batch(spec_of("gtpo"), token_ids=ids, mask=mask, rewards=REWARDS1, group_ids=GROUP1,
+                             mean_entropy=hot)
+    prep_cold = prepare_batch(spec_of("gtpo"), token_ids=ids, mask=mask, rewards=REWARDS1, group_ids=GROUP1,
                               mean_entropy=cold)
     assert torch.equal(prep_hot.token_weights, prep_cold.token_weights)
     # without o3 as a negative, o1's second token (7, supported only by o3 among N) is no conflict
@@ -148,7 +153,7 @@ def test_invariant5_all_zero_advantages(normalization, norm):
         expected = -0.1 * ENTROPY1[i].item() / (lengths[i] * norm)
         assert rows_of(c)[i] == pytest.approx([expected] * lengths[i], rel=1e-6)
     assert torch.all(c[2] == 0.0)
-    assert metrics["lambda_zero_frac"].item() == 0.0 and metrics["lambda_ge2_frac"].item() == 0.0
+    assert metrics["gtpo/lambda_zero_share"].item() == 0.0 and metrics["gtpo/lambda_ge2_share"].item() == 0.0
 
 
 def test_mu_greater_than_one_clipping_and_metrics():
@@ -156,15 +161,16 @@ def test_mu_greater_than_one_clipping_and_metrics():
     old = torch.zeros(2, 3)
     # row 0: A > 0, ratios e^{0.5} (clipped high), 1.0, e^{-0.5}; row 1: A < 0, same ratios
     logp = torch.tensor([[0.5, 0.0, -0.5], [0.5, 0.0, -0.5]], requires_grad=True)
-    loss, m = compute_loss("dapo", logp=logp, mask=mask, advantages=torch.tensor([1.0, -1.0]), old_logp=old)
+    loss, m = compute_loss(spec_of("dapo", mu=2), TokenInputs(logp=logp, mask=mask, old_logp=old),
+                           prepared_of(torch.tensor([1.0, -1.0])))
     loss.backward()
     g = logp.grad
     assert g[0, 0] == 0.0 and g[1, 2] == 0.0                         # advantage-favoured clipped side
     ratio = torch.exp(torch.tensor([0.5, 0.0, -0.5]))
     assert torch.allclose(g[0, 1:], -ratio[1:] / 6) and torch.allclose(g[1, :2], ratio[:2] / 6)
-    assert m["clip_frac_high"].item() == pytest.approx(1 / 6) and m["clip_frac_low"].item() == pytest.approx(1 / 6)
-    assert m["ratio_max"].item() == pytest.approx(ratio[0].item()) and m["ratio_min"].item() == pytest.approx(
-        ratio[2].item())
+    assert m["clip/high_frac"].item() == pytest.approx(1 / 6) and m["clip/low_frac"].item() == pytest.approx(1 / 6)
+    assert m["train/ratio_max"].item() == pytest.approx(ratio[0].item()) and m["train/ratio_min"].item() == \
+        pytest.approx(ratio[2].item())
     assert loss.item() == pytest.approx((-1.28 - 1 - ratio[2].item() + ratio[0].item() + 1 + 0.8) / 6, rel=1e-6)
 
 
@@ -174,7 +180,7 @@ def test_old_logp_equal_to_logp_gives_the_on_policy_gradient():
     grads = []
     for old in (None, logp.clone()):
         x = logp.clone().requires_grad_()
-        loss, _ = policy_loss("gtpo", logp=x, mask=mask, rewards=rewards, group_ids=gids, token_ids=ids,
+        loss, _ = policy_loss(spec_of("gtpo"), logp=x, mask=mask, rewards=rewards, group_ids=gids, token_ids=ids,
                               mean_entropy=mean_h, old_logp=old)
         loss.backward()
         grads.append(x.grad)
@@ -185,13 +191,14 @@ def test_k3_kl_value_and_gradient():
     mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
     logp = torch.tensor([[-1.0, -2.0, float("nan")]], requires_grad=True)   # NaN padding must not leak
     ref = torch.tensor([[-1.5, -1.0, 0.0]])
-    loss, m = compute_loss("grpo", logp=logp, mask=mask, advantages=torch.zeros(1), ref_logp=ref, kl_beta=0.5)
+    loss, m = compute_loss(spec_of("grpo", kl_beta=0.5), TokenInputs(logp=logp, mask=mask, ref_logp=ref),
+                           prepared_of(torch.zeros(1)))
     d = torch.tensor([-0.5, 1.0])
     k3 = torch.exp(d) - d - 1
     assert loss.item() == pytest.approx(0.5 * k3.mean().item(), rel=1e-6)
     loss.backward()
     assert torch.allclose(logp.grad[0, :2], 0.5 * (1 - torch.exp(d)) / 2)
-    assert logp.grad[0, 2] == 0.0 and m["kl_mean"].item() == pytest.approx(k3.mean().item(), rel=1e-6)
+    assert logp.grad[0, 2] == 0.0 and m["train/kl_mean"].item() == pytest.approx(k3.mean().item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("algo", sorted(LOSSES))
@@ -199,9 +206,9 @@ def test_every_loss_returns_required_metrics_and_is_finite(algo):
     ids, mask, rewards, gids, mean_h = random_batch(seed=7)
     logp = torch.randn(ids.shape).masked_fill(~mask, float("-inf")).requires_grad_()
     entropy = torch.rand(ids.shape)
-    loss, metrics = LOSSES[algo](logp=logp, mask=mask, rewards=rewards, group_ids=gids, token_ids=ids,
-                                 entropy=entropy, old_logp=logp.detach() + 0.1, ref_logp=logp.detach() - 0.1,
-                                 kl_beta=0.01, constant=12)
+    loss, metrics = policy_loss(spec_of(algo, kl_beta=0.01, drgrpo_constant=12, mu=2), logp=logp, mask=mask,
+                                rewards=rewards, group_ids=gids, token_ids=ids, entropy=entropy,
+                                old_logp=logp.detach() + 0.1, ref_logp=logp.detach() - 0.1)
     loss.backward()
     assert REQUIRED_METRICS <= set(metrics)
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
@@ -210,50 +217,52 @@ def test_every_loss_returns_required_metrics_and_is_finite(algo):
 
 @pytest.mark.parametrize("case, match", [
     ("kl_without_ref", "kl_beta=0.1 needs ref_logp"),
+    ("mu2_without_old", "mu=2 needs old_logp"),
     ("grpo_token_weights", "token_weights are GTPO's lambda"),
     ("gtpo_without_weights", "needs token_weights"),
-    ("logp_shape", "logp has shape"),
-    ("logp_nan", "logp holds a non-finite value"),
+    ("old_shape", "old_logp has shape"),
+    ("old_nan", "old_logp holds a non-finite value"),
     ("adv_shape", "advantages has shape"),
     ("mask", "mask row 0 is not a prefix of ones"),
-    ("agg", "agg_mode='sum' must be one of"),
-    ("clip", "clip_low=1.5 must be in"),
-    ("algo", "algo='ppo' is not known"),
-    ("drgrpo_constant", "needs the constant L"),
+    ("negative_lambda", "token_weights must be >= 0"),
 ])
-def test_compute_loss_bad_input(case, match):
+def test_loss_inputs_are_validated_at_the_batch_boundary(case, match):
     mask = torch.ones(2, 3, dtype=torch.bool)
-    kw = dict(logp=torch.zeros(2, 3), mask=mask, advantages=torch.tensor([1.0, -1.0]))
-    algo = "grpo"
+    spec, prepared, kw = spec_of("grpo", kl_beta=0.0), prepared_of(torch.tensor([1.0, -1.0])), {}
     if case == "kl_without_ref":
-        kw["kl_beta"] = 0.1
+        spec = spec_of("grpo", kl_beta=0.1)
+    elif case == "mu2_without_old":
+        spec = spec_of("dapo", mu=2)
     elif case == "grpo_token_weights":
-        kw["token_weights"] = torch.ones(2, 3)
+        prepared = prepared_of(prepared.advantages, token_weights=torch.ones(2, 3))
     elif case == "gtpo_without_weights":
-        algo = "gtpo"
-    elif case == "logp_shape":
-        kw["logp"] = torch.zeros(2, 4)
-    elif case == "logp_nan":
-        kw["logp"] = torch.tensor([[0.0, float("nan"), 0.0], [0.0, 0.0, 0.0]])
+        spec = spec_of("gtpo")
+    elif case == "old_shape":
+        kw["old_logp"] = torch.zeros(2, 4)
+    elif case == "old_nan":
+        kw["old_logp"] = torch.tensor([[0.0, float("nan"), 0.0], [0.0, 0.0, 0.0]])
     elif case == "adv_shape":
-        kw["advantages"] = torch.ones(3)
+        prepared = prepared_of(torch.ones(3))
     elif case == "mask":
-        kw["mask"] = torch.tensor([[0, 1, 1], [1, 1, 1]])
-    elif case == "agg":
-        kw["agg_mode"] = "sum"
-    elif case == "clip":
-        kw["clip_low"] = 1.5
-    elif case == "algo":
-        algo = "ppo"
-    elif case == "drgrpo_constant":
-        algo = "drgrpo"
+        mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    elif case == "negative_lambda":
+        spec = spec_of("gtpo")
+        prepared = prepared_of(prepared.advantages, token_weights=-torch.ones(2, 3), seq_scale=torch.ones(2))
     with pytest.raises(ValueError, match=match):
-        compute_loss(algo, **kw)
+        validate_loss_inputs(spec, prepared, mask=mask, **kw)
 
 
-def test_gtpo_prepare_requires_entropy_and_tokens():
+def test_aggregate_rejects_unknown_modes_and_a_missing_constant():
+    x, mask = torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="mode='sum' must be one of"):
+        aggregate(x, mask, mode="sum")
+    with pytest.raises(ValueError, match="needs the constant L"):
+        aggregate(x, mask, mode="seq-mean-token-sum-norm")
+
+
+def test_gtpo_prepare_requires_entropy():
     ids, mask = padded(EXAMPLE1)
-    with pytest.raises(ValueError, match="needs token_ids"):
-        prepare_batch("gtpo", token_ids=ids, mask=mask, rewards=REWARDS1, group_ids=GROUP1)
+    with pytest.raises(ValueError, match="needs mean_entropy"):
+        prepare_batch(spec_of("gtpo"), token_ids=ids, mask=mask, rewards=REWARDS1, group_ids=GROUP1)
     with pytest.raises(ValueError, match="rewards has shape"):
-        prepare_batch("grpo", mask=mask, rewards=torch.ones(3), group_ids=GROUP1[:3])
+        prepare_batch(spec_of("grpo"), token_ids=ids, mask=mask, rewards=torch.ones(3), group_ids=GROUP1[:3])

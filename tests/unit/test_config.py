@@ -23,16 +23,21 @@ def test_every_recipe_loads(name):
     assert isinstance(cfg, RunConfig)
 
 
+def spec_of_recipe(name: str):
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    return cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
+
+
 def test_recipes_carry_the_spec_defaults():
-    gtpo = load_config(REPO / "configs" / "gtpo.yaml").algo.resolved()
+    gtpo = spec_of_recipe("gtpo")
     assert (gtpo.conflict_weight, gtpo.entropy_threshold, gtpo.entropy_gamma, gtpo.kl_beta, gtpo.mu) == (2.0, 0.7, 0.1, 0.0, 1)
-    assert gtpo.adv_std_scale is False and gtpo.conflict_overlap == "product"
-    grpo = load_config(REPO / "configs" / "grpo.yaml").algo.resolved()
-    assert (grpo.adv_std_scale, grpo.kl_beta, grpo.agg_mode) == (True, 0.04, "seq-mean-token-mean")
-    dapo = load_config(REPO / "configs" / "dapo.yaml").algo.resolved()
-    assert (dapo.clip_eps_low, dapo.clip_eps_high, dapo.agg_mode, dapo.dynamic_sampling) == (0.2, 0.28, "token-mean", True)
-    drgrpo = load_config(REPO / "configs" / "drgrpo.yaml").algo.resolved()
-    assert (drgrpo.adv_std_scale, drgrpo.agg_mode) == (False, "seq-mean-token-sum-norm")
+    assert gtpo.std_scale is False and gtpo.conflict_overlap == "product"
+    grpo = spec_of_recipe("grpo")
+    assert (grpo.std_scale, grpo.kl_beta, grpo.agg_mode) == (True, 0.04, "seq-mean-token-mean")
+    dapo = spec_of_recipe("dapo")
+    assert (dapo.clip_low, dapo.clip_high, dapo.agg_mode, dapo.dynamic_sampling) == (0.2, 0.28, "token-mean", True)
+    drgrpo = spec_of_recipe("drgrpo")
+    assert (drgrpo.std_scale, drgrpo.agg_mode, drgrpo.constant) == (False, "seq-mean-token-sum-norm", 1500.0)
 
 
 def test_overrides_are_typed_and_nested():
@@ -50,7 +55,7 @@ def test_overrides_are_typed_and_nested():
     ("algo.entropy_threshold=-1", "algo.entropy_threshold=-1.0 is not allowed"),
     ("algo.name=ppo", "algo.name='ppo' is not allowed: expected one of"),
     ("rollout.n=1", "rollout.n=1 is not allowed"),
-    ("train.micro_batch_size=3", "train.micro_batch_size=3 is not allowed"),
+    ("train.micro_batch_size=3", "is not divisible by parallel.dp x train.micro_batch_size = 1 x 3"),
     ("parallel.tp=0", "parallel.tp=0 is not allowed"),
     ("optim.optimizer.adam_betas=0.9", "adam_betas"),
     ("algo.mu=2.5", "algo.mu: expected int, got float 2.5"),

@@ -12,7 +12,7 @@ import torch
 
 from megatron_gtpo.convert import hf_io
 from megatron_gtpo.convert import mapping as mp
-from megatron_gtpo.convert.cli import main
+from megatron_gtpo.cli.convert import main
 from tests.helpers import REPO
 from tests.tiny_hf import FAMILIES, save_tiny_hf_model, tiny_hf_config
 
@@ -140,7 +140,7 @@ def test_truncated_shard(tmp_path, capsys, sharded):
 
 def test_heads_not_divisible_by_tp(tmp_path, capsys, sharded):
     _fails(tmp_path, capsys, "--to", "megatron", "--input", sharded, "--tp", "3",
-           expect="num_attention_heads=4 is not divisible by tp=3")
+           expect="num_attention_heads=4 is not divisible by TP=3")
 
 
 def test_unknown_architecture(tmp_path, capsys, sharded):

@@ -1,4 +1,4 @@
-"""The driver's pure pieces: collate, DAPO's group filter, metrics, toy reward, atomic writes."""
+"""The driver's pure pieces: DAPO's group filter, rollout metrics, toy reward, atomic writes."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_gtpo.reward.toy import alphabet_count
-from megatron_gtpo.stages import RolloutResult, _dynamic_keep, collate, rollout_metrics
-from megatron_gtpo.types import Completion, Prompt, ScoredGroup
+from megatron_gtpo.rollout.collector import _dynamic_keep, rollout_metrics
+from megatron_gtpo.types import Completion, Prompt, RolloutBatch, ScoredGroup
 from megatron_gtpo.utils.atomic import atomic_directory, write_text_atomic
 
 
@@ -16,21 +16,6 @@ def group(uid: str, prompt: list[int], comps: list[list[int]], rewards: list[flo
     cs = [Completion(prompt_index=0, prompt_token_ids=prompt, token_ids=c, logprobs=[-0.5 - 0.1 * i for i in range(len(c))])
           for c in comps]
     return ScoredGroup(prompt=p, completions=cs, rewards=rewards, correct=correct or [r > 0 for r in rewards])
-
-
-def test_collate_places_completions_after_prompts():
-    g0 = group("a", [5, 6], [[7, 8, 2], [9]], [1.0, 0.0])
-    g1 = group("b", [5, 6, 7], [[3, 2], [4, 4, 4, 2]], [0.0, 1.0])
-    batch = collate([g0, g1], pad_id=0, std_scale=False, adv_eps=1e-4)
-    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 2, 0, 0], [5, 6, 9, 0, 0, 0, 0],
-                                        [5, 6, 7, 3, 2, 0, 0], [5, 6, 7, 4, 4, 4, 2]]
-    assert batch.loss_mask.tolist() == [[0, 0, 1, 1, 1, 0, 0], [0, 0, 1, 0, 0, 0, 0],
-                                        [0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1, 1]]
-    assert batch.completion_start.tolist() == [2, 2, 3, 3]
-    assert batch.group_ids.tolist() == [0, 0, 1, 1]
-    assert batch.advantages.tolist() == [0.5, -0.5, -0.5, 0.5]  # R - mean per group
-    assert torch.allclose(batch.sampler_logprobs[3, 3:7], torch.tensor([-0.5, -0.6, -0.7, -0.8]))
-    assert batch.sampler_logprobs[3, :3].abs().sum() == 0
 
 
 def test_dapo_filter_keeps_mixed_groups_only():
@@ -46,11 +31,11 @@ def test_dapo_filter_keeps_mixed_groups_only():
 def test_rollout_metrics():
     g = group("a", [1], [[2, 3], [4, 5, 6, 7]], [1.0, 0.0])
     g.completions[1].truncated = True
-    m = rollout_metrics(RolloutResult(groups=[g], tries=2, dropped_groups=1))
+    m = rollout_metrics(RolloutBatch(groups=[g], tries=2, dropped_groups=1))
     assert m["reward/mean"] == 0.5 and m["reward/accuracy"] == 0.5
     assert m["completion/length_mean"] == 3.0 and m["completion/truncated_frac"] == 0.5
     assert (m["rollout/tries"], m["rollout/dropped_groups"]) == (2.0, 1.0)
-    assert rollout_metrics(RolloutResult(groups=[], tries=3)) == {
+    assert rollout_metrics(RolloutBatch(groups=[], tries=3)) == {
         "rollout/groups": 0.0, "rollout/tries": 3.0, "rollout/dropped_groups": 0.0}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_gtpo.launch import dryrun
+from megatron_gtpo.cli import dry_run as dryrun
 
 MODELS = "configs/models"
 # Overrides shared by the GPU examples: bf16 everywhere, 64 prompts x 8 completions of up to 1024 tokens

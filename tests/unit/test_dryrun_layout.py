@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_gtpo.launch.layout import LayoutError, plan_layout
-from megatron_gtpo.launch.memory import check_memory, estimate_memory, stage_params
+from megatron_gtpo.plan.layout import LayoutError, plan_layout
+from megatron_gtpo.plan.memory import check_memory, estimate_memory, stage_params
 from megatron_gtpo.models.shape import load_model_shape, shape_from_hf_config
 from megatron_gtpo.utils.configuration import ConfigError
 from tests.helpers import REPO
@@ -79,8 +79,8 @@ def test_every_violated_rule_is_reported_with_its_key():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"micro_batch_size": 3}, "global batch of 512 sequences (prompts per step * completions per prompt) is not "
-                              "divisible by DP*micro_batch_size = 8*3 = 24"),
+    ({"micro_batch_size": 3}, "global batch of 512 sequences (train.prompts_per_step x rollout.n) is not divisible "
+                              "by parallel.dp x train.micro_batch_size = 8 x 3 = 24"),
     ({"dp": 1}, "parallel.dp=1, but 16 trainer GPUs / (TP*PP = 2) give 8 data-parallel ranks: set parallel.dp=8"),
     ({"vpp": 2}, "VPP=2 needs PP >= 2"),
     ({"pp": 2, "vpp": 3, "dp": 4}, "16 layers per PP stage (num_hidden_layers=32 / PP=2) are not divisible by VPP=3"),
@@ -146,22 +146,22 @@ def test_memory_that_cannot_fit_is_rejected_and_colocation_is_flagged():
 
 
 @pytest.mark.parametrize("path", ["llama3-8b.json", "qwen2.5-32b.json"])
-def test_model_rules_agree_with_the_model_builder(path):
-    """dry-run rejects exactly the TP/PP/VPP splits megatron_gtpo.train.model.check_layout rejects."""
-    import json
-
-    from megatron_gtpo.launch.layout import _check_model_split
+def test_model_builder_raises_every_dry_run_problem(path):
+    """The model builder (train.model.check_layout) and the dry-run share one rule set
+    (parallel.layout.model_split_problems): the builder raises exactly when the dry-run objects."""
+    from megatron_gtpo.models.hf_config import read_hf_config
+    from megatron_gtpo.parallel.layout import model_split_problems
     from megatron_gtpo.train.model import check_layout
 
-    raw = json.loads((REPO / "configs" / "models" / path).read_text())
+    raw = read_hf_config(REPO / "configs" / "models" / path)
     shape = load_model_shape(REPO / "configs" / "models" / path)
     for tp in (1, 2, 3, 4, 5, 8, 16):
         for pp, vpp in ((1, None), (2, None), (3, None), (4, 2), (2, 3), (8, 4)):
-            problems: list[str] = []
-            _check_model_split(problems, shape=shape, tp=tp, pp=pp, vpp=vpp)
+            problems = model_split_problems(shape, tp=tp, pp=pp, vpp=vpp)
             try:
                 check_layout(raw, tp=tp, pp=pp, vpp=vpp)
                 builder_ok = True
-            except ConfigError:
+            except ConfigError as err:
                 builder_ok = False
+                assert all(p in str(err) for p in problems), (err, problems)
             assert (problems == []) == builder_ok, (tp, pp, vpp, problems)

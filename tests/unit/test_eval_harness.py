@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron_gtpo.eval import cli
+from megatron_gtpo.cli import eval as cli
 from megatron_gtpo.eval.config import EvalConfig
 from megatron_gtpo.eval.harness import _check_completions, format_table, mlflow_metrics
 from megatron_gtpo.reward.extract import gold_answer

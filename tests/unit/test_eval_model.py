@@ -1,9 +1,9 @@
-"""``eval --model`` resolution: HF directories pass through, Megatron checkpoints are converted to a
+"""Model resolution for eval and the engines (``models.resolve.as_hf_dir``): HF directories pass through, Megatron checkpoints are converted to a
 temporary HF directory (weights identical, removed afterwards), anything else is refused."""
 
 import pytest
 
-from megatron_gtpo.eval.engine import is_megatron_checkpoint, resolve_model
+from megatron_gtpo.models.resolve import as_hf_dir, is_megatron_checkpoint
 from megatron_gtpo.utils.configuration import ConfigError
 from tests.tiny_hf import save_tiny_hf_model
 
@@ -20,15 +20,15 @@ def _tensors(directory):
 def test_megatron_checkpoint_is_converted_for_eval(tmp_path):
     import torch
 
-    from megatron_gtpo.convert.cli import main as convert
+    from megatron_gtpo.cli.convert import main as convert
 
     hf = save_tiny_hf_model("qwen2", tmp_path / "hf")
     mcore = tmp_path / "mcore"
     assert convert(["--to", "megatron", "--input", str(hf), "--output", str(mcore)]) == 0
     assert is_megatron_checkpoint(mcore) and not is_megatron_checkpoint(hf)
-    with resolve_model(str(hf)) as same:
+    with as_hf_dir(str(hf)) as same:
         assert same == hf
-    with resolve_model(str(mcore)) as converted:
+    with as_hf_dir(str(mcore)) as converted:
         assert (converted / "config.json").is_file()
         original, roundtrip = _tensors(hf), _tensors(converted)
         assert original.keys() == roundtrip.keys()
@@ -40,5 +40,5 @@ def test_unusable_model_paths_are_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     for path in (tmp_path / "missing", tmp_path / "empty"):
         with pytest.raises(ConfigError, match="neither an HF model directory"):
-            with resolve_model(str(path)):
+            with as_hf_dir(str(path)):
                 pass

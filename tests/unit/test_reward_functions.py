@@ -91,9 +91,7 @@ def test_as_output_rejects_non_numbers():
     ({"num_workers": -1}, "reward.num_workers"),
     ({"timeout_s": 0}, "reward.timeout_s"),
     ({"fn": " "}, "reward.fn"),
-    ({"overlong_max_tokens": 100, "overlong_cache_tokens": 200}, "reward.overlong_cache_tokens"),
-    ({"overlong_max_tokens": 100}, "reward.overlong_cache_tokens"),
-    ({"overlong_factor": -1.0}, "reward.overlong_factor"),
+    ({"overlong_max_tokens": 100}, "unknown key reward.overlong_max_tokens"),  # one setting: algo.overlong_*
     ({"start_method": "thread"}, "reward.start_method"),
 ])
 def test_reward_config_rejects_bad_values(data, field):
@@ -102,5 +100,5 @@ def test_reward_config_rejects_bad_values(data, field):
 
 
 def test_reward_config_defaults_are_valid():
-    cfg = build(RewardConfig, {"fn": "dapo", "overlong_max_tokens": 1024, "overlong_cache_tokens": 256}, "reward")
-    assert cfg.overlong_enabled and not RewardConfig().overlong_enabled
+    cfg = build(RewardConfig, {"fn": "dapo"}, "reward")
+    assert cfg.fn == "dapo" and RewardConfig().fn == "correctness"

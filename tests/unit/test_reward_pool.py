@@ -7,6 +7,7 @@ import time
 import pytest
 
 from megatron_gtpo.reward import RewardConfig, RewardScorer, ScoringPool, score_groups
+from megatron_gtpo.reward.functions import OverlongPunishment
 from megatron_gtpo.types import Completion, Prompt
 
 PLUGIN = "tests.unit.reward_plugins"
@@ -69,8 +70,10 @@ def test_score_groups_groups_by_prompt_and_adds_overlong_punishment():
     completions = [_completion(1, "\\boxed{9}", 10), _completion(0, "\\boxed{4}", 10),
                    _completion(1, "\\boxed{8}", 90), _completion(0, "\\boxed{5}", 100),
                    _completion(1, "\\boxed{9}", 101)]
-    cfg = RewardConfig(fn="dapo", num_workers=0, overlong_max_tokens=100, overlong_cache_tokens=20)
-    batch = score_groups(prompts, completions, config=cfg)
+    scorer = RewardScorer(RewardConfig(fn="dapo", num_workers=0),
+                          overlong=OverlongPunishment(max_tokens=100, cache_tokens=20))
+    with scorer:
+        batch = score_groups(prompts, completions, scorer=scorer)
     g0, g1, g2 = batch.groups
     assert [c.text for c in g0.completions] == ["\\boxed{4}", "\\boxed{5}"]
     assert g0.correct == [True, False] and g0.rewards == [1.0, -2.0]  # -1 rule reward, -1 at L_max

@@ -1,5 +1,5 @@
 """Engine-free parts of rollout/ and sync/: configs, seeds, the push checker, the wire format, the
-mismatch metric. (Real vLLM engines: tests/e2e/test_rollout_engine.py, test_sync_*.py.)"""
+train-inference mismatch metric. (Real vLLM engines: tests/e2e/test_rollout_engine.py, test_sync_*.py.)"""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from megatron_gtpo.rollout import (PushChecker, RolloutConfig, WeightPushError, WeightSpec, logprob_mismatch,
-                                   prompt_seeds)
+from megatron_gtpo.rollout import RolloutConfig, prompt_seeds
 from megatron_gtpo.rollout.engine import engine_kwargs
-from megatron_gtpo.sync import SyncConfig
+from megatron_gtpo.sync import PushChecker, SyncConfig, WeightPushError, WeightSpec
+from megatron_gtpo.train.loss import _mismatch_pairs, split_extrema
 from megatron_gtpo.sync import wire
 from megatron_gtpo.sync.base import agree
 from megatron_gtpo.utils.configuration import ConfigError, build
@@ -23,24 +23,19 @@ TINY = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_si
 
 # ----------------------------------------------------------------------------- mismatch metric
 
-def test_logprob_mismatch_masked_mean_and_max():
-    engine = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -9.0, 0.0]])
+def test_mismatch_pairs_masked_mean_max_and_k3():
     trainer = torch.tensor([[-1.1, -2.0, -2.0], [-0.25, -1.0, 0.0]])
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    out = logprob_mismatch(engine, trainer, mask)
-    assert out["train_infer/num_tokens"] == 3
-    assert out["train_infer/logprob_abs_diff_mean"] == pytest.approx((0.1 + 0.0 + 0.25) / 3)
-    assert out["train_infer/logprob_abs_diff_max"] == pytest.approx(0.25)
-    assert out["train_infer/logprob_diff_mean"] == pytest.approx((0.1 + 0.0 - 0.25) / 3)
-
-
-def test_logprob_mismatch_edge_cases():
-    zeros = torch.zeros(2, 3)
-    assert logprob_mismatch(zeros, zeros, zeros)["train_infer/num_tokens"] == 0.0
-    with pytest.raises(ValueError, match="shapes differ"):
-        logprob_mismatch(zeros, torch.zeros(2, 4), zeros)
-    with pytest.raises(ValueError, match="nucleus"):
-        logprob_mismatch(torch.tensor([[-float("inf")]]), torch.zeros(1, 1), torch.ones(1, 1))
+    engine = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -9.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    plain, _, highs = split_extrema(_mismatch_pairs(trainer, engine, mask))
+    total, count = plain["mismatch/logprob_abs_mean"].tolist()
+    assert count == 3 and total / count == pytest.approx((0.1 + 0.0 + 0.25) / 3)
+    assert highs["mismatch/logprob_abs_max"] == pytest.approx(0.25)
+    d = torch.tensor([-0.1, 0.0, 0.25], dtype=torch.float64)  # log(pi_train / pi_engine) on the masked tokens
+    k3 = (torch.exp(d) - d - 1).sum().item()
+    assert plain["mismatch/kl_k3"].tolist() == pytest.approx([k3, 3.0], rel=1e-5)
+    empty = _mismatch_pairs(trainer, engine, torch.zeros(2, 3, dtype=torch.bool))
+    assert "max:mismatch/logprob_abs_max" not in empty and empty["mismatch/logprob_abs_mean"].tolist() == [0.0, 0.0]
 
 
 # ----------------------------------------------------------------------------- configs and seeds

@@ -9,7 +9,8 @@ import torch
 
 from megatron_gtpo import algo
 from megatron_gtpo.train import model as M
-from megatron_gtpo.types import TrainBatch
+from megatron_gtpo.types import Batch
+from tests.algo_helpers import policy_loss
 
 VOCAB, PAD, EOS = 128, 0, 2
 
@@ -23,37 +24,50 @@ def tiny_config(*, tied: bool) -> dict:
             "tie_word_embeddings": tied}
 
 
-def make_batch(seed: int = 0, *, num_groups: int = 3, group_size: int = 4) -> TrainBatch:
+def make_batch(seed: int = 0, *, num_groups: int = 3, group_size: int = 4) -> Batch:
     """Prompts of different lengths; completions share prefixes/suffixes (GTPO conflicts), end in
-    EOS and vary in length; one group has all-equal rewards (zero advantages); extra right padding."""
+    EOS and vary in length; one group has all-equal rewards (zero advantages)."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(n):
         return torch.randint(3, VOCAB, (n,), generator=g).tolist()
 
-    rows, starts, group_ids, rewards = [], [], [], []
+    prompts, comps, group_ids, rewards = [], [], [], []
     reward_sets = [[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.5, 1.0, 0.0, 0.25]]
     for gi in range(num_groups):
         prompt, template = rand(int(torch.randint(2, 7, (1,), generator=g))), rand(10)
         for j in range(group_size):
             pre = int(torch.randint(0, 4, (1,), generator=g))
-            comp = template[:pre] + rand(int(torch.randint(1, 6, (1,), generator=g))) + template[-2:] + [EOS]
-            rows.append(prompt + comp)
-            starts.append(len(prompt))
+            comps.append(template[:pre] + rand(int(torch.randint(1, 6, (1,), generator=g))) + template[-2:] + [EOS])
+            prompts.append(prompt)
             group_ids.append(gi)
             rewards.append(reward_sets[gi % len(reward_sets)][j % 4])
-    width = max(len(r) for r in rows) + 3
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask = torch.zeros(len(rows), width)
-    for b, (row, start) in enumerate(zip(rows, starts)):
+    width, prompt_width = max(len(c) for c in comps), max(len(p) for p in prompts)
+    ids = torch.full((len(comps), width), PAD, dtype=torch.long)
+    prompt_ids = torch.full((len(comps), prompt_width), PAD, dtype=torch.long)
+    for b, (prompt, comp) in enumerate(zip(prompts, comps)):
+        ids[b, :len(comp)] = torch.tensor(comp)
+        prompt_ids[b, :len(prompt)] = torch.tensor(prompt)
+    lengths = torch.tensor([len(c) for c in comps])
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    sampler = torch.where(mask, -2.0 - torch.rand(mask.shape, generator=g), torch.zeros(()))
+    return Batch(prompt_ids=prompt_ids, prompt_lengths=torch.tensor([len(p) for p in prompts]), token_ids=ids,
+                 mask=mask, sampler_logprobs=sampler, rewards=torch.tensor(rewards), group_ids=torch.tensor(group_ids),
+                 pad_id=PAD)
+
+
+def sequence_view(batch: Batch, extra: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids [B, S], position_ids [B, S])``: prompt + completion + padding, built with a plain
+    loop, independently of train/batching.py."""
+    rows = []
+    for b in range(batch.size):
+        prompt = batch.prompt_ids[b, :int(batch.prompt_lengths[b])].tolist()
+        rows.append(prompt + batch.token_ids[b, :int(batch.lengths[b])].tolist())
+    width = max(len(r) for r in rows) + extra
+    ids = torch.full((len(rows), width), batch.pad_id, dtype=torch.long)
+    for b, row in enumerate(rows):
         ids[b, :len(row)] = torch.tensor(row)
-        mask[b, start:len(row)] = 1.0
-    sampler = torch.where(mask > 0, -2.0 - torch.rand(mask.shape, generator=g), torch.zeros(()))
-    rewards_t = torch.tensor(rewards)
-    return TrainBatch(input_ids=ids, loss_mask=mask, position_ids=torch.arange(width).expand(len(rows), width).clone(),
-                      group_ids=torch.tensor(group_ids), rewards=rewards_t,
-                      advantages=algo.group_advantages(rewards_t, torch.tensor(group_ids), std_scale=False),
-                      sampler_logprobs=sampler, pad_id=PAD, completion_start=torch.tensor(starts))
+    return ids, torch.arange(width).expand(len(rows), width).clone()
 
 
 # ----------------------------------------------------------------------------- weights
@@ -101,22 +115,14 @@ def load_full(chunks, full: dict[str, torch.Tensor], *, tied: bool, tp: int, tp_
 # ----------------------------------------------------------------------------- reference
 
 
-def completion_rows(batch: TrainBatch):
-    """``(token_ids, mask, seq_positions)`` left-aligned completions, built independently of
-    train/batching.py with a plain loop."""
-    lengths = batch.loss_mask.sum(1).long()
-    width = int(lengths.max())
-    ids = torch.full((len(lengths), width), batch.pad_id, dtype=torch.long)
-    pos = torch.zeros(len(lengths), width, dtype=torch.long)
-    for b in range(len(lengths)):
-        where = batch.loss_mask[b].nonzero().squeeze(1)
-        ids[b, :len(where)] = batch.input_ids[b, where]
-        pos[b, :len(where)] = where
-    mask = torch.arange(width)[None] < lengths[:, None]
-    return ids, mask, pos
+def completion_rows(batch: Batch):
+    """``(token_ids, mask, seq_positions)``: the completion view and where each completion token
+    sits in ``sequence_view``."""
+    pos = batch.prompt_lengths[:, None] + torch.arange(batch.token_ids.shape[1])[None, :]
+    return batch.token_ids, batch.mask, torch.where(batch.mask, pos, torch.zeros_like(pos))
 
 
-def dense_token_stats(logits: torch.Tensor, batch: TrainBatch, temperature: float):
+def dense_token_stats(logits: torch.Tensor, batch: Batch, temperature: float):
     """float64 dense log-softmax: per completion token log-prob, exact entropy and the GTPO
     reference's clamped entropy (p floored at 1e-6 inside the log), each [B, T]."""
     ids, mask, pos = completion_rows(batch)
@@ -132,21 +138,18 @@ def dense_token_stats(logits: torch.Tensor, batch: TrainBatch, temperature: floa
             torch.where(mask, clamped, zero), ids, mask)
 
 
-def reference_loss(model, batch: TrainBatch, *, algo_name: str, prepare_kwargs: dict, loss_kwargs: dict,
-                   temperature: float, ref_logp_seq: torch.Tensor | None = None,
+def reference_loss(model, batch: Batch, *, spec, temperature: float, ref_logp: torch.Tensor | None = None,
                    old_logp: torch.Tensor | None = None, mean_entropy: torch.Tensor | None = None):
-    """Whole-batch loss with algo.policy_loss; returns (loss, logp [B,T] detached, <H> [B])."""
-    seq = batch.input_ids.shape[1]
-    logits = model(batch.input_ids, batch.position_ids, M.causal_mask(seq))
+    """Whole-batch loss (tests/algo_helpers.policy_loss); returns (loss, logp [B,T] detached, <H> [B], metrics).
+    ``ref_logp`` [B, T] in the completion view."""
+    input_ids, position_ids = sequence_view(batch)
+    logits = model(input_ids, position_ids, M.causal_mask(input_ids.shape[1]))
     logp, entropy, clamped, ids, mask = dense_token_stats(logits, batch, temperature)
     if mean_entropy is None:
         mean_entropy = algo.completion_mean_entropy(clamped, mask)
-    ref = None
-    if ref_logp_seq is not None:
-        ref = ref_logp_seq.double().gather(1, completion_rows(batch)[2])
-        ref = torch.where(mask, ref, torch.zeros((), dtype=torch.float64))
-    loss, metrics = algo.policy_loss(
-        algo_name, logp=logp, mask=mask, rewards=batch.rewards, group_ids=batch.group_ids, token_ids=ids,
-        entropy=entropy, mean_entropy=mean_entropy, old_logp=old_logp, ref_logp=ref, **loss_kwargs,
-        **prepare_kwargs)
+    ref = None if ref_logp is None else torch.where(mask, ref_logp.double(), torch.zeros((), dtype=torch.float64))
+    loss, metrics = policy_loss(spec, logp=logp, mask=mask, rewards=batch.rewards, group_ids=batch.group_ids,
+                                token_ids=ids, entropy=entropy,
+                                mean_entropy=mean_entropy if spec.needs_mean_entropy else None,
+                                old_logp=old_logp, ref_logp=ref)
     return loss, logp.detach(), mean_entropy, metrics

@@ -19,8 +19,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.checkpoint import load_model_weights
-from megatron_gtpo.convert.export import export_hf_weights
+from megatron_gtpo.sync.export import export_hf_weights
 from megatron_gtpo.convert.hf_io import HFReader
 from megatron_gtpo.convert.load import load_hf_weights
 from megatron_gtpo.parallel.dims import init_distributed
@@ -91,7 +92,7 @@ def export_matches(chunks, hf_config, dims, reader, dst):
 
 def check(family, work, dims, layout):
     hf_dir, mc_dir = work / family / "hf", work / family / "mcore"
-    hf_config = M.hf_config_from_dir(mc_dir)
+    hf_config = read_hf_config(mc_dir)
     reader = HFReader(hf_dir)
     chunks = M.build_model(hf_config, dims=dims)
     load_model_weights(chunks, mc_dir / "model")

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.checkpoint import load_model_weights
-from megatron_gtpo.convert.export import export_hf_weights
+from megatron_gtpo.sync.export import export_hf_weights
 from megatron_gtpo.convert.hf_io import HFWriter, copy_side_files
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import model as M
@@ -22,7 +23,7 @@ from tests.tiny_hf import FAMILIES
 
 def roundtrip(family, work, dims, suffix):
     mc_dir = work / family / "mcore"
-    hf_config = M.hf_config_from_dir(mc_dir)
+    hf_config = read_hf_config(mc_dir)
     chunks = M.build_model(hf_config, dims=dims)
     load_model_weights(chunks, mc_dir)
     tokens = tokens_for(int(hf_config["vocab_size"]))

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.checkpoint import load_model_weights
-from megatron_gtpo.convert.export import export_hf_weights
+from megatron_gtpo.sync.export import export_hf_weights
 from megatron_gtpo.convert.hf_io import HFReader
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import model as M
@@ -23,7 +24,7 @@ def main():
     hf_dir, mc_dir, tp, pp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     dist.init_process_group("gloo")
     dims = init_distributed(tp=tp, pp=pp, seed=3)
-    hf_config = M.hf_config_from_dir(mc_dir)
+    hf_config = read_hf_config(mc_dir)
     chunks = M.build_model(hf_config, dims=dims)
     load_model_weights(chunks, mc_dir)
     tokens = tokens_for(int(hf_config["vocab_size"]))

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,10 @@ from megatron_gtpo.algo import AlgoConfig
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import model as M
 from megatron_gtpo.train.optim import OptimConfig, build_optimizer, current_lr, wrap_ddp
-from megatron_gtpo.train.step import compute_logprobs, greedy_generate, train_on_batch
+from megatron_gtpo.train.batching import local_rows
+from megatron_gtpo.train.step import (StepSettings, check_schedule, forward_stats, logprob_settings, process_groups,
+                                     rank_micro_batches, train_step)
+from tests.megatron_greedy import greedy_generate
 from tests.dist.scripts import _trainstep_common as C
 from tests.dist.scripts._logprob_checks import check_vocab_parallel
 
@@ -58,10 +62,8 @@ def synthetic_ref_logp(batch, logp: torch.Tensor) -> torch.Tensor:
     """A 'reference model' log-prob table [B, S] near the policy's (``logp`` [B, T]) so GRPO's KL
     term has a moderate, non-zero gradient."""
     g = torch.Generator().manual_seed(11)
-    _, mask, pos = C.completion_rows(batch)
     noisy = (logp + 0.3 * torch.randn(logp.shape, generator=g, dtype=logp.dtype)).float()
-    table = torch.zeros(batch.input_ids.shape)
-    return table.scatter_(1, pos, torch.where(mask, noisy, torch.zeros(())))
+    return torch.where(batch.mask, noisy, torch.zeros(()))
 
 
 def reference_phase(batch, *, tied: bool):
@@ -73,7 +75,8 @@ def reference_phase(batch, *, tied: bool):
         model.output_layer.weight.mul_(40.0) if not tied else model.embedding.word_embeddings.weight.mul_(8.0)
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
-        logits = model(batch.input_ids, batch.position_ids, M.causal_mask(batch.input_ids.shape[1]))
+        input_ids, position_ids = C.sequence_view(batch)
+        logits = model(input_ids, position_ids, M.causal_mask(input_ids.shape[1]))
         logp, entropy, clamped, _, mask = C.dense_token_stats(logits, batch, TEMPERATURE)
         greedy = _dense_greedy(model, 6)
     mean_h = (clamped.sum(1) / mask.sum(1)).sort().values
@@ -87,11 +90,12 @@ def reference_phase(batch, *, tied: bool):
         out["cases"][case["name"]] = _reference_updates(model, full, batch, case, clip=case["opt"]["clip_grad"],
                                                         ref_logp=out["ref_logp"] if case["ref"] else None)
     out["threshold"], out["clip"] = threshold, clip
-    sampler = batch.sampler_logprobs.double().gather(1, C.completion_rows(batch)[2])
+    sampler = batch.sampler_logprobs.double()
     tokens = mask.sum()
     out["mismatch_ref"] = float(torch.where(mask, (logp - sampler).abs(), 0.0).sum() / tokens)
     out["mismatch_max_ref"] = float(torch.where(mask, (logp - sampler).abs(), 0.0).max())
     out["entropy_ref"] = float((entropy.sum(1) / mask.sum(1)).mean())
+    out["clamped_entropy_ref"] = float((clamped.sum(1) / mask.sum(1)).mean())  # GTPO's <H>_i statistic
     ps.destroy_model_parallel()
     return out
 
@@ -101,9 +105,7 @@ def _reference_updates(model, full, batch, case, *, clip: float, ref_logp) -> di
         for n, p in model.named_parameters():
             p.copy_(full[n])
     cfg = case["cfg"]
-    kwargs = dict(algo_name=cfg.name, prepare_kwargs=cfg.prepare_kwargs(),
-                  loss_kwargs=cfg.loss_kwargs(max_completion_tokens=16), temperature=TEMPERATURE,
-                  ref_logp_seq=ref_logp)
+    kwargs = dict(spec=cfg.resolve(max_completion_tokens=16), temperature=TEMPERATURE, ref_logp=ref_logp)
     losses, norms, grads, old_logp, mean_h = [], [], None, None, None
     for update in range(case["mu"]):
         model.zero_grad(set_to_none=True)
@@ -156,11 +158,11 @@ def layout_phase(batch, ref, layout: tuple[int, int, int | None], *, tied: bool)
         C.load_full(ddp, ref["full"], tied=tied, tp=tp, tp_rank=dims.tp_rank)
         optimizer, scheduler = build_optimizer(ddp, OptimConfig(optimizer=case["opt"]), total_steps=4)
         cfg, want = case["cfg"], ref["cases"][case["name"]]
-        metrics = train_on_batch(
-            ddp, optimizer, scheduler, batch, algo_name=cfg.name, prepare_kwargs=cfg.prepare_kwargs(),
-            loss_kwargs=cfg.loss_kwargs(max_completion_tokens=16), micro_batch_size=MBS, mu=case["mu"],
-            temperature=TEMPERATURE, dims=dims, ref_logp=ref["ref_logp"] if case["ref"] else None,
-            entropy_prob_floor=1e-6, chunk_tokens=5)
+        settings = StepSettings(spec=cfg.resolve(max_completion_tokens=16), micro_batch_size=MBS,
+                                temperature=TEMPERATURE, chunk_tokens=5)
+        rows = local_rows(batch.size, dp=dims.dp, dp_rank=dims.dp_rank, micro_batch_size=MBS)
+        metrics = train_step(SimpleNamespace(chunks=ddp, optimizer=optimizer, scheduler=scheduler), batch, settings,
+                             dims, ref_logp=ref["ref_logp"][rows] if case["ref"] else None)
         grad_err, update_excess = 0.0, 0.0
         for gname, lname, param in C.named_local_params(ddp, tied=tied):
             piece = dict(tp=tp, tp_rank=dims.tp_rank)
@@ -177,11 +179,11 @@ def layout_phase(batch, ref, layout: tuple[int, int, int | None], *, tied: bool)
              loss_ref=sum(want["losses"]) / len(want["losses"]), grad_norm=metrics["optim/grad_norm"],
              grad_norm_ref=sum(want["grad_norms"]) / len(want["grad_norms"]), grad_err=grad_err,
              update_excess=update_excess, ratio_max=metrics.get("train/ratio_max"),
-             clip_frac=metrics.get("train/clip_frac_low", 0.0) + metrics.get("train/clip_frac_high", 0.0),
+             clip_frac=metrics.get("clip/low_frac", 0.0) + metrics.get("clip/high_frac", 0.0),
              nonfinite=[k for k, v in metrics.items() if not math.isfinite(v)])
         if case["name"] == "gtpo":
             emit(check="metrics", layout=name, metrics=metrics, mismatch_ref=ref["mismatch_ref"],
-                 mismatch_max_ref=ref["mismatch_max_ref"], entropy_ref=ref["entropy_ref"])
+                 mismatch_max_ref=ref["mismatch_max_ref"], entropy_ref=ref["clamped_entropy_ref"])
     if dims.world == 1:
         _check_lr_schedule(ddp)
     if dims.dp > 1:
@@ -207,7 +209,7 @@ def _check_vpp_guard(dims, tied) -> None:
     assert M.build_model(C.tiny_config(tied=tied), dims=dims)[0].config.batch_p2p_comm is False
     chunks = M.build_model(C.tiny_config(tied=tied), dims=dims, overrides={"batch_p2p_comm": True})
     try:
-        compute_logprobs(chunks, C.make_batch(0), dims=dims, micro_batch_size=MBS)
+        check_schedule(chunks, 2, dims)
         emit(check="vpp_guard", raised=False)
     except ValueError as err:
         emit(check="vpp_guard", raised="batch_p2p_comm=False" in str(err))
@@ -221,10 +223,9 @@ def _check_distributed_adam(batch, ref, dims, name, *, tied, overrides):
     C.load_full(ddp, ref["full"], tied=tied, tp=dims.tp, tp_rank=dims.tp_rank)
     optimizer, scheduler = build_optimizer(ddp, cfg, total_steps=4)
     algo_cfg, want = AlgoConfig(name="gtpo", entropy_threshold=ref["threshold"]), ref["cases"]["gtpo"]
-    metrics = train_on_batch(ddp, optimizer, scheduler, batch, algo_name="gtpo",
-                             prepare_kwargs=algo_cfg.prepare_kwargs(),
-                             loss_kwargs=algo_cfg.loss_kwargs(max_completion_tokens=16), micro_batch_size=MBS, mu=1,
-                             temperature=TEMPERATURE, dims=dims)
+    settings = StepSettings(spec=algo_cfg.resolve(max_completion_tokens=16), micro_batch_size=MBS,
+                            temperature=TEMPERATURE)
+    metrics = train_step(SimpleNamespace(chunks=ddp, optimizer=optimizer, scheduler=scheduler), batch, settings, dims)
     moved = max(float((p.detach() - C.local_piece(ref["full"][g], n, p, tp=dims.tp, tp_rank=dims.tp_rank)).abs().max())
                 for g, n, p in C.named_local_params(ddp, tied=tied))
     emit(check="distopt_adam", layout=name, loss=metrics["loss"], loss_ref=want["losses"][0],
@@ -232,14 +233,21 @@ def _check_distributed_adam(batch, ref, dims, name, *, tied, overrides):
 
 
 def _check_logprobs_and_greedy(chunks, batch, ref, dims, name) -> None:
-    stats = compute_logprobs(chunks, batch, dims=dims, micro_batch_size=MBS, temperature=TEMPERATURE, chunk_tokens=7)
-    _, _, pos = C.completion_rows(batch)
-    mask = ref["mask"]
-    logp = torch.where(mask, stats.logp.gather(1, pos).double(), torch.zeros((), dtype=torch.float64))
-    ent = torch.where(mask, stats.entropy.gather(1, pos).double(), torch.zeros((), dtype=torch.float64))
+    """No-grad log-probs and exact entropies of this rank's rows (last stage) against the dense
+    reference; greedy tokens on every rank."""
+    settings = StepSettings(spec=AlgoConfig().resolve(max_completion_tokens=16), micro_batch_size=MBS,
+                            temperature=TEMPERATURE, chunk_tokens=7)
+    rows, mbs = rank_micro_batches(batch, settings, dims)
+    stats = forward_stats(chunks, batch, mbs, logprob_settings(settings, dims, process_groups()))
     greedy = greedy_generate(chunks, PROMPTS, 6, dims)
-    emit(check="logprobs", layout=name, logp_err=rel_err(logp, ref["logp"]), entropy_err=rel_err(ent, ref["entropy"]),
-         greedy=greedy, greedy_ref=ref["greedy"])
+    if stats is None:
+        return
+    mask = ref["mask"][rows]
+    zero = torch.zeros((), dtype=torch.float64)
+    logp = torch.where(mask, stats.logp.double(), zero)
+    ent = torch.where(mask, stats.entropy.double(), zero)
+    emit(check="logprobs", layout=name, logp_err=rel_err(logp, ref["logp"][rows]),
+         entropy_err=rel_err(ent, ref["entropy"][rows]), greedy=greedy, greedy_ref=ref["greedy"])
 
 
 def main() -> None:

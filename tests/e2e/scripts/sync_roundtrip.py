@@ -26,16 +26,23 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from types import SimpleNamespace
+
 from megatron_gtpo.algo import AlgoConfig
-from megatron_gtpo.convert.export import export_hf_weights
+from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.models.tiny import ensure_tiny
 from megatron_gtpo.parallel.dims import init_distributed
-from megatron_gtpo.rollout import RolloutConfig, WeightPushError, chat_prompt, logprob_mismatch
-from megatron_gtpo.sync import SyncConfig, build_rollout
-from megatron_gtpo.train.model import build_model, hf_config_from_dir
+from megatron_gtpo.rollout import RolloutConfig
+from megatron_gtpo.sync import ExportPlan, SyncConfig, WeightPushError, build_rollout
+from megatron_gtpo.sync.export import export_hf_weights
+from megatron_gtpo.train.batching import collate
+from megatron_gtpo.train.model import build_model
 from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
-from megatron_gtpo.train.step import compute_logprobs, greedy_generate, train_on_batch
-from megatron_gtpo.types import TrainBatch
+from megatron_gtpo.train.step import (StepSettings, forward_stats, logprob_settings, process_groups,
+                                      rank_micro_batches, train_step)
+from megatron_gtpo.types import Batch, ScoredGroup
+from tests.helpers import chat_prompt
+from tests.megatron_greedy import greedy_generate
 
 QUESTIONS = ["What is 2 + 2?", "Name a color.", "Count to five.", "Say hello.", "Why is the sky blue?",
              "Write a haiku.", "What is 7 times 8?", "Spell 'cat'."]
@@ -50,23 +57,22 @@ def emit(check: str, **record) -> None:
     os.write(1, f"\nRESULT {line}\n".encode())
 
 
-def to_batch(completions, seed: int) -> TrainBatch:
-    """Prompt + completion rows (right-padded) with the sampler log-probs on completion positions;
-    random 0/1 rewards so GRPO's advantages (and the update) are not zero."""
-    rows = [c.prompt_token_ids + c.token_ids for c in completions]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask, sampler = torch.zeros(len(rows), width), torch.zeros(len(rows), width)
-    for b, c in enumerate(completions):
-        start, end = len(c.prompt_token_ids), len(rows[b])
-        ids[b, :end] = torch.tensor(rows[b])
-        mask[b, start:end] = 1.0
-        sampler[b, start:end] = torch.tensor(c.logprobs)
-    rewards = (torch.rand(len(rows), generator=torch.Generator().manual_seed(seed)) > 0.5).float()
-    return TrainBatch(input_ids=ids, loss_mask=mask, position_ids=torch.arange(width).expand(len(rows), width).clone(),
-                      group_ids=torch.tensor([c.prompt_index for c in completions]), rewards=rewards,
-                      advantages=torch.zeros(len(rows)), sampler_logprobs=sampler, pad_id=PAD,
-                      completion_start=torch.tensor([len(c.prompt_token_ids) for c in completions]))
+def to_batch(prompts, completions, seed: int) -> Batch:
+    """The completions as a Batch (one group per prompt), with random 0/1 rewards so GRPO's
+    advantages (and the update) are not zero."""
+    rewards = (torch.rand(len(completions), generator=torch.Generator().manual_seed(seed)) > 0.5).float().tolist()
+    groups = [ScoredGroup(prompt=p, completions=[], rewards=[]) for p in prompts]
+    for c, r in zip(completions, rewards):
+        groups[c.prompt_index].completions.append(c)
+        groups[c.prompt_index].rewards.append(r)
+    return collate(groups, pad_id=PAD)
+
+
+def mismatch(sampler: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """|engine log-prob - trainer log-prob| over the sampled tokens (mean, max, token count)."""
+    diff = (sampler.double() - trainer.double())[mask]
+    return {"train_infer/num_tokens": float(diff.numel()), "train_infer/logprob_abs_diff_mean": diff.abs().mean().item(),
+            "train_infer/logprob_abs_diff_max": diff.abs().max().item()}
 
 
 def wrong_architecture_buckets(hf_config: dict) -> list:
@@ -118,7 +124,7 @@ class Run:
 def setup(transport: str, dtype: torch.dtype) -> Run:
     dims = init_distributed(tp=2, seed=1234)
     model_dir = str(ensure_tiny())
-    hf_config = hf_config_from_dir(model_dir)
+    hf_config = read_hf_config(model_dir)
     # fp32: a wider init than HF's 0.02 keeps greedy argmax gaps far above fp32 noise. bf16: HF's
     # init; both sides round logits to bf16 (step 2**-7 below 1, 2**-5 near 4), so larger logits
     # would mostly measure that rounding.
@@ -129,7 +135,8 @@ def setup(transport: str, dtype: torch.dtype) -> Run:
         "dtype": "float32" if dtype == torch.float32 else "bfloat16", "max_model_len": 256,
         "kv_cache_memory_bytes": 64 << 20})
     sync_cfg = SyncConfig(transport=transport, bucket_bytes=8 << 20)  # several buckets per push
-    rollout, syncer = build_rollout(rollout_cfg, sync_cfg, model_dir=model_dir)
+    rollout, syncer = build_rollout(rollout_cfg, sync_cfg, model_dir=model_dir,
+                                    export=ExportPlan(hf_config=hf_config, dims=dims, bucket_bytes=sync_cfg.bucket_bytes))
     run = Run(dims=dims, hf_config=hf_config, chunks=chunks, rollout=rollout, syncer=syncer, sync_cfg=sync_cfg,
               rollout_cfg=rollout_cfg)
     run.prompts = [chat_prompt(rollout.tokenizer, q, uid=str(i)) for i, q in enumerate(QUESTIONS)]
@@ -179,20 +186,20 @@ def train_push_compare(run: Run) -> None:
     algo = AlgoConfig(name="grpo", kl_beta=0.0)
     optimizer, scheduler = build_optimizer(run.chunks, OptimConfig(optimizer={"optimizer": "adam", "lr": 1e-3}),
                                            total_steps=1)
-    metrics = train_on_batch(run.chunks, optimizer, scheduler, to_batch(samples_v1, seed=5), algo_name="grpo",
-                             prepare_kwargs=algo.prepare_kwargs(),
-                             loss_kwargs=algo.loss_kwargs(max_completion_tokens=MAX_TOKENS), micro_batch_size=4, mu=1,
-                             temperature=TEMPERATURE, dims=run.dims, vocab_size=run.vocab)
+    settings = StepSettings(spec=algo.resolve(max_completion_tokens=MAX_TOKENS), micro_batch_size=4,
+                            temperature=TEMPERATURE, vocab_size=run.vocab)
+    policy = SimpleNamespace(chunks=run.chunks, optimizer=optimizer, scheduler=scheduler)
+    metrics = train_step(policy, to_batch(run.prompts, samples_v1, seed=5), settings, run.dims)
     emit("train_step", **{k: v for k, v in metrics.items() if k.startswith(("mismatch/", "optim/grad_norm", "loss"))})
 
     stats = run.syncer.push(run.export(), version=2)
     samples_v2 = run.rollout.generate(run.prompts, **sampling, seed=11)
     checks = {}
     for name, samples in (("v2", samples_v2), ("v1_samples", samples_v1)):
-        batch = to_batch(samples, seed=0)
-        trainer = compute_logprobs(run.chunks, batch, dims=run.dims, micro_batch_size=4, temperature=TEMPERATURE,
-                                   vocab_size=run.vocab).logp
-        checks[name] = logprob_mismatch(batch.sampler_logprobs, trainer, batch.loss_mask > 0)
+        batch = to_batch(run.prompts, samples, seed=0)
+        rows, mbs = rank_micro_batches(batch, settings, run.dims)  # TP=2, DP=1: every rank holds every row
+        trainer = forward_stats(run.chunks, batch, mbs, logprob_settings(settings, run.dims, process_groups())).logp
+        checks[name] = mismatch(batch.sampler_logprobs[rows], trainer, batch.mask[rows])
     emit("logprobs_v2", push_seconds=stats.seconds, versions=sorted({c.weight_version for c in samples_v2}),
          **{f"{k}:{m}": v for k, d in checks.items() for m, v in d.items()})
 

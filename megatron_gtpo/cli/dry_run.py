@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_gtpo.launch.layout import Layout, LayoutError, plan_layout
-from megatron_gtpo.launch.memory import GIB, MemoryEstimate, check_memory, estimate_memory, \
+from megatron_gtpo.plan.layout import Layout, LayoutError, plan_layout
+from megatron_gtpo.plan.memory import GIB, MemoryEstimate, check_memory, estimate_memory, \
     optimizer_bytes_per_param
 from megatron_gtpo.models.shape import ModelShape, load_model_shape
 from megatron_gtpo.utils.configuration import ConfigError

@@ -10,12 +10,12 @@ import argparse
 import sys
 
 SUBCOMMANDS = {
-    "train": ("megatron_gtpo.launch.train_cli", "train a policy from a YAML recipe (launches torchrun ranks)"),
-    "demo": ("megatron_gtpo.launch.demo", "short GTPO run on CPU with SmolLM2-135M-Instruct, then plots"),
-    "eval": ("megatron_gtpo.eval.cli", "pass@k / maj@k / mean@k on GSM8K, MATH-500, AIME, AMC, MMLU-STEM"),
-    "convert": ("megatron_gtpo.convert.cli", "convert checkpoints between Hugging Face and Megatron-Core"),
-    "dry-run": ("megatron_gtpo.launch.dryrun", "validate a recipe and print the parallel layout and memory"),
-    "config": ("megatron_gtpo.launch.config_cli", "print every config field with its default and doc"),
+    "train": ("megatron_gtpo.cli.train", "train a policy from a YAML recipe (launches torchrun ranks)"),
+    "demo": ("megatron_gtpo.cli.demo", "short GTPO run on CPU with SmolLM2-135M-Instruct, then plots"),
+    "eval": ("megatron_gtpo.cli.eval", "pass@k / maj@k / mean@k on GSM8K, MATH-500, AIME, AMC, MMLU-STEM"),
+    "convert": ("megatron_gtpo.cli.convert", "convert checkpoints between Hugging Face and Megatron-Core"),
+    "dry-run": ("megatron_gtpo.cli.dry_run", "validate a recipe and print the parallel layout and memory"),
+    "config": ("megatron_gtpo.cli.config", "print every config field with its default and doc"),
 }
 
 

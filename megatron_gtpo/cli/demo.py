@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="extra dotted overrides, e.g. train.steps=4")
     args = parser.parse_intermixed_args(argv)
     from megatron_gtpo.data.arithmetic import arithmetic_examples
-    from megatron_gtpo.launch import train_cli
+    from megatron_gtpo.cli import train as train_cli
     from megatron_gtpo.models.smollm2 import ensure_smollm2
     from megatron_gtpo.plotting import plot_runs
 

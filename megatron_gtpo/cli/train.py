@@ -36,14 +36,14 @@ def parse_args(argv):
                         help="validate the config, model, data and parallel layout, print them, and exit")
     parser.add_argument("--prepare-only", action="store_true",
                         help="validate, write the resolved <output-dir>/config.yaml and exit: the ranks are "
-                             "started elsewhere (slurm/train.sbatch runs `python -m megatron_gtpo.trainer` on every node)")
+                             "started elsewhere (slurm/train.sbatch runs `python -m megatron_gtpo.cli.worker` on every node)")
     return parser.parse_intermixed_args(argv)  # overrides may come before or after the options
 
 
 def prepare(args):
     """Loads and validates the recipe; returns (RunConfig, model_dir)."""
     from megatron_gtpo.config import load_config
-    from megatron_gtpo.launch.preflight import preflight
+    from megatron_gtpo.plan.preflight import preflight
 
     overrides = list(args.overrides)
     if args.output_dir:
@@ -88,7 +88,7 @@ def launch_torchrun(resolved_config: Path, world: int, *, resume: bool) -> int:
     Multi-node jobs are launched by slurm/train.sbatch, which runs torchrun on every node itself.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_port",
-           os.environ.get("MASTER_PORT", str(_free_port())), "-m", "megatron_gtpo.trainer", str(resolved_config)]
+           os.environ.get("MASTER_PORT", str(_free_port())), "-m", "megatron_gtpo.cli.worker", str(resolved_config)]
     if resume:
         cmd.append("--resume")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_gtpo.launch.layout import Layout
+from megatron_gtpo.plan.layout import Layout
 from megatron_gtpo.models.shape import ModelShape
 
 GIB = 1 << 30

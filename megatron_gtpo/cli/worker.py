@@ -1,0 +1,30 @@
+"""One training rank: ``python -m megatron_gtpo.cli.worker CONFIG.yaml [--resume]``.
+
+Started on every rank by ``megatron-gtpo train`` (through torchrun), ``slurm/train.sbatch`` and
+``launch/torchrun_node.sh`` with the resolved config that ``megatron-gtpo train`` wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_gtpo.config import load_config
+from megatron_gtpo.trainer import run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_gtpo.cli.worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="resolved config YAML (written by `megatron-gtpo train`)")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run(load_config(args.config), resume=args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
