@@ -1,6 +1,6 @@
 """Scoring throughput (completions/s) of the reward scorer, with and without math-verify.
 
-Two workloads built from the real benchmark files in ../shared/data:
+Two workloads built from the real benchmark files shipped in megatron_gtpo/data/benchmarks:
 
 - ``cheap``: GSM8K completions (answer boxed, half right, half gold + 1). Every verdict comes from
   the string/number fast path; math-verify is never called.

@@ -3,8 +3,11 @@
 #
 # Tunables shared by every script (environment variables; the default follows the colon):
 #   MGTPO_REPO         repository checkout: ${SLURM_SUBMIT_DIR} (submit from the repo root)
-#   MGTPO_PYTHON       interpreter with megatron-gtpo installed: ${MGTPO_REPO}/.venv/bin/python
+#   MGTPO_PYTHON       interpreter with megatron-gtpo installed: ${MGTPO_REPO}/.venv/bin/python (the checkout's
+#                      own environment, made by scripts/setup.sh: it runs this checkout's code)
 #   MGTPO_CLI          the megatron-gtpo command: ${MGTPO_REPO}/.venv/bin/megatron-gtpo
+#   PYTHONPATH         ${MGTPO_REPO} is put first (exported to every rank), so a job always runs the code of
+#                      the checkout it was submitted from, also with another MGTPO_PYTHON or in a container
 #   RUNS_DIR           parent of the per-job directories: ${MGTPO_REPO}/runs
 #   OUTPUT_DIR         this job's directory (checkpoints, reports): ${RUNS_DIR}/${SLURM_JOB_NAME}-${SLURM_JOB_ID}
 #                      (a requeued job keeps its id, hence its directory; set it to continue a run in a new job)
@@ -36,6 +39,7 @@ CONTAINER_WORKDIR=${CONTAINER_WORKDIR:-$PWD}
 RESTART=${SLURM_RESTART_COUNT:-0}
 # Logs must reach the files as they are written, also when a rank is killed.
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$MGTPO_REPO${PYTHONPATH:+:$PYTHONPATH}"
 
 # Asking for more GPUs than SLURM granted would put several ranks on one GPU.
 if [ "$GPUS_PER_NODE" -gt "${SLURM_GPUS_ON_NODE:-0}" ]; then
@@ -48,7 +52,7 @@ if [ -n "$CONTAINER_IMAGE" ]; then
   SRUN_CONTAINER=(--container-image="$CONTAINER_IMAGE" --container-mounts="$CONTAINER_MOUNTS"
                   --container-workdir="$CONTAINER_WORKDIR")
 elif [ ! -x "$MGTPO_CLI" ]; then
-  die "MGTPO_CLI=$MGTPO_CLI is not executable: run scripts/setup.sh in $MGTPO_REPO, or set MGTPO_CLI/MGTPO_PYTHON"
+  die "MGTPO_CLI=$MGTPO_CLI is not executable: run make setup in $MGTPO_REPO, or set MGTPO_CLI/MGTPO_PYTHON"
 fi
 
 # The address SLURM reaches a node at (NodeAddr; the node name itself on most clusters).

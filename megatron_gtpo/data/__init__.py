@@ -9,9 +9,11 @@
 from megatron_gtpo.data.arithmetic import arithmetic_examples, arithmetic_prompts
 from megatron_gtpo.data.config import DataConfig, FieldMap
 from megatron_gtpo.data.dataset import DatasetStats, PromptDataset, build_dataset, build_prompts, load_examples
-from megatron_gtpo.data.sources import ALIASES, BENCHMARKS, Example, canonical_benchmark, load_benchmark, read_examples
+from megatron_gtpo.data.sources import (ALIASES, BENCHMARKS, SHIPPED_DATA, Example, canonical_benchmark,
+                                        default_data_root, load_benchmark, read_examples)
 from megatron_gtpo.data.templates import PAPER_SYSTEM_PROMPT, build_messages
 
-__all__ = ["ALIASES", "BENCHMARKS", "PAPER_SYSTEM_PROMPT", "DataConfig", "DatasetStats", "Example", "FieldMap",
-           "PromptDataset", "arithmetic_examples", "arithmetic_prompts", "build_dataset", "build_messages",
-           "build_prompts", "canonical_benchmark", "load_benchmark", "load_examples", "read_examples"]
+__all__ = ["ALIASES", "BENCHMARKS", "PAPER_SYSTEM_PROMPT", "SHIPPED_DATA", "DataConfig", "DatasetStats", "Example",
+           "FieldMap", "PromptDataset", "arithmetic_examples", "arithmetic_prompts", "build_dataset", "build_messages",
+           "build_prompts", "canonical_benchmark", "default_data_root", "load_benchmark", "load_examples",
+           "read_examples"]

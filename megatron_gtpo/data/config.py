@@ -77,8 +77,8 @@ class DataConfig:
     """Keep only the first N rows of each source (before shuffling); 0 keeps all."""
 
     data_root: str = ""
-    """Directory holding the benchmark folders; '' uses $MEGATRON_GTPO_DATA or ../shared/data next
-    to the project."""
+    """Directory holding the benchmark folders (your own copies); '' uses $MEGATRON_GTPO_DATA, else the
+    files shipped in megatron_gtpo/data/benchmarks."""
 
     def __post_init__(self) -> None:
         from megatron_gtpo.data.sources import BENCHMARKS

@@ -1,4 +1,5 @@
-"""Reading prompt sources: the benchmark files in ``../shared/data`` and user jsonl/parquet files.
+"""Reading prompt sources: the benchmark files shipped in ``megatron_gtpo/data/benchmarks`` and user
+jsonl/parquet files.
 
     benchmark name --BENCHMARKS--> file + column schema --read_rows--> list[Example]
     user file + FieldMap ----------------------------------^
@@ -39,7 +40,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "amc23": Benchmark(file="amc23/test.jsonl", task="amc", fields=FieldMap(question="problem", uid="id")),
     "mmlu_stem": Benchmark(file="mmlu_stem/test.jsonl", task="mmlu", fields=FieldMap(choices="choices")),
 }
-"""Built-in datasets by name (files described in ../shared/data/README.md)."""
+"""Built-in datasets by name (files, sources and licenses: megatron_gtpo/data/benchmarks/README.md)."""
 
 ALIASES = {"mmlu": "mmlu_stem", "math": "math500", "aime2024": "aime24", "aime2025": "aime25", "amc": "amc23"}
 """Other accepted spellings of benchmark names (``--benchmarks mmlu``)."""
@@ -61,12 +62,16 @@ class Example:
     """Answer options of a multiple-choice row (rendered A., B., ...), empty otherwise."""
 
 
+SHIPPED_DATA = Path(__file__).resolve().parent / "benchmarks"
+"""The benchmark files the project ships as package data (one folder per benchmark)."""
+
+
 def default_data_root() -> Path:
-    """$MEGATRON_GTPO_DATA, else ``../shared/data`` next to the project checkout."""
+    """$MEGATRON_GTPO_DATA when set, else the shipped folder ``SHIPPED_DATA``."""
     env = os.environ.get("MEGATRON_GTPO_DATA")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    return SHIPPED_DATA
 
 
 def canonical_benchmark(name: str) -> str:
@@ -80,8 +85,8 @@ def canonical_benchmark(name: str) -> str:
 
 def _read_records(path: Path) -> list[dict]:
     if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist; check data.paths / data.data_root "
-                                f"(benchmarks are looked up under $MEGATRON_GTPO_DATA or ../shared/data)")
+        raise FileNotFoundError(f"data file {path} does not exist; check data.paths / data.data_root (benchmarks "
+                                f"are looked up under data_root, else $MEGATRON_GTPO_DATA, else {SHIPPED_DATA})")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 

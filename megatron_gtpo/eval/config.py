@@ -58,7 +58,7 @@ class EvalConfig:
     """Sampling seed (vLLM) and seed of maj@k's random subsets."""
 
     data_root: str = ""
-    """Directory with the benchmark folders; '' uses $MEGATRON_GTPO_DATA or ../shared/data."""
+    """Directory with the benchmark folders; '' uses $MEGATRON_GTPO_DATA, else the shipped ones."""
 
     output: str = "eval_report.json"
     """Path of the JSON report (written atomically)."""

@@ -5,36 +5,32 @@ import json
 
 import pytest
 
-from megatron_gtpo.data import BENCHMARKS, DataConfig, FieldMap, canonical_benchmark, load_benchmark, read_examples
+from megatron_gtpo.data import (BENCHMARKS, SHIPPED_DATA, DataConfig, FieldMap, canonical_benchmark, load_benchmark,
+                                read_examples)
 from megatron_gtpo.utils.configuration import ConfigError, build
-from tests.helpers import SHARED_DATA
-
-needs_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"benchmark data not found at {SHARED_DATA}")
 
 ROWS = {"gsm8k_train": 7473, "gsm8k": 1319, "math500": 500, "aime24": 30, "aime25": 30, "amc23": 40,
-        "mmlu_stem": 3018}  # from ../shared/data/README.md
+        "mmlu_stem": 3018}  # from megatron_gtpo/data/benchmarks/README.md
 
 
-@needs_data
 @pytest.mark.parametrize("name", sorted(ROWS))
 def test_benchmark_row_counts_and_schema(name):
-    examples = load_benchmark(name, data_root=SHARED_DATA)
+    examples = load_benchmark(name, data_root=SHIPPED_DATA)
     assert len(examples) == ROWS[name]
     assert len({e.uid for e in examples}) == len(examples)
     assert all(e.question.strip() and e.gold and e.task == BENCHMARKS[name].task for e in examples)
 
 
-@needs_data
 def test_benchmark_fields_are_read_as_documented():
-    gsm = load_benchmark("gsm8k", data_root=SHARED_DATA)[0]
+    gsm = load_benchmark("gsm8k", data_root=SHIPPED_DATA)[0]
     assert gsm.question.startswith("Janet") and gsm.gold.endswith("#### 18") and gsm.uid == "gsm8k:0"
-    math = load_benchmark("math500", data_root=SHARED_DATA)[0]
+    math = load_benchmark("math500", data_root=SHIPPED_DATA)[0]
     assert math.question.startswith("Convert the point") and math.gold == "\\left( 3, \\frac{\\pi}{2} \\right)"
-    assert load_benchmark("aime24", data_root=SHARED_DATA)[0].uid == "aime24:60"  # its own id column
-    assert load_benchmark("aime25", data_root=SHARED_DATA)[0].gold == "70"
-    amc = load_benchmark("amc23", data_root=SHARED_DATA, limit=2)
+    assert load_benchmark("aime24", data_root=SHIPPED_DATA)[0].uid == "aime24:60"  # its own id column
+    assert load_benchmark("aime25", data_root=SHIPPED_DATA)[0].gold == "70"
+    amc = load_benchmark("amc23", data_root=SHIPPED_DATA, limit=2)
     assert [e.gold for e in amc] == ["27", "36"]  # stored as floats 27.0, 36.0
-    mmlu = load_benchmark("mmlu", data_root=SHARED_DATA, limit=1)[0]
+    mmlu = load_benchmark("mmlu", data_root=SHIPPED_DATA, limit=1)[0]
     assert mmlu.gold == "C" and len(mmlu.choices) == 4 and mmlu.uid == "mmlu_stem:0"
 
 

@@ -5,14 +5,12 @@ import json
 import pytest
 
 from megatron_gtpo.cli import eval as cli
+from megatron_gtpo.data import SHIPPED_DATA
 from megatron_gtpo.eval.config import EvalConfig
 from megatron_gtpo.eval.harness import _check_completions, format_table, mlflow_metrics
 from megatron_gtpo.reward.extract import gold_answer
 from megatron_gtpo.types import Completion
-from tests.helpers import SHARED_DATA
 from tests.unit.data_tokenizer import tiny_tokenizer
-
-needs_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"benchmark data not found at {SHARED_DATA}")
 
 
 def _wrong(answer: str) -> str:
@@ -32,11 +30,10 @@ def scripted_generate(prompts, *, n, temperature, top_p, max_tokens, stop=None, 
     return out
 
 
-@needs_data
 def test_run_reports_the_expected_metrics(tmp_path):
     output = tmp_path / "out" / "report.json"
     config = EvalConfig(model="scripted", benchmarks=["gsm8k", "mmlu", "aime24"], n=4, k=[1, 2, 4], limit=3,
-                        workers=0, output=str(output), save_samples=True, data_root=str(SHARED_DATA),
+                        workers=0, output=str(output), save_samples=True, data_root=str(SHIPPED_DATA),
                         chunk_samples=8)
     report = cli.run(config, generate=scripted_generate, tokenizer=tiny_tokenizer())
     assert [r.name for r in report.results] == ["gsm8k", "mmlu_stem", "aime24"]
@@ -113,7 +110,6 @@ def test_cli_bad_input_exits_2_naming_the_flag(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@needs_data
 def test_a_failed_run_leaves_no_report_and_no_partial_samples(tmp_path):
     calls = []
 
@@ -125,7 +121,7 @@ def test_a_failed_run_leaves_no_report_and_no_partial_samples(tmp_path):
 
     output = tmp_path / "report.json"
     config = EvalConfig(model="scripted", benchmarks=["gsm8k"], n=2, k=[1], limit=4, workers=0, chunk_samples=4,
-                        output=str(output), save_samples=True, data_root=str(SHARED_DATA))
+                        output=str(output), save_samples=True, data_root=str(SHIPPED_DATA))
     with pytest.raises(RuntimeError, match="engine died"):
         cli.run(config, generate=failing_generate, tokenizer=tiny_tokenizer())
     assert calls == [2, 2] and list(tmp_path.iterdir()) == []

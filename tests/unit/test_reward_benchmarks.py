@@ -1,4 +1,4 @@
-"""Acceptance: every row of every benchmark in ../shared/data is graded right both ways.
+"""Acceptance: every row of every shipped benchmark (megatron_gtpo/data/benchmarks) is graded right both ways.
 
 For each row, four completions written the way a model would: the gold answer boxed at the end of
 a sentence, the gold in <answer> tags, and the same two with a genuinely wrong answer (gold + 1 for
@@ -14,10 +14,9 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_gtpo.data import load_benchmark
+from megatron_gtpo.data import SHIPPED_DATA, load_benchmark
 from megatron_gtpo.reward import RewardConfig, RewardScorer
 from megatron_gtpo.reward.extract import gold_answer
-from tests.helpers import SHARED_DATA
 
 BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23", "mmlu_stem"]
 
@@ -51,11 +50,10 @@ def variants(answer: str, wrong: str) -> list[tuple[str, bool]]:
             (f"<reasoning>\nStep by step work.\n</reasoning>\n<answer>{wrong}</answer>", False)]
 
 
-@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"benchmark data not found at {SHARED_DATA}")
 def test_every_benchmark_row_is_graded_right_both_ways():
     items, keys = [], []
     for name in BENCHMARKS:
-        for example in load_benchmark(name, data_root=SHARED_DATA):
+        for example in load_benchmark(name, data_root=SHIPPED_DATA):
             answer = gold_answer(example.gold, example.task)
             wrong = {"mmlu": wrong_letter, "math": wrong_latex}.get(example.task, wrong_number)(answer)
             assert wrong != answer
