@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import textwrap
 
+from megatron_gtpo.config import RunConfig
+from megatron_gtpo.utils.configuration import describe
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-gtpo config", description=__doc__,
@@ -16,8 +19,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("prefix", nargs="?", default="", help="only keys starting with this (e.g. algo)")
     parser.add_argument("--yaml", action="store_true", help="print a commented YAML reference instead of a table")
     args = parser.parse_args(argv)
-    from megatron_gtpo.config import RunConfig
-    from megatron_gtpo.utils.configuration import describe
 
     rows = [r for r in describe(RunConfig) if r[0].startswith(args.prefix)]
     for key, type_name, default, doc in rows:

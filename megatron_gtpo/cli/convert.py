@@ -24,6 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_gtpo.convert.offline import hf_to_megatron, megatron_to_hf
+from megatron_gtpo.utils.configuration import ConfigError
+
 EXIT_BAD_INPUT = 2
 
 
@@ -63,13 +66,7 @@ def _umask() -> int:
     return mask
 
 
-def _import_converters() -> None:
-    import megatron_gtpo.convert.offline  # noqa: F401  (torch, safetensors, torch.distributed.checkpoint)
-
-
 def _check_args(args: argparse.Namespace) -> None:
-    from megatron_gtpo.utils.configuration import ConfigError
-
     for name in ("tp", "pp"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name}={getattr(args, name)} must be >= 1")
@@ -85,26 +82,19 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _convert(args: argparse.Namespace, tmp: Path) -> int:
     if args.to == "megatron":
-        from megatron_gtpo.convert.offline import hf_to_megatron
-
         return hf_to_megatron(args.input, tmp, tp=args.tp, pp=args.pp, vpp=args.vpp)["bytes"]
-    from megatron_gtpo.convert.offline import megatron_to_hf
-
     return megatron_to_hf(args.input, tmp, config_dir=args.hf_config or args.input,
                           shard_bytes=int(args.max_shard_mb * 2**20))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one conversion; returns the exit status (0 ok, 2 bad input, 1 unexpected error)."""
-    from megatron_gtpo.utils.configuration import ConfigError
-
     args = build_parser().parse_args(argv)
     tmp = None
     try:
         _check_args(args)
         args.output.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=args.output.parent, prefix=f".{args.output.name}.tmp-"))
-        _import_converters()  # so that the RSS baseline below includes torch and the libraries
         rss_before, start = _rss_mb(), time.perf_counter()
         total = _convert(args, tmp)
         tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; the output gets normal permissions

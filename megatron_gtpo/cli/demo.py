@@ -12,6 +12,11 @@ import json
 import time
 from pathlib import Path
 
+from megatron_gtpo.cli import train as train_cli
+from megatron_gtpo.data.arithmetic import arithmetic_examples
+from megatron_gtpo.models.smollm2 import ensure_smollm2
+from megatron_gtpo.plotting import plot_runs
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -23,10 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=256, help="arithmetic prompts to generate (default 256)")
     parser.add_argument("overrides", nargs="*", help="extra dotted overrides, e.g. train.steps=4")
     args = parser.parse_intermixed_args(argv)
-    from megatron_gtpo.data.arithmetic import arithmetic_examples
-    from megatron_gtpo.cli import train as train_cli
-    from megatron_gtpo.models.smollm2 import ensure_smollm2
-    from megatron_gtpo.plotting import plot_runs
 
     out = Path(args.output_dir or REPO / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)

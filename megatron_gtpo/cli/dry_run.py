@@ -25,6 +25,8 @@ from megatron_gtpo.plan.memory import GIB, MemoryEstimate, check_memory, estimat
     optimizer_bytes_per_param
 from megatron_gtpo.models.shape import ModelShape, load_model_shape
 from megatron_gtpo.utils.configuration import ConfigError
+from megatron_gtpo.config import load_config
+from megatron_gtpo.models.resolve import resolve_model
 
 EXIT_IMPOSSIBLE = 1
 EXIT_BAD_INPUT = 2
@@ -98,8 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     # Intermixed: overrides may follow the flags, as in the README examples.
     args = build_parser().parse_intermixed_args(argv)
     try:
-        from megatron_gtpo.config import load_config
-
         cfg = load_config(args.recipe, args.overrides)
         sizes = sizes_from_config(cfg)
         shape = load_model_shape(args.hf_config) if args.hf_config else model_shape_of(cfg.model.path)
@@ -240,8 +240,6 @@ def model_shape_of(model_path: str) -> ModelShape:
     resolved by megatron_gtpo.models (which builds such a test model once and caches it)."""
     path = Path(model_path).expanduser()
     if not path.is_dir():
-        from megatron_gtpo.models.resolve import resolve_model
-
         try:
             path = resolve_model(model_path)
         except FileNotFoundError as err:

@@ -22,6 +22,14 @@ import sys
 import time
 import typing
 
+from megatron_gtpo.data import build_prompts, load_benchmark
+from megatron_gtpo.eval.config import EvalConfig
+from megatron_gtpo.eval.harness import EvalReport, Sampling, evaluate_benchmark, format_table, log_to_mlflow, write_json_atomic
+from megatron_gtpo.models.resolve import as_hf_dir
+from megatron_gtpo.reward import RewardConfig, RewardScorer
+from megatron_gtpo.rollout.engine import RolloutEngine
+from megatron_gtpo.utils.configuration import ConfigError, build, field_docs, to_dict
+
 EXIT_BAD_INPUT = 2
 
 
@@ -31,8 +39,6 @@ def _flag(name: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """One flag per EvalConfig field, help from the field docstrings (documented once)."""
-    from megatron_gtpo.eval.config import EvalConfig
-    from megatron_gtpo.utils.configuration import field_docs
 
     intro, rest = __doc__.split("\n\n", 1)
     parser = argparse.ArgumentParser(prog="megatron-gtpo eval", description=intro, epilog=rest,
@@ -67,8 +73,6 @@ def _json_or_str(raw: str):
 
 def config_from_args(args: argparse.Namespace):
     """Builds EvalConfig from parsed flags (only the flags given; the rest keep their defaults)."""
-    from megatron_gtpo.eval.config import EvalConfig
-    from megatron_gtpo.utils.configuration import ConfigError, build
 
     hints = typing.get_type_hints(EvalConfig)
     data = {}
@@ -91,8 +95,6 @@ def config_from_args(args: argparse.Namespace):
 
 def load_prompt_sets(config, *, tokenizer) -> tuple[dict, dict]:
     """``{benchmark: [Prompt]}`` and ``{benchmark: dropped-for-length}`` for ``config.benchmarks``."""
-    from megatron_gtpo.data import build_prompts, load_benchmark
-
     prompt_sets, too_long = {}, {}
     for name in config.benchmarks:
         examples = load_benchmark(name, data_root=config.data_root or None, limit=config.limit)
@@ -109,8 +111,6 @@ def run(config, *, generate=None, tokenizer=None, hf_config: str = ""):
 
     ``generate``/``tokenizer`` override the engine (tests); otherwise the model is resolved, an
     engine started, and closed at the end."""
-    from megatron_gtpo.models.resolve import as_hf_dir
-    from megatron_gtpo.rollout.engine import RolloutEngine
 
     if generate is not None:
         return _run_with(config, generate=generate, tokenizer=tokenizer)
@@ -142,8 +142,6 @@ def _fit_context(config, model_dir):
     if context and config.max_prompt_tokens + config.max_tokens > context:
         budget = context - config.max_tokens
         if budget < 1:
-            from megatron_gtpo.utils.configuration import ConfigError
-
             raise ConfigError(f"max_tokens={config.max_tokens} does not fit the model context of {context} tokens")
         print(f"eval: prompts limited to {budget} tokens (context {context} - max_tokens {config.max_tokens})",
               file=sys.stderr)
@@ -173,9 +171,6 @@ def _run_with(config, *, generate, tokenizer=None, prompt_sets=None):
 
     from tqdm import tqdm
 
-    from megatron_gtpo.eval.harness import EvalReport, Sampling, evaluate_benchmark, write_json_atomic
-    from megatron_gtpo.reward import RewardConfig, RewardScorer
-    from megatron_gtpo.utils.configuration import to_dict
 
     start = time.perf_counter()
     sets, too_long = prompt_sets or load_prompt_sets(config, tokenizer=tokenizer)
@@ -201,8 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``megatron-gtpo eval``; returns the exit status."""
     from pathlib import Path
 
-    from megatron_gtpo.utils.configuration import ConfigError
-
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
@@ -210,8 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"megatron-gtpo eval: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from megatron_gtpo.eval.harness import format_table, log_to_mlflow
-
     print(format_table(report.results, config.k))
     print(f"report: {config.output} ({report.seconds:.1f} s)")
     if config.mlflow_run_id or config.mlflow_experiment:

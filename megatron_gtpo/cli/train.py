@@ -16,6 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_gtpo.config import dump_resolved, load_config
+from megatron_gtpo.plan.preflight import preflight
+from megatron_gtpo.trainer import run
+from megatron_gtpo.utils.configuration import ConfigError
+
 EPILOG = """examples:
   megatron-gtpo train configs/gtpo.yaml --output-dir runs/gtpo algo.entropy_threshold=0.7
   megatron-gtpo train configs/tiny.yaml --output-dir /tmp/tiny --steps 2
@@ -42,8 +47,6 @@ def parse_args(argv):
 
 def prepare(args):
     """Loads and validates the recipe; returns (RunConfig, model_dir)."""
-    from megatron_gtpo.config import load_config
-    from megatron_gtpo.plan.preflight import preflight
 
     overrides = list(args.overrides)
     if args.output_dir:
@@ -56,8 +59,6 @@ def prepare(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from megatron_gtpo.utils.configuration import ConfigError
-
     try:
         cfg, summary = prepare(args)
     except (ConfigError, FileNotFoundError, ValueError, ImportError) as err:
@@ -67,16 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print("dry run: configuration, model, data and layout are valid; nothing was started")
         return 0
-    from megatron_gtpo.config import dump_resolved
-
     resolved = dump_resolved(cfg)
     if args.prepare_only:
         print(f"resolved config: {resolved}")
         return 0
     world = cfg.parallel.world_size
     if world == 1:
-        from megatron_gtpo.trainer import run
-
         run(cfg, resume=args.resume)
         return 0
     return launch_torchrun(resolved, world, resume=args.resume)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_gtpo.data.sources import BENCHMARKS, FieldMap
 from megatron_gtpo.reward.verify import TASKS
 from megatron_gtpo.utils.configuration import require
 
@@ -12,26 +13,6 @@ TEMPLATES = ("auto", "reasoning_tags", "boxed", "mmlu", "plain")
 """Prompt templates (see ``megatron_gtpo.data.templates``)."""
 
 Template = Literal["auto", "reasoning_tags", "boxed", "mmlu", "plain"]
-
-
-@dataclass(kw_only=True)
-class FieldMap:
-    """Which column of a user jsonl/parquet file holds what."""
-
-    question: str = "question"
-    """Column with the problem text."""
-    gold: str = "answer"
-    """Column with the reference answer (GSM8K '#### N' solution, LaTeX, number, letter or index)."""
-    choices: str = ""
-    """Column with a list of answer options (multiple choice; rendered as A., B., ...); '' for none."""
-    task: str = ""
-    """Column naming each row's checker task; '' uses ``DataConfig.task`` for every row."""
-    uid: str = ""
-    """Column with a stable row id; '' uses ``<file stem>:<row number>``."""
-
-    def __post_init__(self) -> None:
-        require(bool(self.question), "question", self.question, "a column name")
-        require(bool(self.gold), "gold", self.gold, "a column name")
 
 
 @dataclass(kw_only=True)
@@ -81,8 +62,6 @@ class DataConfig:
     files shipped in megatron_gtpo/data/benchmarks."""
 
     def __post_init__(self) -> None:
-        from megatron_gtpo.data.sources import BENCHMARKS
-
         require(bool(self.benchmarks or self.paths), "benchmarks", self.benchmarks,
                 "at least one benchmark name or one file in paths")
         for name in self.benchmarks:

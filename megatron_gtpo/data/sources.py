@@ -15,8 +15,28 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_gtpo.data.config import FieldMap
 from megatron_gtpo.reward.verify import TASKS
+from megatron_gtpo.utils.configuration import require
+
+
+@dataclass(kw_only=True)
+class FieldMap:
+    """Which column of a user jsonl/parquet file holds what."""
+
+    question: str = "question"
+    """Column with the problem text."""
+    gold: str = "answer"
+    """Column with the reference answer (GSM8K '#### N' solution, LaTeX, number, letter or index)."""
+    choices: str = ""
+    """Column with a list of answer options (multiple choice; rendered as A., B., ...); '' for none."""
+    task: str = ""
+    """Column naming each row's checker task; '' uses ``DataConfig.task`` for every row."""
+    uid: str = ""
+    """Column with a stable row id; '' uses ``<file stem>:<row number>``."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.question), "question", self.question, "a column name")
+        require(bool(self.gold), "gold", self.gold, "a column name")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megatron_gtpo.utils.configuration import require
+from megatron_gtpo.data.sources import canonical_benchmark
 
 PAPER_BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23"]
 """The GTPO paper's evaluation sets (spec algorithms.md section 7); add mmlu_stem for MMLU."""
@@ -99,8 +100,6 @@ class EvalConfig:
     """Step attached to the logged metrics (e.g. the training step of the checkpoint)."""
 
     def __post_init__(self) -> None:
-        from megatron_gtpo.data.sources import canonical_benchmark
-
         require(bool(self.model), "model", self.model, "an HF directory, a Megatron checkpoint, 'smollm2' or 'tiny'")
         require(bool(self.benchmarks), "benchmarks", self.benchmarks, "at least one benchmark")
         try:

@@ -21,6 +21,7 @@ from typing import Iterator
 from megatron_gtpo.models.smollm2 import ensure_smollm2
 from megatron_gtpo.models.tiny import ensure_tiny, ensure_tiny_char
 from megatron_gtpo.utils.configuration import ConfigError
+from megatron_gtpo.convert.offline import megatron_to_hf
 
 BUILT_IN = {"smollm2": ensure_smollm2, "tiny": ensure_tiny, "tiny-char": ensure_tiny_char}
 """Built-in model names -> functions that build (once) and return their HF directory."""
@@ -58,8 +59,6 @@ def as_hf_dir(model: str, *, hf_config: str = "") -> Iterator[Path]:
     if not is_megatron_checkpoint(path):
         yield path
         return
-    from megatron_gtpo.convert.offline import megatron_to_hf  # torch.distributed.checkpoint: only when needed
-
     tmp = Path(tempfile.mkdtemp(prefix="megatron-gtpo-hf-"))
     try:
         megatron_to_hf(path, tmp / "hf", config_dir=Path(hf_config) if hf_config else path)

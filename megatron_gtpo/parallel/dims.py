@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_gtpo.parallel import cpu_shims
 from megatron_gtpo.utils.configuration import require
 
 
@@ -75,8 +76,6 @@ def init_distributed(*, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: 
     the CPU shims and the RNG tracker. Works single-process too (world of 1, no torchrun needed).
     """
     from megatron.core import parallel_state as ps
-
-    from megatron_gtpo.parallel import cpu_shims
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

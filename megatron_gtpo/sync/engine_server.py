@@ -18,6 +18,9 @@ from __future__ import annotations
 import os
 import traceback
 
+from megatron_gtpo.rollout.engine import RolloutEngine
+from megatron_gtpo.sync.wire import buffer_bytes, open_group, tcp_store, unpack
+
 # Variables a torchrun parent leaves in the environment. vLLM would read them as "join this
 # distributed job" and wait for ranks that never come; the engine process is a world of its own.
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -30,13 +33,9 @@ def serve(conn, *, model_dir: str, vllm_kwargs: dict, seed: int, host: str, port
     """Process entry point (spawned by :class:`megatron_gtpo.sync.separate.SeparateEngine`)."""
     for key in _LAUNCHER_ENV:
         os.environ.pop(key, None)
-    from megatron_gtpo.sync import wire
-
-    store = wire.tcp_store(host, port, is_master=False, timeout_s=timeout_s)
-    group = wire.open_group(store, rank=1, world=2, timeout_s=timeout_s)
+    store = tcp_store(host, port, is_master=False, timeout_s=timeout_s)
+    group = open_group(store, rank=1, world=2, timeout_s=timeout_s)
     try:
-        from megatron_gtpo.rollout.engine import RolloutEngine
-
         engine = RolloutEngine(model_dir=model_dir, vllm_kwargs=vllm_kwargs, seed=seed)
         conn.send(("ready", engine.dtype, engine.weight_version))
     except BaseException:  # noqa: BLE001 - reported to the trainer, which raises
@@ -70,8 +69,6 @@ def _push(engine, group, conn, version: int) -> int:
     """Receives buckets until "commit" or "abort"; only a commit reaches vLLM."""
     import torch
 
-    from megatron_gtpo.sync import wire
-
     staged = []
     while True:
         request = conn.recv()
@@ -81,6 +78,6 @@ def _push(engine, group, conn, version: int) -> int:
             engine.load_weights(staged, version=version)
             return engine.weight_version
         metas = request[1]
-        buffer = torch.empty(wire.buffer_bytes(metas), dtype=torch.uint8)
+        buffer = torch.empty(buffer_bytes(metas), dtype=torch.uint8)
         group.recv([buffer], 0, 0).wait()
-        staged.extend(wire.unpack(buffer, metas))
+        staged.extend(unpack(buffer, metas))

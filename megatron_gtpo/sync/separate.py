@@ -22,9 +22,10 @@ import multiprocessing as mp
 from collections.abc import Iterable, Sequence
 
 from megatron_gtpo.rollout.engine import call_seed, prompt_seeds
-from megatron_gtpo.sync import wire
 from megatron_gtpo.sync.base import ExportPlan, PushTimer, SyncStats, WeightSync, agree, drain
 from megatron_gtpo.sync.checks import Bucket, PushChecker, WeightPushError, WeightSpec
+from megatron_gtpo.sync.engine_server import serve
+from megatron_gtpo.sync.wire import open_group, pack, tcp_store
 from megatron_gtpo.types import Completion, Prompt
 
 
@@ -41,13 +42,13 @@ class SeparateEngine:
         self._tokenizer = None
         ctx = mp.get_context("spawn")  # fork would copy the trainer's threads and process groups
         self._conn, child = ctx.Pipe()
-        store = wire.tcp_store(host, 0, is_master=True, timeout_s=timeout_s)
-        self._proc = ctx.Process(target=_serve, daemon=True, kwargs=dict(
+        store = tcp_store(host, 0, is_master=True, timeout_s=timeout_s)
+        self._proc = ctx.Process(target=serve, daemon=True, kwargs=dict(
             conn=child, model_dir=self._model_dir, vllm_kwargs=dict(vllm_kwargs or {}), seed=seed,
             host=host, port=store.port, timeout_s=timeout_s))
         self._proc.start()
         child.close()
-        self._group = wire.open_group(store, rank=0, world=2, timeout_s=timeout_s)
+        self._group = open_group(store, rank=0, world=2, timeout_s=timeout_s)
         self._store = store
         reply = self._recv()
         if reply[0] != "ready":
@@ -95,7 +96,7 @@ class SeparateEngine:
                 bucket = checker.prepare(bucket)
                 if not bucket:
                     continue
-                buffer, metas = wire.pack(bucket)  # overlaps with the previous bucket's send
+                buffer, metas = pack(bucket)  # overlaps with the previous bucket's send
                 if pending is not None:
                     pending[0].wait()
                 self._conn.send(("bucket", metas))
@@ -169,10 +170,3 @@ class SeparateSync(WeightSync):
         except (WeightPushError, EngineProcessError, ValueError) as err:
             error = err
         return agree(error, stats)
-
-
-def _serve(**kwargs) -> None:
-    # Imported in the child only: keeps vLLM out of the trainer's import path.
-    from megatron_gtpo.sync.engine_server import serve
-
-    serve(**kwargs)

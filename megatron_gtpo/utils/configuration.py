@@ -21,6 +21,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from megatron_gtpo.utils.atomic import write_text_atomic
+
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
@@ -209,8 +211,6 @@ def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
 
 def write_yaml_atomic(data: Any, path: str | os.PathLike) -> Path:
     """Writes YAML to ``path`` through a temp file and an atomic rename."""
-    from megatron_gtpo.utils.atomic import write_text_atomic
-
     return write_text_atomic(path, yaml.safe_dump(data, sort_keys=False))
 
 
