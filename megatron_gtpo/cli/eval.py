@@ -24,7 +24,8 @@ import typing
 
 from megatron_gtpo.data import build_prompts, load_benchmark
 from megatron_gtpo.eval.config import EvalConfig
-from megatron_gtpo.eval.harness import EvalReport, Sampling, evaluate_benchmark, format_table, log_to_mlflow, write_json_atomic
+from megatron_gtpo.eval.harness import (EvalPlan, EvalReport, Sampling, evaluate_benchmark, format_table,
+                                        log_to_mlflow, write_json_atomic)
 from megatron_gtpo.models.resolve import as_hf_dir
 from megatron_gtpo.reward import RewardConfig, RewardScorer
 from megatron_gtpo.rollout.engine import RolloutEngine
@@ -181,10 +182,10 @@ def _run_with(config, *, generate, tokenizer=None, prompt_sets=None):
     samples_path = Path(config.output).with_suffix(".samples.jsonl")
     with RewardScorer(scoring) as scorer, _samples_writer(samples_path, config.save_samples) as samples_out, \
             tqdm(total=total, desc="eval samples", unit="sample") as bar:
-        results = [evaluate_benchmark(name, prompts, generate=generate, scorer=scorer, sampling=sampling,
-                                      ks=config.k, chunk_samples=config.chunk_samples, bar=bar,
-                                      num_too_long=too_long[name], maj_resamples=config.maj_resamples,
-                                      maj_max_exact=config.maj_max_exact, samples_out=samples_out)
+        plan = EvalPlan(sampling=sampling, ks=config.k, chunk_samples=config.chunk_samples,
+                        maj_resamples=config.maj_resamples, maj_max_exact=config.maj_max_exact)
+        results = [evaluate_benchmark(name, prompts, generate=generate, scorer=scorer, plan=plan, bar=bar,
+                                      num_too_long=too_long[name], samples_out=samples_out)
                    for name, prompts in sets.items()]
     report = EvalReport(model=config.model, results=results, config=to_dict(config),
                         seconds=time.perf_counter() - start)

@@ -45,6 +45,22 @@ class Sampling:
     """Base seed; the chunk starting at problem i uses seed + i."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalPlan:
+    """How every benchmark of one evaluation is sampled, chunked and summarised."""
+
+    sampling: Sampling
+    """Sampling of each problem."""
+    ks: list[int]
+    """k values of pass@k / maj@k / mean@k."""
+    chunk_samples: int
+    """Samples generated per engine call."""
+    maj_resamples: int = 1000
+    """Resampled subsets per maj@k estimate when exact enumeration is too large."""
+    maj_max_exact: int = 5000
+    """Largest number of k-subsets maj@k enumerates exactly."""
+
+
 @dataclass(kw_only=True)
 class BenchmarkResult:
     """The outcome of one benchmark."""
@@ -115,15 +131,13 @@ def _sample_rows(name: str, prompt: Prompt, group: list[Completion], scores: lis
              "finish_reason": c.finish_reason, "text": c.text} for j, (c, s) in enumerate(zip(group, scores))]
 
 
-def evaluate_benchmark(name: str, prompts: list[Prompt], *, generate: GenerateFn, scorer, sampling: Sampling,
-                       ks: list[int], chunk_samples: int, bar: tqdm, num_too_long: int = 0,
-                       maj_resamples: int = 1000, maj_max_exact: int = 5000,
-                       samples_out: IO[str] | None = None) -> BenchmarkResult:
-    """Samples ``sampling.n`` completions per prompt, checks them, and computes the metrics."""
-    start = time.perf_counter()
+def evaluate_benchmark(name: str, prompts: list[Prompt], *, generate: GenerateFn, scorer, plan: EvalPlan,
+                       bar: tqdm, num_too_long: int = 0, samples_out: IO[str] | None = None) -> BenchmarkResult:
+    """Samples ``plan.sampling.n`` completions per prompt, checks them, and computes the metrics."""
+    start, sampling = time.perf_counter(), plan.sampling
     problems: list[ProblemSamples] = []
     counts = {"timeouts": 0, "errors": 0, "no_answer": 0, "truncated": 0, "tokens": 0, "samples": 0}
-    for offset, chunk in _chunks(prompts, sampling.n, chunk_samples):
+    for offset, chunk in _chunks(prompts, sampling.n, plan.chunk_samples):
         completions = generate(chunk, n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                max_tokens=sampling.max_tokens, stop=None, seed=sampling.seed + offset)
         groups = _check_completions(completions, len(chunk), sampling.n)
@@ -149,8 +163,8 @@ def evaluate_benchmark(name: str, prompts: list[Prompt], *, generate: GenerateFn
     total = max(1, counts["samples"])
     return BenchmarkResult(
         name=name, num_problems=len(problems), num_too_long=num_too_long, n=sampling.n,
-        metrics=benchmark_metrics(problems, ks, max_exact_subsets=maj_max_exact, num_resamples=maj_resamples,
-                                  seed=sampling.seed) if problems else {},
+        metrics=benchmark_metrics(problems, plan.ks, max_exact_subsets=plan.maj_max_exact,
+                                  num_resamples=plan.maj_resamples, seed=sampling.seed) if problems else {},
         num_timeouts=counts["timeouts"], num_errors=counts["errors"], no_answer_rate=counts["no_answer"] / total,
         truncated_rate=counts["truncated"] / total, mean_completion_tokens=counts["tokens"] / total,
         seconds=time.perf_counter() - start)

@@ -72,6 +72,9 @@ def test_run_dir_holds_config_checkpoint_and_mlflow(gtpo_run):
     assert run.data.params["algo.name"] == "gtpo"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "samples"} <= artifacts
+    from megatron_gtpo.metrics import unknown
+
+    assert unknown(run.data.metrics) == [], "logged metrics missing from megatron_gtpo/metrics.py"
 
 
 @pytest.mark.parametrize("key", DOCUMENTED)
