@@ -10,6 +10,7 @@ it needs and nothing else. The weight sync reads ``learner.policy.chunks``; the 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gtpo.train.step import StepSettings, forward_stats, logprob_settings, process_groups, \
     rank_micro_batches, train_step
 from megatron_gtpo.types import Batch
+
+log = logging.getLogger("megatron_gtpo")
 
 
 @dataclass(kw_only=True)
@@ -83,7 +86,10 @@ class Learner:
         """The policy with its optimizer (LR schedule over ``rollout_steps * mu`` optimizer steps)
         and, when the algorithm has a KL term, a frozen reference copy of the initial model."""
         policy = build_policy(model, dims=dims, optim=optim, total_steps=rollout_steps * settings.spec.mu)
-        reference = build_policy(model, dims=dims) if settings.spec.needs_reference else None
+        reference = None
+        if settings.spec.needs_reference:
+            log.info("building the frozen reference model for the KL term (kl_beta=%g)", settings.spec.kl_beta)
+            reference = build_policy(model, dims=dims)
         return cls(policy, settings=settings, dims=dims, reference=reference)
 
     def step(self, batch: Batch) -> dict[str, float]:
