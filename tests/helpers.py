@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +19,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+INNER_TIMEOUT_S = 1500
+"""Longest wait for one subprocess of a test: below pytest's per-test limit (pyproject.toml,
+timeout = 1800), so a hung subprocess group is killed by us, with its output, never orphaned."""
+
+
+def run_group(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` in a process group of its own (``start_new_session``); on timeout the
+    whole group (torchrun agents, ranks, engine and scorer processes) is killed, then the test fails
+    with the output so far. Output is captured as text."""
+    assert timeout <= INNER_TIMEOUT_S, f"timeout {timeout} s exceeds INNER_TIMEOUT_S"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{cmd[:6]} timed out after {timeout} s; process group killed:\n"
+                             f"{(out + err)[-8000:]}") from None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600,
              env: dict[str, str] | None = None) -> list[dict]:
     """Runs ``script`` on ``nproc`` gloo ranks with torchrun and returns every JSON line that any
@@ -29,7 +55,7 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600,
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", str(script), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    proc = run_group(cmd, timeout=timeout, env=full_env, cwd=REPO)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"torchrun {script} (nproc={nproc}) failed rc={proc.returncode}:\n{out[-8000:]}"
     return [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

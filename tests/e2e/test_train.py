@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, run_group
 
 pytestmark = pytest.mark.slow
 
@@ -36,8 +36,8 @@ DOCUMENTED = ["reward/mean", "reward/std", "reward/accuracy", "completion/length
 
 def train(out: Path, *args: str, steps: int, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([*CLI, "--output-dir", str(out), "--steps", str(steps), *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=REPO)
+    proc = run_group([*CLI, "--output-dir", str(out), "--steps", str(steps), *args], timeout=timeout, env=env,
+                     cwd=REPO)
     (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"training failed rc={proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
     return proc
