@@ -10,6 +10,7 @@ it needs and nothing else. The weight sync reads ``learner.policy.chunks``; the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from megatron_gtpo.models.config import DTYPES, ModelConfig
 from megatron_gtpo.models.hf_config import has_hf_weights, read_hf_config
 from megatron_gtpo.models.resolve import resolve_model
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.train.model import build_model
+from megatron_gtpo.train.model import build_model, sequence_multiple
 from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gtpo.train.step import StepSettings, forward_stats, logprob_settings, process_groups, \
     rank_micro_batches, train_step
@@ -85,7 +86,11 @@ class Learner:
               rollout_steps: int) -> Learner:
         """The policy with its optimizer (LR schedule over ``rollout_steps * mu`` optimizer steps)
         and, when the algorithm has a KL term, a frozen reference copy of the initial model."""
+        from megatron.core.utils import get_model_config
+
         policy = build_policy(model, dims=dims, optim=optim, total_steps=rollout_steps * settings.spec.mu)
+        # Every forward (policy, pi_old, reference) pads its micro-batches to what the model's config needs.
+        settings = dataclasses.replace(settings, pad_to_multiple=sequence_multiple(get_model_config(policy.chunks[0])))
         reference = None
         if settings.spec.needs_reference:
             log.info("building the frozen reference model for the KL term (kl_beta=%g)", settings.spec.kl_beta)

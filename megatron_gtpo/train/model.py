@@ -40,6 +40,7 @@ HF); Llama ``attention_bias``/``mlp_bias`` and RoPE types other than default/lla
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +139,16 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         return TransformerConfig(**kwargs)
     except (ValueError, AssertionError, TypeError) as err:
         raise ConfigError(f"TransformerConfig rejected the settings (overrides {sorted(overrides)}): {err}") from None
+
+
+def sequence_multiple(config) -> int:
+    """The multiple every micro-batch's sequence length must be padded to for this TransformerConfig:
+    16 with FP8 (Transformer Engine's FP8 GEMMs need token counts divisible by 16), times the TP
+    size with sequence parallelism (the sequence is split over the TP ranks); 1 otherwise."""
+    multiple = 16 if getattr(config, "fp8", None) else 1
+    if getattr(config, "sequence_parallel", False):
+        multiple = math.lcm(multiple, int(config.tensor_model_parallel_size))
+    return multiple
 
 
 def te_available() -> bool:
