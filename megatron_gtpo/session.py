@@ -53,7 +53,8 @@ class Session:
     last_saved: int = -1
 
 
-def open_session(cfg, *, resume: bool) -> Session:
+def open_session(cfg, *, resume: bool | str) -> Session:
+    from megatron_gtpo.checkpoint import prepare_resume
     from megatron_gtpo.data.dataset import build_dataset
     from megatron_gtpo.parallel.dims import init_distributed
     from megatron_gtpo.policy import build_policy
@@ -64,6 +65,7 @@ def open_session(cfg, *, resume: bool) -> Session:
     setup_logging(dims.rank)
     preempt = PreemptionFlag()
     run_dir = Path(cfg.output_dir)
+    point = prepare_resume(run_dir, resume)  # before the expensive parts: a bad resume fails in seconds
     algo_cfg = cfg.algo.resolved()
     log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
     policy = build_policy(cfg.model, dims=dims, optim=cfg.optim, total_steps=tc.steps * algo_cfg.mu)
@@ -83,8 +85,8 @@ def open_session(cfg, *, resume: bool) -> Session:
                 scorer=scorer, tracker=None, pad_id=int(pad_id), start_step=0, run_dir=run_dir, preempt=preempt)
     rows_unit = dims.dp * tc.micro_batch_size
     s.group_multiple = rows_unit // math.gcd(cfg.rollout.n, rows_unit)
-    if resume:
-        _restore(s)
+    if point is not None:
+        _restore(s, point)
     s.tracker = _tracker(cfg, s)
     push_weights(s, cfg, version=s.start_step)
     log.info("ready: %d prompts, starting at step %d of %d", len(dataset), s.start_step, tc.steps)
@@ -102,14 +104,11 @@ def _scorer(cfg, algo_cfg):
     return RewardScorer(reward_cfg)
 
 
-def _restore(s: Session) -> None:
+def _restore(s: Session, point) -> None:
     from megatron_gtpo.checkpoint import load_checkpoint
 
-    loaded = load_checkpoint(s.run_dir / "checkpoints", model_chunks=s.policy.chunks, optimizer=s.policy.optimizer)
-    if loaded is None:
-        log.warning("--resume: no checkpoint under %s, starting from step 0", s.run_dir / "checkpoints")
-        return
-    s.start_step, extra = loaded
+    s.start_step, extra = load_checkpoint(point.path.parent, model_chunks=s.policy.chunks, optimizer=s.policy.optimizer,
+                                          step=point.step, verify=False)  # prepare_resume verified it
     s.dataset.load_state_dict(extra["data"])
     s.policy.scheduler.load_state_dict(extra["scheduler"])
     s.run_id = extra.get("run_id")
@@ -221,7 +220,9 @@ def should_stop(s: Session, step: int, cfg) -> bool:
         save(s, cfg, step)
     if preempted:
         if s.dims.rank == 0:
-            write_text_atomic(s.run_dir / "PREEMPTED", f"{step}\n")
+            from megatron_gtpo.checkpoint_files import mark_preempted
+
+            mark_preempted(s.run_dir, step)
             log.warning("preempted: checkpoint of step %d saved, exiting (resume with --resume)", step)
         return True
     return False

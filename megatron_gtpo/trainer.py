@@ -52,8 +52,10 @@ class TrainConfig:
         require(self.eval_every >= 0, "eval_every", self.eval_every, "0 (off) or an integer >= 1")
 
 
-def run(cfg, *, resume: bool = False) -> dict[str, float]:
-    """Trains ``cfg`` (a RunConfig) to ``cfg.train.steps``; returns the last step's metrics."""
+def run(cfg, *, resume: bool | str = False) -> dict[str, float]:
+    """Trains ``cfg`` (a RunConfig) to ``cfg.train.steps``; returns the last step's metrics.
+    ``resume``: True/"require" (``--resume``), "auto" (``--resume=auto``) or False (see
+    ``checkpoint.prepare_resume``)."""
     from megatron_gtpo import session
     from megatron_gtpo.stages import collate, collect_groups, rollout_metrics
     from megatron_gtpo.train.step import train_on_batch
@@ -97,15 +99,16 @@ def run(cfg, *, resume: bool = False) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Worker entry point (one per rank): ``python -m megatron_gtpo.trainer CONFIG.yaml [--resume]``."""
+    """Worker entry point (one per rank): ``python -m megatron_gtpo.trainer CONFIG.yaml [--resume | --resume=auto]``."""
     import argparse
 
+    from megatron_gtpo.checkpoint_files import add_resume_options
     from megatron_gtpo.config import load_config
 
     parser = argparse.ArgumentParser(prog="megatron_gtpo.trainer",
                                      description="One training rank; normally started by `megatron-gtpo train`.")
     parser.add_argument("config", help="resolved config YAML (written by `megatron-gtpo train`)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    add_resume_options(parser)
     args = parser.parse_args(argv)
     metrics = run(load_config(args.config), resume=args.resume)
     log.info("final metrics: %s", json.dumps({k: round(v, 4) for k, v in metrics.items()
