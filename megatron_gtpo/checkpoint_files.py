@@ -141,7 +141,8 @@ def read_manifest(directory: Path) -> tuple[dict[str, FileRecord], list[str]]:
         return {}, [f"{path}: missing (the save never finished, or the dir was copied incompletely)"]
     try:
         body = json.loads(path.read_text())
-        files = {name: FileRecord(size=int(e["size"]), digest=str(e[body["hash"]])) for name, e in body["files"].items()}
+        files = {name: FileRecord(size=int(entry["size"]), digest=str(entry[body["hash"]]))
+                 for name, entry in body["files"].items()}
     except (OSError, ValueError, KeyError, TypeError) as err:
         return {}, [f"{path}: unreadable ({type(err).__name__}: {err})"]
     problems = [f"{directory / name}: not listed in {MANIFEST} (a required file)" for name in REQUIRED

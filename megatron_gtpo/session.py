@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_gtpo.checkpoint_files import ResumePoint, mark_preempted
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.objects import any_rank, barrier, broadcast_object
 from megatron_gtpo.utils.atomic import write_text_atomic
@@ -104,7 +105,7 @@ def _scorer(cfg, algo_cfg):
     return RewardScorer(reward_cfg)
 
 
-def _restore(s: Session, point) -> None:
+def _restore(s: Session, point: ResumePoint) -> None:
     from megatron_gtpo.checkpoint import load_checkpoint
 
     s.start_step, extra = load_checkpoint(point.path.parent, model_chunks=s.policy.chunks, optimizer=s.policy.optimizer,
@@ -220,8 +221,6 @@ def should_stop(s: Session, step: int, cfg) -> bool:
         save(s, cfg, step)
     if preempted:
         if s.dims.rank == 0:
-            from megatron_gtpo.checkpoint_files import mark_preempted
-
             mark_preempted(s.run_dir, step)
             log.warning("preempted: checkpoint of step %d saved, exiting (resume with --resume)", step)
         return True

@@ -19,6 +19,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def kill_tree(pid: int, sig: int = 9) -> None:
+    """Sends ``sig`` (SIGKILL) to ``pid`` and every descendant at once, as a crash or outage would.
+
+    ``os.killpg`` on the launcher's group is not enough: torchrun starts each rank in a new
+    session (its own process group), so the ranks would survive the kill and keep training.
+    """
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]  # collected first: orphans are re-parented
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=60)
+
+
 def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600,
              env: dict[str, str] | None = None) -> list[dict]:
     """Runs ``script`` on ``nproc`` gloo ranks with torchrun and returns every JSON line that any
