@@ -41,6 +41,7 @@ from megatron_gtpo.parallel.objects import all_gather_object, broadcast_object
 log = logging.getLogger("megatron_gtpo")
 __all__ = ["CheckpointError", "ResumePoint", "latest_step", "load_checkpoint", "load_model_weights",
            "prepare_resume", "save_checkpoint", "step_dir", "verify_parallel"]
+
 # Distributed-optimizer state format (Megatron-LM's default): every rank writes its own buffers
 # without gathers, and the state reloads at another DP size. (Megatron 0.16.1's TP/PP-reshardable
 # formats fail on CPU without apex/TE: "fully_reshardable" loads hit KeyError 'step', and
