@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_gtpo.checkpoint import Checkpointer
+from megatron_gtpo.checkpoint import Checkpointer, prepare_resume
 from megatron_gtpo.data.dataset import build_dataset
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.parallel.objects import barrier
@@ -68,8 +68,10 @@ class TrainConfig:
         require(self.eval_every >= 0, "eval_every", self.eval_every, "0 (off) or an integer >= 1")
 
 
-def run(cfg, *, resume: bool = False) -> dict[str, float]:
-    """Trains ``cfg`` (a RunConfig) to ``cfg.train.steps``; returns the last step's metrics."""
+def run(cfg, *, resume: bool | str = False) -> dict[str, float]:
+    """Trains ``cfg`` (a RunConfig) to ``cfg.train.steps``; returns the last step's metrics.
+    ``resume``: True/"require" (``--resume``), "auto" (``--resume=auto``) or False (see
+    ``checkpoint.prepare_resume``)."""
     parts = build(cfg, resume=resume)
     learner, collector, weight_sync, checkpointer, reporter = (
         parts.learner, parts.collector, parts.weight_sync, parts.checkpointer, parts.reporter)
@@ -115,12 +117,13 @@ class Parts:
     start_step: int
 
 
-def build(cfg, *, resume: bool) -> Parts:
-    """Builds every part in an order that fails fast: groups, policy, engines, data, reward,
-    checkpoint restore, tracking; then pushes the (restored) weights into the engines."""
+def build(cfg, *, resume: bool | str) -> Parts:
+    """Builds every part in an order that fails fast: groups, the checkpoint to resume (verified),
+    policy, engines, data, reward, tracking; then pushes the (restored) weights into the engines."""
     preempt = PreemptionFlag()  # first: a preemption signal during start-up must not kill the job
     dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, seed=cfg.train.seed)
     setup_logging(dims.rank)
+    point = prepare_resume(cfg.output_dir, resume)  # before the expensive parts: a bad resume fails in seconds
     spec = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
     settings = StepSettings(spec=spec, micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature)
     log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
@@ -148,7 +151,7 @@ def build(cfg, *, resume: bool) -> Parts:
     checkpointer = Checkpointer(Path(cfg.output_dir) / "checkpoints", policy=policy, dataset=dataset,
                                 every=cfg.train.checkpoint_every, keep_last=cfg.train.keep_last,
                                 total_steps=cfg.train.steps, preempt=preempt)
-    start_step, run_id = checkpointer.restore() if resume else (0, None)
+    start_step, run_id = checkpointer.restore(point) if point is not None else (0, None)
     reporter = Reporter(cfg.tracking, run_dir=Path(cfg.output_dir), rank=dims.rank, total_steps=cfg.train.steps,
                         run_id=run_id)
     reporter.start(to_dict(cfg))

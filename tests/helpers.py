@@ -19,6 +19,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def kill_tree(pid: int, sig: int = 9) -> None:
+    """Sends ``sig`` (SIGKILL) to ``pid`` and every descendant at once, as a crash or outage would.
+
+    ``os.killpg`` on the launcher's group is not enough: torchrun starts each rank in a new
+    session (its own process group), so the ranks would survive the kill and keep training.
+    """
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]  # collected first: orphans are re-parented
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=60)
+    try:
+        os.killpg(pid, sig)  # whatever the group started and the tree walk missed
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 INNER_TIMEOUT_S = 1500
 """Longest wait for one subprocess of a test: below pytest's per-test limit (pyproject.toml,
 timeout = 1800), so a hung subprocess group is killed by us, with its output, never orphaned."""
@@ -26,21 +51,21 @@ timeout = 1800), so a hung subprocess group is killed by us, with its output, ne
 
 def run_group(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run`` in a process group of its own (``start_new_session``); on timeout the
-    whole group (torchrun agents, ranks, engine and scorer processes) is killed, then the test fails
-    with the output so far. Output is captured as text."""
+    whole tree (torchrun agents, ranks in their own sessions, engine and scorer processes) is
+    killed, then the test fails with the output so far. Output is captured as text."""
     assert timeout <= INNER_TIMEOUT_S, f"timeout {timeout} s exceeds INNER_TIMEOUT_S"
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             **kwargs)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         raise AssertionError(f"{cmd[:6]} timed out after {timeout} s; process group killed:\n"
                              f"{(out + err)[-8000:]}") from None
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

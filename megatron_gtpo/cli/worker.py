@@ -1,4 +1,4 @@
-"""One training rank: ``python -m megatron_gtpo.cli.worker CONFIG.yaml [--resume]``.
+"""One training rank: ``python -m megatron_gtpo.cli.worker CONFIG.yaml [--resume | --resume=auto]``.
 
 Started on every rank by ``megatron-gtpo train`` (through torchrun), ``slurm/train.sbatch`` and
 ``launch/torchrun_node.sh`` with the resolved config that ``megatron-gtpo train`` wrote.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_gtpo.checkpoint_files import add_resume_options
 from megatron_gtpo.config import load_config
 from megatron_gtpo.trainer import run
 
@@ -16,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_gtpo.cli.worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="resolved config YAML (written by `megatron-gtpo train`)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    add_resume_options(parser)
     return parser
 
 

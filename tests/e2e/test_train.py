@@ -8,7 +8,6 @@ killed with SIGKILL mid-step resumes and reproduces the uninterrupted run's loss
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, run_group
+from tests.helpers import REPO, kill_tree, run_group
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +151,7 @@ def test_kill9_then_resume_matches_uninterrupted(gtpo_run, tmp_path):
             time.sleep(2.0)  # inside step 3: rollout and training are under way
             break
         time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_tree(proc.pid)  # killpg alone misses the ranks: torchrun starts them in sessions of their own
     proc.wait()
     run_id = (out / "run_id").read_text().strip()
     assert (out / "checkpoints" / "step_00000002").is_dir()
