@@ -88,7 +88,8 @@ def validate_overrides(overrides: dict | None) -> dict:
 
 
 def _cpu_safe_defaults(*, on_gpu: bool) -> dict:
-    """Fusion flags: the CUDA-only kernels stay off on CPU (megatron_cpu.md section 4)."""
+    """Fusion flags: the CUDA-only kernels stay off on CPU (megatron_cpu.md section 4). On GPU the
+    recipes turn on what their stack provides (configs/gpu/*.yaml: TE's RoPE fusion, ...)."""
     return {
         "masked_softmax_fusion": False, "persist_layer_norm": False,
         "gradient_accumulation_fusion": False, "apply_rope_fusion": False,
@@ -96,12 +97,21 @@ def _cpu_safe_defaults(*, on_gpu: bool) -> dict:
     }
 
 
+def init_settings(*, on_gpu: bool, weights_loaded: bool) -> dict:
+    """How Megatron initialises parameters. On GPU a model whose weights are loaded right after
+    (the trainer always loads them) is neither initialised on the CPU first (minutes and tens of
+    GB of host RAM for 70B: every rank builds full unsharded layers) nor randomly initialised at
+    all; on CPU the TP-size-independent CPU initialisation stays (tests compare layouts with it)."""
+    return {"use_cpu_initialization": not on_gpu, "perform_initialization": not (on_gpu and weights_loaded)}
+
+
 def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | None,
-                               dtype: torch.dtype, overrides: dict | None = None):
+                               dtype: torch.dtype, overrides: dict | None = None, weights_loaded: bool = False):
     """``TransformerConfig`` for an HF Llama/Qwen2/Qwen3/Mistral config at layout (tp, pp, vpp).
 
     ``overrides`` are native TransformerConfig fields applied last (e.g. recompute, fp8); an
-    unknown key or a value TransformerConfig rejects raises ConfigError.
+    unknown key or a value TransformerConfig rejects raises ConfigError. ``weights_loaded``: real
+    weights are loaded after the build (see ``init_settings``).
     """
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
@@ -123,8 +133,8 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         params_dtype=dtype, pipeline_dtype=dtype,
-        bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16),
-        use_cpu_initialization=True, sequence_parallel=False,
+        bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16), sequence_parallel=False,
+        **init_settings(on_gpu=on_gpu, weights_loaded=weights_loaded),
         # The local spec always uses DotProductAttention; "local" only pins the NVTE_* env vars.
         attention_backend=AttnBackend.auto if on_gpu else AttnBackend.local,
         **_cpu_safe_defaults(on_gpu=on_gpu),
@@ -179,19 +189,22 @@ def _resolve_use_te(use_te: bool | None) -> bool:
 
 
 def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = torch.float32,
-                overrides: dict | None = None, use_te: bool | None = None) -> list[torch.nn.Module]:
+                overrides: dict | None = None, use_te: bool | None = None,
+                weights_loaded: bool = False) -> list[torch.nn.Module]:
     """One ``GPTModel`` per virtual pipeline stage of this rank (a list of one without VPP).
 
     Requires ``parallel.dims.init_distributed`` first. Weights are random (Megatron's CPU init,
-    identical at every TP size); load real ones with ``megatron_gtpo.convert``. bf16/fp16 chunks
-    are wrapped in ``Float16Module`` (which casts fp32 inputs and returns fp32 outputs).
+    identical at every TP size) unless ``weights_loaded`` says real ones follow (then, on GPU,
+    nothing is initialised: ``init_settings``); load them with ``megatron_gtpo.convert`` or a
+    checkpoint. bf16/fp16 chunks are wrapped in ``Float16Module`` (fp32 inputs are cast; the train
+    step asks it for bf16 logits, which the fused log-prob pass upcasts chunk by chunk).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
     config = transformer_config_from_hf(hf_config, tp=dims.tp, pp=dims.pp, vpp=dims.vpp,
-                                        dtype=dtype, overrides=overrides)
+                                        dtype=dtype, overrides=overrides, weights_loaded=weights_loaded)
     spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=_resolve_use_te(use_te))
     rope = rope_settings(hf_config)
     chunks = []

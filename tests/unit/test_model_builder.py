@@ -97,3 +97,18 @@ def test_latest_step_ignores_partial_saves(tmp_path):
     (tmp_path / ".tmp_step_00000020").mkdir()
     (tmp_path / "step_junk").mkdir()
     assert latest_step(tmp_path) == 12 and step_dir(tmp_path, 12).name == "step_00000012"
+
+
+def test_gpu_builds_skip_the_cpu_init_when_weights_are_loaded():
+    """GPU: no full unsharded CPU init per rank and no random init of weights that are loaded right
+    after; CPU keeps Megatron's TP-size-independent CPU init (the layout tests compare with it)."""
+    assert M.init_settings(on_gpu=True, weights_loaded=True) == {"use_cpu_initialization": False,
+                                                                 "perform_initialization": False}
+    assert M.init_settings(on_gpu=True, weights_loaded=False) == {"use_cpu_initialization": False,
+                                                                  "perform_initialization": True}
+    for loaded in (True, False):
+        assert M.init_settings(on_gpu=False, weights_loaded=loaded) == {"use_cpu_initialization": True,
+                                                                        "perform_initialization": True}
+    cfg = M.transformer_config_from_hf(tiny_hf_config("llama"), tp=1, pp=1, vpp=None, dtype=torch.float32,
+                                       weights_loaded=True)
+    assert cfg.use_cpu_initialization is not torch.cuda.is_available()
