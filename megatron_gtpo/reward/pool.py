@@ -40,6 +40,7 @@ is retried on a fresh worker: an out-of-memory kill can be a one-off)."""
 _READY = "ready"
 _STARTUP_LIMIT_S = 300.0  # importing sympy on a loaded 2-core CI box takes seconds, not minutes
 _TRACEBACK_CHARS = 8000  # the tail of a deep traceback holds the frame that failed
+_IGNORED_SIGNALS = {signal.SIGINT, signal.SIGUSR1}  # the parent's to handle (see _worker_main)
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ def _worker_main(conn: Connection, fn_path: str, timeout_s: float) -> None:
     # SIGUSR1 is the trainer's "checkpoint and exit" (SLURM preemption), sent to the whole process
     # group; the rank handles it and stops its pool in order, so a worker must not die of it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _IGNORED_SIGNALS)  # blocked by _Worker until now
     try:
         fn = load_callable(fn_path)
         from megatron_gtpo.reward.verify import _mv_parse
@@ -154,7 +156,14 @@ class _Worker:
     def __init__(self, ctx, fn_path: str, timeout_s: float):
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=_worker_main, args=(child, fn_path, timeout_s), daemon=True)
-        self.proc.start()
+        # Workers start lazily, possibly mid-run: a preemption signal that reaches the process
+        # group while a new worker imports would kill it before it can ignore the signal. The
+        # blocked mask is inherited through fork and exec; _worker_main unblocks it.
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _IGNORED_SIGNALS)
+        try:
+            self.proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         child.close()  # so that the parent sees EOF when the worker dies
         self.ready = False
         self.pending: collections.deque[int] = collections.deque()

@@ -99,3 +99,15 @@ def test_score_groups_counts_failures_and_rejects_bad_input():
         score_groups(prompts, [], scorer=None, config=None)
     with pytest.raises(ValueError, match="reward.fn='not_a_reward'"):
         RewardScorer(RewardConfig(fn="not_a_reward"))
+
+
+def test_preemption_signal_during_worker_start_up_does_not_kill_it():
+    """SLURM's SIGUSR1 reaches the rank's whole process group; a worker still importing (workers
+    start lazily, mid-run) must not die of it before it installs its ignore handler."""
+    import os
+
+    with ScoringPool(fn_path=f"{PLUGIN}:length_reward", num_workers=1, timeout_s=5.0) as pool:
+        pool._ensure_workers()  # noqa: SLF001  start it, then signal it at once, mid-import
+        os.kill(pool._workers[0].proc.pid, signal.SIGUSR1)  # noqa: SLF001
+        scores = pool.score([("abcd", "1", "gsm8k")])
+    assert scores[0].status == "ok" and scores[0].reward == 1.0
