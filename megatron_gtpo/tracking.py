@@ -8,6 +8,7 @@ comes from ``tracking.uri`` or ``MLFLOW_TRACKING_URI``. Artifacts of the SQLite 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -150,10 +151,12 @@ class Reporter:
             self.tracker.log_params(config)
             self.tracker.log_artifact(path)
 
-    def step(self, step: int, metrics: dict[str, float], groups) -> None:
-        """Logs one step: MLflow metrics, a one-line summary and, every N steps, sample completions."""
+    def step(self, step: int, metrics: dict[str, float], rollout) -> None:
+        """Logs one step: MLflow metrics, a one-line summary, every N steps sample completions, and
+        the step's new reward-function failures (``rollout``: the step's RolloutBatch)."""
         if self.tracker is None:
             return
+        self.reward_errors(step, rollout.reward_errors)
         self.tracker.log_metrics(metrics, step)
         get = lambda k: metrics.get(k, float("nan"))  # noqa: E731
         log.info("step %d/%d | reward %.3f acc %.2f | len %.1f | H %.3f | conflicts %.2f | gnorm %.3f | "
@@ -163,15 +166,35 @@ class Reporter:
                  get("time/reward_s"), get("time/train_s"), get("time/sync_s"), get("time/step_s"))
         every = self.config.samples_every
         if every and (step % every == 0 or step == 1):
-            self.tracker.log_json(sample_table(groups, limit=self.config.num_samples), f"samples/step_{step:06d}.json")
+            self.tracker.log_json(sample_table(rollout.groups, limit=self.config.num_samples),
+                                  f"samples/step_{step:06d}.json")
 
-    def skipped(self, step: int, metrics: dict[str, float]) -> None:
+    def skipped(self, step: int, metrics: dict[str, float], rollout) -> None:
         """A step whose dynamic sampling kept no group: no update, the counters are still logged."""
         if self.tracker is None:
             return
+        self.reward_errors(step, rollout.reward_errors)
         self.tracker.log_metrics({**metrics, "rollout/skipped_step": 1.0}, step)
         log.warning("step %d: dynamic sampling kept no group in %d tries (all-equal groups); no update this step",
                     step, int(metrics["rollout/tries"]))
+
+    def dataset(self, stats, *, step: int) -> None:
+        """The prompt set once per run: a log line and ``data/*`` metrics (prompts kept and dropped)."""
+        if self.tracker is None:
+            return
+        log.info(stats.summary())
+        self.tracker.log_metrics(stats.metrics(), step)
+
+    def reward_errors(self, step: int, errors: list) -> None:
+        """Appends new distinct reward-function failures (with tracebacks) to
+        ``<run dir>/reward_errors.json`` and stores it as an MLflow artifact."""
+        if self.tracker is None or not errors:
+            return
+        path = self.run_dir / "reward_errors.json"
+        known = json.loads(path.read_text()) if path.is_file() else []
+        known += [{"step": step, **dataclasses.asdict(e)} for e in errors]
+        write_text_atomic(path, json.dumps(known, indent=1, default=str))
+        self.tracker.log_artifact(path)
 
     def evaluation(self, step: int, metrics: dict[str, float], *, num_prompts: int) -> None:
         """Logs a periodic held-out evaluation (metrics and a JSON artifact)."""

@@ -80,7 +80,7 @@ def run(cfg, *, resume: bool | str = False) -> dict[str, float]:
         t0 = time.perf_counter()
         rollout = collector.collect(step, prompts_per_step=tc.prompts_per_step)
         if not rollout.groups:  # DAPO's dynamic sampling kept nothing within its tries: no update
-            reporter.skipped(step, rollout_metrics(rollout))
+            reporter.skipped(step, rollout_metrics(rollout), rollout)
         else:
             batch = collate(rollout.groups, pad_id=parts.pad_id)
             t1 = time.perf_counter()
@@ -92,7 +92,7 @@ def run(cfg, *, resume: bool | str = False) -> dict[str, float]:
                      "step": t3 - t0}
             metrics = step_metrics(rollout_metrics(rollout), train, sync, times=times,
                                    completion_tokens=float(batch.lengths.sum()))
-            reporter.step(step, metrics, rollout.groups)
+            reporter.step(step, metrics, rollout)
         if tc.eval_every and step % tc.eval_every == 0:
             metrics.update(_evaluate(parts, step, seed=tc.seed))
         if checkpointer.after_step(step, run_id=reporter.run_id):
@@ -155,6 +155,7 @@ def build(cfg, *, resume: bool | str) -> Parts:
     reporter = Reporter(cfg.tracking, run_dir=Path(cfg.output_dir), rank=dims.rank, total_steps=cfg.train.steps,
                         run_id=run_id)
     reporter.start(to_dict(cfg))
+    reporter.dataset(dataset.stats, step=start_step)
     weight_sync.sync(policy.chunks, version=start_step)
     tokenizer = engines.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resolved config: {resolved}")
         return 0
     world = cfg.parallel.world_size
-    if world == 1:
-        from megatron_gtpo.trainer import run
+    if world == 1:  # in this process, as one rank would
+        from megatron_gtpo.cli import worker
 
-        run(cfg, resume=args.resume)
-        return 0
+        return worker.main([str(resolved)] + (["--resume"] if args.resume == "require" else
+                                              ["--resume=auto"] if args.resume == "auto" else []))
     return launch_torchrun(resolved, world, resume=args.resume)
 
 

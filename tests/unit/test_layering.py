@@ -28,7 +28,7 @@ LAZY_OWN_IMPORTS = {
     # `megatron-gtpo train` answers --help and refuses a bad --resume before torch loads (a second).
     ("megatron_gtpo/cli/train.py", "megatron_gtpo.config"),
     ("megatron_gtpo/cli/train.py", "megatron_gtpo.plan.preflight"),
-    ("megatron_gtpo/cli/train.py", "megatron_gtpo.trainer"),
+    ("megatron_gtpo/cli/train.py", "megatron_gtpo.cli.worker"),
 }
 
 
