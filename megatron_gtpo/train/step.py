@@ -123,14 +123,27 @@ def check_schedule(model_chunks, num_microbatches: int, dims: ParallelDims) -> N
                          "activations and gradients between the two stages")
 
 
+def forward_kwargs(chunk) -> dict:
+    """Keyword arguments of a model chunk's forward: a bf16/fp16 model (Megatron's Float16Module)
+    returns its logits in its own dtype instead of an fp32 copy; the fused log-prob pass upcasts
+    them chunk by chunk (``train/logprobs.py``), so the values are the same and one logits-sized
+    fp32 copy per micro-batch is saved."""
+    from megatron.core.transformer.module import Float16Module
+
+    inner = getattr(chunk, "module", None)  # DDP wraps the Float16Module
+    return {"fp32_output": False} if isinstance(chunk, Float16Module) or isinstance(inner, Float16Module) else {}
+
+
 def run_schedule(model_chunks, mbs: list[MicroBatch], loss_for, *, forward_only: bool) -> list[dict]:
     """Megatron's forward_backward_func over ``mbs``; ``loss_for(mb, logits)`` runs on the last stage.
     Returns the per-micro-batch metric dicts (last stage only; empty elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    extra = forward_kwargs(model_chunks[0])
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        output = model(mb.input_ids, mb.position_ids, None)  # None: causal mask (CPU shim on gloo)
+        output = model(mb.input_ids, mb.position_ids, None, **extra)  # None: causal mask (CPU shim on gloo)
         return output, partial(loss_for, mb)
 
     return get_forward_backward_func()(
