@@ -47,7 +47,8 @@ def build_policy(model: ModelConfig, *, dims: ParallelDims, optim=None, total_st
 
     model_dir = resolve_model_path(model.path)
     hf_config = hf_config_from_dir(model_dir)
-    chunks = build_model(hf_config, dims=dims, dtype=DTYPES[model.dtype], overrides=model.megatron)
+    chunks = build_model(hf_config, dims=dims, dtype=DTYPES[model.dtype], overrides=model.megatron,
+                         vocab_divisible_by=model.make_vocab_size_divisible_by)
     hf = has_hf_weights(model_dir)
     if hf:
         from megatron_gtpo.convert.load import load_hf_weights

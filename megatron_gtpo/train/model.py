@@ -33,6 +33,12 @@ without the layer number (``decoder.layers.self_attention.linear_qkv.weight`` of
 ``[num_layers, ...]``), norms live under the TE names, and the global (unsharded) tensor is the
 TP=1 layout above. The conversion code in ``megatron_gtpo/convert`` relies on exactly this table.
 
+Vocabulary padding: as Megatron-LM's ``_vocab_size_with_padding``, the embedding and output layer
+have ``padded_vocab_size(vocab_size, tp, divisible_by)`` rows (a multiple of
+``make_vocab_size_divisible_by`` x TP, default 128 x TP), so any vocabulary splits over any TP.
+Rows ``>= vocab_size`` are padding: zero when loaded from HF, excluded from log-probs, entropy and
+greedy argmax (``true_vocab_size`` gives the trainer the real size), stripped on export/conversion.
+
 Not mapped: Mistral's ``sliding_window`` (sequences longer than the window attend further than in
 HF); Llama ``attention_bias``/``mlp_bias`` and RoPE types other than default/llama3 are rejected.
 """
@@ -46,6 +52,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from megatron_gtpo.models.config import VOCAB_DIVISIBLE_BY
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.utils.configuration import ConfigError
 
@@ -122,6 +129,19 @@ def rope_settings(hf_config: dict) -> dict:
     return out
 
 
+def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Rows of the Megatron embedding/output layer: ``vocab_size`` rounded up to a multiple of
+    ``divisible_by * tp`` (Megatron-LM's ``_vocab_size_with_padding``). The one place that decides it:
+    model builder, HF loader, converter and exporter all call this."""
+    if vocab_size < 1 or tp < 1:
+        raise ConfigError(f"vocab_size={vocab_size} and tp={tp} must be >= 1")
+    if divisible_by < 1:
+        raise ConfigError(f"make_vocab_size_divisible_by={divisible_by} must be an integer >= 1 "
+                          f"(1 pads only up to a multiple of tp; Megatron's default is {VOCAB_DIVISIBLE_BY})")
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
 def _check_supported(hf_config: dict, family: str) -> None:
     """Rejects HF options that the Megatron local/TE GPT layers cannot reproduce exactly."""
     if hf_config.get("hidden_act", "silu") != "silu":
@@ -138,14 +158,13 @@ def _check_supported(hf_config: dict, family: str) -> None:
 def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None) -> None:
     """Divisibility that Megatron asserts deep inside; checked here to name the field and the fix."""
     heads, groups = int(hf_config["num_attention_heads"]), num_kv_heads_of(hf_config)
-    layers, vocab = int(hf_config["num_hidden_layers"]), int(hf_config["vocab_size"])
+    layers = int(hf_config["num_hidden_layers"])
     stages = pp * (vpp or 1)
     checks = [
         (heads % tp == 0, f"num_attention_heads={heads} is not divisible by tp={tp}"),
         (groups % tp == 0, f"num_key_value_heads={groups} is not divisible by tp={tp}"),
         (heads % groups == 0, f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}"),
         (int(hf_config["intermediate_size"]) % tp == 0, f"intermediate_size is not divisible by tp={tp}"),
-        (vocab % tp == 0, f"vocab_size={vocab} is not divisible by tp={tp}"),
         (layers % stages == 0, f"num_hidden_layers={layers} is not divisible by pp*vpp={stages}"),
     ]
     for ok, message in checks:
@@ -249,17 +268,23 @@ def _resolve_use_te(use_te: bool | None) -> bool:
 
 
 def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = torch.float32,
-                overrides: dict | None = None, use_te: bool | None = None) -> list[torch.nn.Module]:
+                overrides: dict | None = None, use_te: bool | None = None,
+                vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> list[torch.nn.Module]:
     """One ``GPTModel`` per virtual pipeline stage of this rank (a list of one without VPP).
 
     Requires ``parallel.dims.init_distributed`` first. Weights are random (Megatron's CPU init,
-    identical at every TP size); load real ones with ``megatron_gtpo.convert``. bf16/fp16 chunks
-    are wrapped in ``Float16Module`` (which casts fp32 inputs and returns fp32 outputs).
+    identical at every TP size that gives the same padded vocabulary); load real ones with
+    ``megatron_gtpo.convert``. bf16/fp16 chunks are wrapped in ``Float16Module`` (which casts fp32
+    inputs and returns fp32 outputs). The vocabulary is padded to
+    ``padded_vocab_size(vocab_size, tp, vocab_divisible_by)`` rows; each chunk records the true
+    size for :func:`true_vocab_size`.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
+    vocab = int(hf_config["vocab_size"])
+    padded = padded_vocab_size(vocab, tp=dims.tp, divisible_by=vocab_divisible_by)
     config = transformer_config_from_hf(hf_config, tp=dims.tp, pp=dims.pp, vpp=dims.vpp,
                                         dtype=dtype, overrides=overrides)
     spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=_resolve_use_te(use_te))
@@ -268,7 +293,7 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
     for vp_stage in range(dims.vpp or 1):
         stage = vp_stage if dims.vpp else None
         model = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=int(hf_config["vocab_size"]),
+            config=config, transformer_layer_spec=spec, vocab_size=padded,
             max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -278,6 +303,7 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
             vp_stage=stage,
         )
         _apply_llama3_rope(model, rope)
+        model.true_vocab_size = vocab  # GPTModel.vocab_size is the padded row count
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:
@@ -305,6 +331,13 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
         chunk = chunk.module
     return chunk
+
+
+def true_vocab_size(model_chunks: list[torch.nn.Module]) -> int:
+    """Real vocabulary of a model from ``build_model`` (logit columns at ids >= it are padding);
+    ``GPTModel.vocab_size`` (no padding known) for a model built elsewhere."""
+    model = unwrap(model_chunks[0])
+    return int(getattr(model, "true_vocab_size", model.vocab_size))
 
 
 def layer_offset(chunk: torch.nn.Module) -> int:

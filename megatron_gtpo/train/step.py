@@ -31,6 +31,7 @@ from megatron_gtpo.parallel import collectives
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.train.batching import MicroBatch, completion_view, local_rows, micro_batches
 from megatron_gtpo.train.logprobs import vocab_parallel_argmax
+from megatron_gtpo.train.model import true_vocab_size
 from megatron_gtpo.train.loss import (LogprobSettings, StepInputs, global_normalisers, micro_batch_loss,
                                       split_extrema)
 from megatron_gtpo.train.optim import current_lr, zero_grads
@@ -121,8 +122,10 @@ def _run_schedule(model_chunks, mbs: list[MicroBatch], loss_for, *, forward_only
         forward_only=forward_only)
 
 
-def _settings(dims: ParallelDims, groups: _Groups, *, temperature: float, vocab_size: int | None,
+def _settings(model_chunks, dims: ParallelDims, groups: _Groups, *, temperature: float, vocab_size: int | None,
               chunk_tokens: int | None) -> LogprobSettings:
+    """``vocab_size`` None: the model's true vocabulary (its padding columns are never scored)."""
+    vocab_size = true_vocab_size(model_chunks) if vocab_size is None else vocab_size
     return LogprobSettings(tp_group=groups.tp, tp_rank=dims.tp_rank, vocab_size=vocab_size,
                            temperature=temperature, chunk_tokens=chunk_tokens)
 
@@ -155,14 +158,16 @@ def compute_logprobs(model_chunks, batch: TrainBatch, *, dims: ParallelDims, mic
                      temperature: float = 1.0, vocab_size: int | None = None,
                      chunk_tokens: int | None = None, entropy_prob_floor: float = 0.0) -> TokenStats:
     """No-grad log-probs and entropies of ``batch`` under ``model_chunks`` (the policy for pi_old or
-    the mismatch metric, or a reference model for GRPO's KL). Every rank returns the whole batch."""
+    the mismatch metric, or a reference model for GRPO's KL). Every rank returns the whole batch.
+    ``vocab_size`` None (the normal case): the model's true vocabulary, padding columns excluded."""
     groups = _groups()
     view = completion_view(batch)
     rows = local_rows(batch.input_ids.shape[0], dp=dims.dp, dp_rank=dims.dp_rank, micro_batch_size=micro_batch_size)
     mbs = micro_batches(batch, view, rows, micro_batch_size=micro_batch_size, common_length=dims.pp > 1,
                         device=collectives.comm_device())
     _check_schedule(model_chunks, len(mbs), dims)
-    settings = _settings(dims, groups, temperature=temperature, vocab_size=vocab_size, chunk_tokens=chunk_tokens)
+    settings = _settings(model_chunks, dims, groups, temperature=temperature, vocab_size=vocab_size,
+                         chunk_tokens=chunk_tokens)
     return _token_stats(model_chunks, batch, mbs, settings, dims, groups, entropy_prob_floor=entropy_prob_floor)
 
 
@@ -181,6 +186,8 @@ def train_on_batch(model_chunks, optimizer, scheduler, batch: TrainBatch, *, alg
     except ``mismatch/*`` (first update), ``optim/lr`` (last) and ``optim/grad_norm_max``.
     ``batch.advantages`` is not read: advantages come from ``batch.rewards`` through
     ``algo.prepare_batch`` with ``prepare_kwargs``, so they cannot disagree with the loss settings.
+    ``vocab_size`` None (the normal case): the model's true vocabulary (``build_model`` records it),
+    so padding columns of the output layer never enter log-probs or entropies.
     """
     if mu < 1:
         raise ValueError(f"mu={mu} must be >= 1 (optimizer steps per rollout batch)")
@@ -190,7 +197,8 @@ def train_on_batch(model_chunks, optimizer, scheduler, batch: TrainBatch, *, alg
     mbs = micro_batches(batch, view, rows, micro_batch_size=micro_batch_size, common_length=dims.pp > 1,
                         pad_to_multiple=pad_to_multiple, device=device)
     _check_schedule(model_chunks, len(mbs), dims)
-    settings = _settings(dims, groups, temperature=temperature, vocab_size=vocab_size, chunk_tokens=chunk_tokens)
+    settings = _settings(model_chunks, dims, groups, temperature=temperature, vocab_size=vocab_size,
+                         chunk_tokens=chunk_tokens)
     old_logp = mean_entropy = None
     if mu > 1 or algo.get_algorithm(algo_name).conflict_aware:  # pi_old and/or GTPO's <H>_i: forward first
         stats = _token_stats(model_chunks, batch, mbs, settings, dims, groups, entropy_prob_floor=entropy_prob_floor)
@@ -275,6 +283,7 @@ def greedy_generate(model_chunks, prompt_ids: list[list[int]], max_new_tokens: i
     token goes through the forward-only pipeline schedule and is broadcast from the last stage.
     Returns the new tokens per prompt (stops after ``eos_id`` when given)."""
     groups = _groups()
+    vocab_size = true_vocab_size(model_chunks) if vocab_size is None else vocab_size
     results = []
     for prompt in prompt_ids:
         tokens = list(prompt)
