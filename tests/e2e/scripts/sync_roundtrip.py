@@ -32,7 +32,7 @@ from megatron_gtpo.models.tiny import ensure_tiny
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.rollout import RolloutConfig, WeightPushError, chat_prompt, logprob_mismatch
 from megatron_gtpo.sync import SyncConfig, build_rollout
-from megatron_gtpo.train.model import build_model, hf_config_from_dir
+from megatron_gtpo.train.model import build_model, hf_config_from_dir, unwrap
 from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gtpo.train.step import compute_logprobs, greedy_generate, train_on_batch
 from megatron_gtpo.types import TrainBatch
@@ -123,8 +123,12 @@ def setup(transport: str, dtype: torch.dtype) -> Run:
     # init; both sides round logits to bf16 (step 2**-7 below 1, 2**-5 near 4), so larger logits
     # would mostly measure that rounding.
     std = 0.1 if dtype == torch.float32 else 0.02
-    chunks = wrap_ddp(build_model(hf_config, dims=dims, dtype=dtype, overrides={"init_method_std": std}),
-                      OptimConfig())
+    # Divisor 100 pads the 49152-token vocabulary to 49200 rows (a multiple of 100 x TP): the 48
+    # padding rows hold random, non-zero weights, so the push must strip them (vLLM takes HF shapes)
+    # and Megatron's greedy tokens and log-probs must ignore their logits.
+    model = build_model(hf_config, dims=dims, dtype=dtype, overrides={"init_method_std": std}, vocab_divisible_by=100)
+    assert unwrap(model[0]).output_layer.weight.shape[0] * dims.tp == 49200
+    chunks = wrap_ddp(model, OptimConfig())
     rollout_cfg = RolloutConfig(n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=7, vllm={
         "dtype": "float32" if dtype == torch.float32 else "bfloat16", "max_model_len": 256,
         "kv_cache_memory_bytes": 64 << 20})
