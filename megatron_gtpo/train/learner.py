@@ -58,7 +58,7 @@ def build_policy(model: ModelConfig, *, dims: ParallelDims, optim: OptimConfig |
     model_dir = resolve_model(model.path)
     hf_config = read_hf_config(model_dir)
     chunks = build_model(hf_config, dims=dims, dtype=DTYPES[model.dtype], overrides=model.megatron,
-                         weights_loaded=True)
+                         weights_loaded=True, vocab_divisible_by=model.make_vocab_size_divisible_by)
     hf = has_hf_weights(model_dir)
     if hf:
         load_hf_weights(chunks, hf_dir=model_dir, hf_config=hf_config, dims=dims)
@@ -108,6 +108,6 @@ class Learner:
         if self.reference is None:
             return None
         _, mbs = rank_micro_batches(batch, self.settings, self.dims)
-        lp_settings = logprob_settings(self.settings, self.dims, process_groups())
+        lp_settings = logprob_settings(self.settings, self.dims, process_groups(), self.reference.chunks)
         stats = forward_stats(self.reference.chunks, batch, mbs, lp_settings)
         return None if stats is None else stats.logp

@@ -82,7 +82,9 @@ class VocabParallelLogProbEntropy(torch.autograd.Function):
 
     ``target`` holds global vocabulary ids; each rank's shard covers ``[vocab_start, vocab_start +
     n_valid)`` where ``n_valid`` excludes vocabulary padding columns (which get zero probability and
-    zero gradient). Every rank of ``group`` must call with the same ``N`` and chunking.
+    zero gradient); a shard made only of padding (``n_valid = 0``, e.g. vocabulary 128 padded to
+    256 at TP=2) contributes nothing but still joins the reductions. Every rank of ``group`` must
+    call with the same ``N`` and chunking.
     """
 
     @staticmethod
@@ -91,14 +93,17 @@ class VocabParallelLogProbEntropy(torch.autograd.Function):
         cdtype = _compute_dtype(logits.dtype)
         n = logits.shape[0]
         # max_v (z / T) = max_v z / T for T > 0: one read pass, no buffer.
-        m = logits[:, :n_valid].amax(dim=-1).to(cdtype).mul_(1.0 / temperature)
+        if n_valid:
+            m = logits[:, :n_valid].amax(dim=-1).to(cdtype).mul_(1.0 / temperature)
+        else:  # padding-only shard: the other ranks hold every real column
+            m = torch.full((n,), -math.inf, dtype=cdtype, device=logits.device)
         _all_reduce(m, dist.ReduceOp.MAX, group)
         stats = torch.zeros(3, n, dtype=cdtype, device=logits.device)  # S, D, z_target - m
         local_t = target - vocab_start
         in_shard = (local_t >= 0) & (local_t < n_valid)
         local_t = torch.where(in_shard, local_t, torch.zeros_like(local_t))
         scratch = _Scratch(min(chunk_tokens, n), n_valid, cdtype, logits.device)
-        for start in range(0, n, chunk_tokens):
+        for start in range(0, n if n_valid else 0, chunk_tokens):
             rows = slice(start, min(start + chunk_tokens, n))
             shifted = scratch.shifted(logits, rows, n_valid, m, temperature)  # z - m
             e = torch.exp(shifted, out=scratch.b[:shifted.shape[0]])
@@ -143,7 +148,7 @@ class VocabParallelLogProbEntropy(torch.autograd.Function):
         neg_a = -(g_lp if g_h is None else g_lp + g_h * entropy)
         hit = torch.where(in_shard, g_lp, torch.zeros_like(g_lp))
         scratch = _Scratch(min(ctx.chunk_tokens, n), n_valid, cdtype, logits.device)
-        for start in range(0, n, ctx.chunk_tokens):
+        for start in range(0, n if n_valid else 0, ctx.chunk_tokens):
             rows = slice(start, min(start + ctx.chunk_tokens, n))
             logp_all = scratch.shifted(logits, rows, n_valid, lse, ctx.temperature)
             p = torch.exp(logp_all, out=scratch.b[:logp_all.shape[0]])
@@ -201,11 +206,11 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, *
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     shard = logits.shape[-1]
+    if vocab_size is not None and vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     n_valid = shard if vocab_size is None else max(0, min(shard, vocab_size - vocab_start))
-    if n_valid < 1:
-        raise ValueError("a vocabulary shard made only of padding is not supported")
     if chunk_tokens is None:
-        chunk_tokens = max(1, CHUNK_ELEMENTS // n_valid)
+        chunk_tokens = max(1, CHUNK_ELEMENTS // max(n_valid, 1))
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     flat = logits.reshape(-1, shard)
@@ -238,11 +243,16 @@ def vocab_parallel_argmax(logits: torch.Tensor, *, group=None, vocab_start: int 
     """Greedy token ``[...]`` (global ids) from vocabulary-sharded ``logits`` ``[..., V/TP]``.
 
     Each rank reduces its shard to (max, argmax); only those two numbers per row are gathered. Ties
-    go to the lowest global id, as ``torch.argmax`` on the full vocabulary does.
+    go to the lowest global id, as ``torch.argmax`` on the full vocabulary does. Columns at ids
+    ``>= vocab_size`` (padding) are never chosen; a padding-only shard offers -inf.
     """
     shard = logits.shape[-1]
-    n_valid = shard if vocab_size is None else max(1, min(shard, vocab_size - vocab_start))
-    value, index = logits[..., :n_valid].float().max(dim=-1)
+    n_valid = shard if vocab_size is None else max(0, min(shard, vocab_size - vocab_start))
+    if n_valid:
+        value, index = logits[..., :n_valid].float().max(dim=-1)
+    else:
+        value = logits.new_full(logits.shape[:-1], -math.inf, dtype=torch.float32)
+        index = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
     index = index + vocab_start
     if group is None or dist.get_world_size(group) == 1:
         return index

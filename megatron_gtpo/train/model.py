@@ -33,6 +33,12 @@ without the layer number (``decoder.layers.self_attention.linear_qkv.weight`` of
 ``[num_layers, ...]``), norms live under the TE names, and the global (unsharded) tensor is the
 TP=1 layout above. The conversion code in ``megatron_gtpo/convert`` relies on exactly this table.
 
+Vocabulary padding: as Megatron-LM's ``_vocab_size_with_padding``, the embedding and output layer
+have ``padded_vocab_size(vocab_size, tp, divisible_by)`` rows (a multiple of
+``make_vocab_size_divisible_by`` x TP, default 128 x TP), so any vocabulary splits over any TP.
+Rows ``>= vocab_size`` are padding: zero when loaded from HF, excluded from log-probs, entropy and
+greedy argmax (``true_vocab_size`` gives the trainer the real size), stripped on export/conversion.
+
 Not mapped: Mistral's ``sliding_window`` (sequences longer than the window attend further than in
 HF); Llama ``attention_bias``/``mlp_bias`` and RoPE types other than default/llama3 are rejected.
 """
@@ -45,12 +51,26 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron_gtpo.models.config import VOCAB_DIVISIBLE_BY
 from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, architecture_of, head_dim_of, num_kv_heads_of,
                                             rope_settings, tied_embeddings)
 from megatron_gtpo.models.shape import shape_from_hf_config
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.layout import model_split_problems
 from megatron_gtpo.utils.configuration import ConfigError
+
+def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Rows of the Megatron embedding/output layer: ``vocab_size`` rounded up to a multiple of
+    ``divisible_by * tp`` (Megatron-LM's ``_vocab_size_with_padding``). The one place that decides it:
+    model builder, HF loader, converter and exporter all call this."""
+    if vocab_size < 1 or tp < 1:
+        raise ConfigError(f"vocab_size={vocab_size} and tp={tp} must be >= 1")
+    if divisible_by < 1:
+        raise ConfigError(f"make_vocab_size_divisible_by={divisible_by} must be an integer >= 1 "
+                          f"(1 pads only up to a multiple of tp; Megatron's default is {VOCAB_DIVISIBLE_BY})")
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
 
 def _check_supported(hf_config: dict, family: str) -> None:
     """Rejects HF options that the Megatron local/TE GPT layers cannot reproduce exactly."""
@@ -189,15 +209,17 @@ def _resolve_use_te(use_te: bool | None) -> bool:
 
 
 def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = torch.float32,
-                overrides: dict | None = None, use_te: bool | None = None,
-                weights_loaded: bool = False) -> list[torch.nn.Module]:
+                overrides: dict | None = None, use_te: bool | None = None, weights_loaded: bool = False,
+                vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> list[torch.nn.Module]:
     """One ``GPTModel`` per virtual pipeline stage of this rank (a list of one without VPP).
 
     Requires ``parallel.dims.init_distributed`` first. Weights are random (Megatron's CPU init,
     identical at every TP size) unless ``weights_loaded`` says real ones follow (then, on GPU,
     nothing is initialised: ``init_settings``); load them with ``megatron_gtpo.convert`` or a
     checkpoint. bf16/fp16 chunks are wrapped in ``Float16Module`` (fp32 inputs are cast; the train
-    step asks it for bf16 logits, which the fused log-prob pass upcasts chunk by chunk).
+    step asks it for bf16 logits, which the fused log-prob pass upcasts chunk by chunk). The
+    vocabulary is padded to ``padded_vocab_size(vocab_size, tp, vocab_divisible_by)`` rows; each
+    chunk records the true size for :func:`true_vocab_size`.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -207,11 +229,13 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
                                         dtype=dtype, overrides=overrides, weights_loaded=weights_loaded)
     spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=_resolve_use_te(use_te))
     rope = rope_settings(hf_config)
+    vocab = int(hf_config["vocab_size"])
+    padded = padded_vocab_size(vocab, tp=dims.tp, divisible_by=vocab_divisible_by)
     chunks = []
     for vp_stage in range(dims.vpp or 1):
         stage = vp_stage if dims.vpp else None
         model = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=int(hf_config["vocab_size"]),
+            config=config, transformer_layer_spec=spec, vocab_size=padded,
             max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -221,6 +245,7 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
             vp_stage=stage,
         )
         _apply_llama3_rope(model, rope)
+        model.true_vocab_size = vocab  # GPTModel.vocab_size is the padded row count
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:
@@ -248,6 +273,13 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
         chunk = chunk.module
     return chunk
+
+
+def true_vocab_size(model_chunks: list[torch.nn.Module]) -> int:
+    """Real vocabulary of a model from ``build_model`` (logit columns at ids >= it are padding);
+    ``GPTModel.vocab_size`` (no padding known) for a model built elsewhere."""
+    model = unwrap(model_chunks[0])
+    return int(getattr(model, "true_vocab_size", model.vocab_size))
 
 
 def layer_offset(chunk: torch.nn.Module) -> int:

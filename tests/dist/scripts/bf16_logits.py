@@ -21,7 +21,7 @@ def main() -> None:
     settings = S.StepSettings(spec=AlgoConfig().resolve(max_completion_tokens=16), micro_batch_size=2,
                               temperature=0.8)
     _, mbs = S.rank_micro_batches(batch, settings, dims)
-    lp = S.logprob_settings(settings, dims, S.process_groups())
+    lp = S.logprob_settings(settings, dims, S.process_groups(), chunks)
     kwargs = S.forward_kwargs(chunks[0])
     bf16 = S.forward_stats(chunks, batch, mbs, lp)
     S.forward_kwargs = lambda chunk: {}  # the fp32-output path: Float16Module upcasts the logits
