@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     world = cfg.parallel.world_size
     if world == 1:  # in this process, as one rank would
-        from megatron_gtpo.cli import worker
+        import megatron_gtpo.cli.worker as worker
 
         return worker.main([str(resolved)] + (["--resume"] if args.resume == "require" else
                                               ["--resume=auto"] if args.resume == "auto" else []))

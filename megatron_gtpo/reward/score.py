@@ -16,32 +16,10 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_gtpo.reward.config import RewardConfig
-from megatron_gtpo.reward.failures import ErrorLog, FailureMonitor, RewardError
+from megatron_gtpo.reward.failures import ErrorLog, FailureMonitor, RewardError, ScoringStats
 from megatron_gtpo.reward.functions import OverlongPunishment, resolve_reward, reward_path
 from megatron_gtpo.reward.pool import STATUS_ERROR, STATUS_TIMEOUT, SampleScore, ScoringPool
 from megatron_gtpo.types import Completion, Prompt, ScoredGroup
-
-
-@dataclass(kw_only=True)
-class ScoringStats:
-    """Counters of one scoring call (log them: a rising timeout count means adversarial outputs)."""
-
-    num_samples: int = 0
-    """Completions scored."""
-    num_timeouts: int = 0
-    """Completions that hit the per-sample time limit (scored 0)."""
-    num_errors: int = 0
-    """Completions whose reward function raised or whose worker died (scored 0)."""
-    num_overlong: int = 0
-    """Completions that received a non-zero overlong punishment."""
-    seconds: float = 0.0
-    """Wall-clock time of the call."""
-
-    def metrics(self, prefix: str = "reward/") -> dict[str, float]:
-        """Flat metric names -> values for StepMetrics / MLflow."""
-        return {f"{prefix}num_samples": float(self.num_samples), f"{prefix}timeouts": float(self.num_timeouts),
-                f"{prefix}errors": float(self.num_errors), f"{prefix}overlong": float(self.num_overlong),
-                f"{prefix}seconds": self.seconds}
 
 
 @dataclass(kw_only=True)

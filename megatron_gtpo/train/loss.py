@@ -25,7 +25,7 @@ import torch
 from megatron_gtpo import algo
 from megatron_gtpo.algo import AlgoSpec, PreparedBatch
 from megatron_gtpo.train.batching import MicroBatch
-from megatron_gtpo.train.logprobs import shifted_token_logprobs
+from megatron_gtpo.train.logprobs import VocabShard, shifted_token_logprobs
 
 Tensor = torch.Tensor
 
@@ -48,10 +48,10 @@ class LogprobSettings:
     def token_stats(self, logits: Tensor, input_ids: Tensor, *, entropy_prob_floor: float = 0.0,
                     inplace_backward: bool = False):
         """``(logp, entropy)`` ``[mb, s]`` aligned with the predicted tokens (column 0 is 0)."""
-        return shifted_token_logprobs(
-            logits, input_ids, group=self.tp_group, vocab_start=self.tp_rank * logits.shape[-1],
-            vocab_size=self.vocab_size, temperature=self.temperature, chunk_tokens=self.chunk_tokens,
-            entropy_prob_floor=entropy_prob_floor, inplace_backward=inplace_backward)
+        shard = VocabShard(group=self.tp_group, start=self.tp_rank * logits.shape[-1], vocab_size=self.vocab_size)
+        return shifted_token_logprobs(logits, input_ids, shard=shard, temperature=self.temperature,
+                                      chunk_tokens=self.chunk_tokens, entropy_prob_floor=entropy_prob_floor,
+                                      inplace_backward=inplace_backward)
 
 
 @dataclass(kw_only=True)
