@@ -199,7 +199,7 @@ def token_stats(chunks: list, batch, settings, dims):
     from megatron_gtpo.train.step import forward_stats, logprob_settings, process_groups, rank_micro_batches
 
     rows, mbs = rank_micro_batches(batch, settings, dims)
-    stats = forward_stats(chunks, batch, mbs, logprob_settings(settings, dims, process_groups()))
+    stats = forward_stats(chunks, batch, mbs, logprob_settings(settings, dims, process_groups(), chunks))
     if stats is None or stats.logp.shape != batch.token_ids.shape or rows != slice(0, batch.size):
         raise RuntimeError(f"forward_stats of rows {rows} gave {None if stats is None else tuple(stats.logp.shape)}, "
                            f"expected the whole batch {tuple(batch.token_ids.shape)} (the smoke is a world of 1)")
