@@ -85,7 +85,7 @@ def open_session(cfg, *, resume: bool) -> Session:
     s.group_multiple = rows_unit // math.gcd(cfg.rollout.n, rows_unit)
     if resume:
         _restore(s)
-    s.tracker = _tracker(cfg, s)
+    s.tracker = _tracker(cfg, s, resume=resume)
     push_weights(s, cfg, version=s.start_step)
     log.info("ready: %d prompts, starting at step %d of %d", len(dataset), s.start_step, tc.steps)
     return s
@@ -117,23 +117,21 @@ def _restore(s: Session) -> None:
     log.info("resumed from step %d (MLflow run %s)", s.start_step, s.run_id)
 
 
-def _tracker(cfg, s: Session):
+def _tracker(cfg, s: Session, *, resume: bool):
     from megatron_gtpo.config import dump_resolved
-    from megatron_gtpo.tracking import Tracker, resolve_uri
+    from megatron_gtpo.tracking import Tracker
     from megatron_gtpo.utils.configuration import to_dict
 
     tc = cfg.tracking
     tracker = None
     if s.dims.rank == 0:
         s.run_dir.mkdir(parents=True, exist_ok=True)
-        tracker = Tracker(enabled=tc.enabled, uri=resolve_uri(tc.uri, s.run_dir), experiment=tc.experiment,
-                          run_name=tc.run_name or s.run_dir.resolve().name, artifact_dir=s.run_dir / "mlartifacts",
-                          run_id=s.run_id)
+        # The tracker journals every record in <run dir>/tracking and publishes in the background;
+        # it writes <run dir>/run_id once the MLflow run exists (run_id is None until then).
+        tracker = Tracker(tc, run_dir=s.run_dir, run_id=s.run_id, resume_step=s.start_step if resume else None)
         if s.run_id is None and tc.enabled:
             tracker.log_params(to_dict(cfg))
             tracker.log_artifact(dump_resolved(cfg))
-        if tracker.run_id:
-            write_text_atomic(s.run_dir / "run_id", tracker.run_id)
     s.run_id = broadcast_object(tracker.run_id if tracker else None)
     return tracker
 
@@ -236,6 +234,8 @@ def save(s: Session, cfg, step: int) -> None:
     path = save_checkpoint(s.run_dir / "checkpoints", step=step, model_chunks=s.policy.chunks,
                            optimizer=s.policy.optimizer, extra_state=extra, keep_last=cfg.train.keep_last)
     s.last_saved = step
+    if s.tracker is not None:  # steps up to here are final: stores that cannot delete publish them now
+        s.tracker.commit(step)
     log.info("checkpoint: %s", path)
 
 

@@ -11,13 +11,16 @@ from megatron_gtpo.utils.configuration import ConfigError
 
 
 def preflight(cfg) -> str:
-    """Validates model, layout, Megatron pass-through fields, data and reward; returns a summary."""
+    """Validates tracking URI, model, layout, Megatron pass-through fields, data and reward; returns a summary."""
     from megatron_gtpo.data.dataset import load_examples
     from megatron_gtpo.models.tiny import resolve_model_path
     from megatron_gtpo.policy import DTYPES
     from megatron_gtpo.reward.functions import resolve_reward
+    from megatron_gtpo.tracking import check_tracking_uri, resolve_uri
     from megatron_gtpo.train.model import hf_config_from_dir, transformer_config_from_hf
 
+    tc = cfg.tracking  # first: a tracking server that does not answer fails in seconds, not after engine start
+    tracking = check_tracking_uri(resolve_uri(tc.uri, cfg.output_dir), tc.request_timeout_s) if tc.enabled else "off"
     par = cfg.parallel
     model_dir = resolve_model_path(cfg.model.path)
     hf_config = hf_config_from_dir(model_dir)
@@ -52,5 +55,6 @@ def preflight(cfg) -> str:
         f"max_tokens={cfg.rollout.max_tokens}",
         f"data       {len(examples)} rows from {cfg.data.benchmarks + cfg.data.paths}; reward {cfg.reward.fn}",
         f"run        {cfg.train.steps} steps -> {cfg.output_dir}",
+        f"tracking   {tracking}",
     ]
     return "\n".join(lines)
