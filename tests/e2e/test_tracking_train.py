@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +28,25 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.5)
+        time.sleep(0.05)  # steps of the tiny recipe take ~1 s: catch the line before the next one
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL to the launcher and every descendant: torchrun starts each rank in its own session,
+    so killing the launcher's process group alone leaves the ranks training."""
+    import psutil
+
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in [psutil.Process(proc.pid), *tree] if proc.poll() is None else tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(tree, timeout=60)
+    proc.wait()
 
 
 def test_training_survives_a_dead_tracking_server(tmp_path):
@@ -37,7 +54,7 @@ def test_training_survives_a_dead_tracking_server(tmp_path):
 
     server = MlflowServer(tmp_path / "server").start()
     out, log_path = tmp_path / "run", tmp_path / "train.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}  # log lines as they happen
     proc = None
     try:
         with open(log_path, "w") as log:
@@ -51,7 +68,7 @@ def test_training_survives_a_dead_tracking_server(tmp_path):
         after_kill_s = time.monotonic() - killed_at
         text = log_path.read_text()
         assert rc == 0, f"training failed rc={rc}:\n{text[-6000:]}"
-        for step in (2, 4, 6):
+        for step in (4, 6):  # train.keep_last=2 removed step 2's
             assert (out / "checkpoints" / f"step_{step:08d}").is_dir()
         step_s = {int(m.group(1)): float(m.group(2)) for m in STEP_LINE.finditer(text)}
         print(f"step times (s): {step_s}; from the server kill to exit: {after_kill_s:.1f}s")
@@ -72,7 +89,38 @@ def test_training_survives_a_dead_tracking_server(tmp_path):
             steps = [s for s, _ in metric_rows(server, run_id, key)]
             assert len(steps) == len(set(steps)), (key, steps)
     finally:
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc is not None:
+            kill_tree(proc)
         server.kill()
+
+
+def test_step_rerun_after_sigkill_is_stored_once(tmp_path):
+    """Default SQLite store: SIGKILL right after step 5 was logged (checkpoint 4; steps 5 and maybe
+    6 already in MLflow), then --resume: every key has steps 1..8 exactly once, one MLflow run,
+    FINISHED, and the resume reported the run the killed process left RUNNING."""
+    from mlflow.tracking import MlflowClient
+
+    out, log_path = tmp_path / "run", tmp_path / "killed.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}  # log lines as they happen
+    args = [*CLI, "--output-dir", str(out), "--steps", "8", "train.checkpoint_every=4"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    try:
+        wait_for(lambda: "step 5/8 |" in log_path.read_text() or proc.poll() is not None, 900, "step 5")
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == -9 and not (out / "checkpoints" / "step_00000008").exists(), "killed too late"
+    run_id = (out / "run_id").read_text().strip()
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    before = [m.step for m in MlflowClient(uri).get_metric_history(run_id, "loss")]
+    resumed = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-6000:]
+    assert "left RUNNING by pid" in resumed.stdout + resumed.stderr
+    assert (out / "run_id").read_text().strip() == run_id
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    print(f"loss steps in MLflow at the kill: {before}")
+    for key in run.data.metrics:
+        steps = sorted(m.step for m in client.get_metric_history(run_id, key))
+        assert steps == list(range(1, 9)), (key, steps)

@@ -152,6 +152,31 @@ def test_three_crashes_and_resumes_log_each_step_once(tmp_path, store, warnings_
         assert got == [(s, metrics(s, expected[s])[key]) for s in range(1, 9)], (key, got)
 
 
+def test_delete_steps_after_keeps_the_latest_value_consistent(tmp_path, sqlite_cfg):
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    from megatron_gtpo.tracking.publisher import delete_steps_after
+
+    client = MlflowClient(sqlite_cfg.uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    client.log_batch(run_id, metrics=[Metric(k, 10.0 * s + i, 1000 + s, s) for s in range(1, 6)
+                                      for i, k in enumerate(["a", "b"])] + [Metric("only_late", 1.0, 1, 5)])
+    assert delete_steps_after(client, run_id, 3) == 5
+    assert history(sqlite_cfg.uri, run_id, "a") == [(1, 10.0), (2, 20.0), (3, 30.0)]
+    assert client.get_run(run_id).data.metrics == {"a": 30.0, "b": 31.0}, "latest values recomputed, empty keys gone"
+
+
+def test_a_rejected_metric_is_counted_and_the_rest_is_sent(tmp_path, sqlite_cfg, warnings_log):
+    tracker = Tracker(sqlite_cfg, run_dir=tmp_path / "run")
+    tracker.log_metrics({"loss": 1.0, "bad//key": 2.0}, 1)
+    tracker.log_metrics({"loss": 2.0}, 2)
+    report = tracker.finish()
+    assert report.unsent == 0 and report.status_sent and tracker.journal.snapshot().rejected == 1
+    assert history(sqlite_cfg.uri, tracker.run_id, "loss") == [(1, 1.0), (2, 2.0)]
+    assert "MLflow rejected a metric record" in warnings_log.text
+
+
 def test_file_store_publishes_a_step_once_a_checkpoint_covers_it(tmp_path):
     uri = (tmp_path / "mlruns").as_uri()
     tracker = train(tmp_path / "run", TrackingConfig(uri=uri), steps=range(1, 4), run=0, resume_step=None)
