@@ -57,9 +57,16 @@ def train(run_dir: Path, cfg: TrackingConfig, *, steps: range, run: int, resume_
     return tracker
 
 
+@pytest.fixture(scope="module")
+def sqlite_uri(tmp_path_factory) -> str:
+    """One SQLite store for the module (creating one runs MLflow's migrations: ~15 s on a busy box);
+    every test has its own run in it."""
+    return f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+
+
 @pytest.fixture
-def sqlite_cfg(tmp_path) -> TrackingConfig:
-    return TrackingConfig(uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+def sqlite_cfg(sqlite_uri) -> TrackingConfig:
+    return TrackingConfig(uri=sqlite_uri)
 
 
 @pytest.fixture(autouse=True)
@@ -130,11 +137,11 @@ def test_records_reach_the_sqlite_store(tmp_path, sqlite_cfg):
 
 
 @pytest.mark.parametrize("store", ["sqlite", "file"])
-def test_three_crashes_and_resumes_log_each_step_once(tmp_path, store, warnings_log):
+def test_three_crashes_and_resumes_log_each_step_once(tmp_path, store, warnings_log, sqlite_uri):
     """SQLite deletes re-run steps on resume; the file store (like an HTTP server) only publishes
     steps a checkpoint covers. Kills: after step 3 (sent), during the save of step 6 (not flushed),
     after step 5 (sent); each resume re-runs the steps after the last committed checkpoint."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}" if store == "sqlite" else (tmp_path / "mlruns").as_uri()
+    uri = sqlite_uri if store == "sqlite" else (tmp_path / "mlruns").as_uri()
     cfg, run_dir = TrackingConfig(uri=uri), tmp_path / "run"
     train(run_dir, cfg, steps=range(1, 4), run=0, resume_step=None, crash_after=3)
     train(run_dir, cfg, steps=range(3, 7), run=1, resume_step=2, crash_after=6, flush_before_crash=False)
@@ -159,7 +166,7 @@ def test_delete_steps_after_keeps_the_latest_value_consistent(tmp_path, sqlite_c
     from megatron_gtpo.tracking.publisher import delete_steps_after
 
     client = MlflowClient(sqlite_cfg.uri)
-    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    run_id = client.create_run(client.create_experiment(f"delete-{tmp_path.name}")).info.run_id
     client.log_batch(run_id, metrics=[Metric(k, 10.0 * s + i, 1000 + s, s) for s in range(1, 6)
                                       for i, k in enumerate(["a", "b"])] + [Metric("only_late", 1.0, 1, 5)])
     assert delete_steps_after(client, run_id, 3) == 5
@@ -187,7 +194,7 @@ def test_file_store_publishes_a_step_once_a_checkpoint_covers_it(tmp_path):
     assert [s for s, _ in history(uri, tracker.run_id, "loss")] == [1, 2], "KILLED keeps step 3 for the resume"
 
 
-def test_dead_server_never_blocks_and_replay_sends_the_journal(tmp_path):
+def test_dead_server_never_blocks_and_replay_sends_the_journal(tmp_path, sqlite_uri):
     import mlflow.tracking  # noqa: F401 - imported up front: the timings below are the tracker's, not the import's
 
     from megatron_gtpo.tracking.__main__ import replay, status
@@ -207,7 +214,7 @@ def test_dead_server_never_blocks_and_replay_sends_the_journal(tmp_path):
     assert time.perf_counter() - start < 3 * cfg.request_timeout_s, "a dead server ends the flush at once"
     assert report.unsent == 222 and not report.status_sent and tracker.run_id is None
     assert "222 record(s) not in MLflow" in status(tmp_path / "run")
-    sqlite = f"sqlite:///{tmp_path / 'later.db'}"
+    sqlite = sqlite_uri  # the server stays dead: send the journal to another store
     report = replay(tmp_path / "run", uri=sqlite, timeout_s=120)
     assert report.unsent == 0 and report.status_sent
     run_id = (tmp_path / "run" / "run_id").read_text().strip()
