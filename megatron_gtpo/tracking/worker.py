@@ -45,9 +45,10 @@ class Worker:
             self._cv.notify_all()
 
     def flush(self, timeout_s: float) -> bool:
-        """Waits until everything logged so far is published (True), or until two tries in a row
-        that saw it all failed, or ``timeout_s``: a dead store costs two failed tries (the second
-        0.5 s after the first), not the whole timeout; a slow but working one gets the time."""
+        """Waits until everything logged so far is published (True), or ``timeout_s``, or until a
+        try that saw it all failed while the store has failed at least twice in a row (one
+        failure may be a blip): a dead store costs one or two more failed tries, not the whole
+        timeout; a slow but working one gets the time."""
         deadline = time.monotonic() + timeout_s
         with self._cv:
             self._requested += 1
