@@ -54,6 +54,8 @@ Run status
     SIGKILL can do neither: the next ``--resume`` finds the journal's run RUNNING with no live
     process (``tracking/lock`` is flock'ed by the live writer), logs it, and continues the run
     (back to RUNNING); a fresh start in that directory marks it FAILED and moves the journal aside.
+    A start that finds the lock held waits up to 60 s for that writer to exit, then logs an error
+    and goes on unlocked (tracking never stops a training; the replay tool refuses instead).
 
 What the driver calls (rank 0)
     ``Tracker(cfg.tracking, run_dir=..., run_id=<checkpoint's or None>, resume_step=<restored

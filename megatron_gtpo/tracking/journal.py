@@ -122,22 +122,31 @@ class Journal:
 
     # ------------------------------------------------------------------ owner lock
 
-    def acquire(self) -> None:
-        """Marks this process as the journal's writer. ConfigError when a live process holds it
-        (two trainings into one run directory); on filesystems without flock, goes on unlocked."""
+    def acquire(self, *, wait_s: float = 0.0) -> None:
+        """Marks this process as the journal's writer (flock on ``lock``). While a live process
+        holds it, retries for ``wait_s`` (a previous rank 0 still exiting, an NFS lock of a lost
+        node until its lease ends), then raises ConfigError naming that process. On filesystems
+        without flock, goes on unlocked."""
         import fcntl
 
         self.root.mkdir(parents=True, exist_ok=True)
         fh = open(self.root / "lock", "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.close()
-            owner = (self.load_state() or JournalState(uri="", experiment="", run_name="")).owner
-            raise ConfigError(f"output_dir: another live process ({_who(owner)}) writes the tracking journal "
-                              f"{self.root}; stop it, or use another --output-dir") from None
-        except OSError as err:  # e.g. ENOLCK on some network filesystems
-            log.warning("tracking: cannot lock %s (%s); make sure one process writes it", self.root, err)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(1.0)
+                    continue
+                fh.close()
+                owner = (self.load_state() or JournalState(uri="", experiment="", run_name="")).owner
+                raise ConfigError(f"output_dir: another live process ({_who(owner)}) writes the tracking journal "
+                                  f"{self.root}; stop it, or use another --output-dir") from None
+            except OSError as err:  # e.g. ENOLCK on some network filesystems
+                log.warning("tracking: cannot lock %s (%s); make sure one process writes it", self.root, err)
+                break
         self._lock_fh = fh
 
     def release(self) -> None:

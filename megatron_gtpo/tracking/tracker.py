@@ -17,9 +17,12 @@ from megatron_gtpo.tracking.journal import TERMINAL, Journal, JournalState, back
 from megatron_gtpo.tracking.publisher import configure_http
 from megatron_gtpo.tracking.uri import resolve_uri
 from megatron_gtpo.tracking.worker import Worker
-from megatron_gtpo.utils.configuration import flatten
+from megatron_gtpo.utils.configuration import ConfigError, flatten
 
 log = logging.getLogger("megatron_gtpo")
+
+LOCK_WAIT_S = 60.0
+"""How long a new run waits for the previous writer of its journal to release it."""
 
 @dataclass(frozen=True, kw_only=True)
 class FlushReport:
@@ -54,7 +57,7 @@ class Tracker:
             return
         configure_http(cfg.request_timeout_s)
         self.journal = Journal(self.run_dir / "tracking")
-        self.journal.acquire()
+        self._locked = self._acquire()
         self._open_state(run_id, fresh=resume_step is None)
         self.journal.open_for_append()
         if resume_step is not None:
@@ -158,7 +161,7 @@ class Tracker:
         if old is not None and (fresh or (run_id is not None and run_id != old.run_id)):
             self._archive(old, "a fresh run started" if fresh else f"the checkpoint belongs to MLflow run {run_id}")
             old = None
-        if old is not None and old.status == "RUNNING":
+        if old is not None and old.status == "RUNNING" and self._locked:
             log.warning("tracking: MLflow run %s was left RUNNING by pid %s on %s (started %s), which is gone: "
                         "killed (SIGKILL, OOM, node loss) before it could finish the run; resuming it",
                         old.run_id, old.owner.get("pid"), old.owner.get("host"), old.owner.get("started"))
@@ -183,7 +186,18 @@ class Tracker:
                     f" ({unsent} record(s) unsent: `python -m megatron_gtpo.tracking replay {moved}`)"
                     if unsent else "")
         self.journal = Journal(self.run_dir / "tracking")
-        self.journal.acquire()
+        self._locked = self._acquire()
+
+    def _acquire(self) -> bool:
+        """Waits up to LOCK_WAIT_S for a previous writer to go; then goes on without the lock
+        (tracking never stops a training): two writers can interleave records, so say so loudly."""
+        try:
+            self.journal.acquire(wait_s=LOCK_WAIT_S)
+            return True
+        except ConfigError as err:
+            log.error("tracking: %s. Going on WITHOUT the journal lock: if both processes train, their "
+                      "records mix in one MLflow run", err)
+            return False
 
     def _rewind(self, step: int) -> None:
         """The run resumed from the checkpoint of ``step``: later steps will be logged again."""

@@ -221,11 +221,21 @@ def test_dead_server_never_blocks_and_replay_sends_the_journal(tmp_path, sqlite_
     assert [s for s, _ in history(sqlite, run_id, "loss")] == list(range(1, 221))
 
 
-def test_a_second_writer_is_refused(tmp_path, sqlite_cfg):
-    tracker = Tracker(sqlite_cfg, run_dir=tmp_path / "run")
+def test_a_second_writer_waits_then_goes_on_loudly_and_replay_is_refused(tmp_path, sqlite_cfg, warnings_log,
+                                                                          monkeypatch):
+    from megatron_gtpo.tracking import tracker as tracker_module
+    from megatron_gtpo.tracking.__main__ import replay
+
+    monkeypatch.setattr(tracker_module, "LOCK_WAIT_S", 1.0)
+    first = Tracker(sqlite_cfg, run_dir=tmp_path / "run")
     with pytest.raises(ConfigError, match="another live process"):
-        Tracker(sqlite_cfg, run_dir=tmp_path / "run", resume_step=0)
-    tracker.finish()
+        replay(tmp_path / "run", timeout_s=1)
+    start = time.perf_counter()
+    second = Tracker(sqlite_cfg, run_dir=tmp_path / "run", resume_step=0)
+    assert time.perf_counter() - start >= 1.0
+    assert "another live process" in warnings_log.text and "WITHOUT the journal lock" in warnings_log.text
+    second.finish()
+    first.finish()
 
 
 def test_fresh_start_moves_the_old_journal_aside_and_fails_its_run(tmp_path, sqlite_cfg):
