@@ -73,6 +73,17 @@ def run(cfg, *, resume: bool | str = False) -> dict[str, float]:
     ``resume``: True/"require" (``--resume``), "auto" (``--resume=auto``) or False (see
     ``checkpoint.prepare_resume``)."""
     parts = build(cfg, resume=resume)
+    try:
+        metrics = _loop(cfg, parts)
+    except BaseException as err:  # the MLflow run ends FAILED with the reason; the error goes on
+        parts.reporter.finish("FAILED", reason=repr(err)[:500])
+        raise
+    _close(parts, status="KILLED" if parts.checkpointer.preempt.set else "FINISHED")
+    return metrics
+
+
+def _loop(cfg, parts: Parts) -> dict[str, float]:
+    """Steps ``start_step + 1 .. train.steps`` (or up to a preemption); the last step's metrics."""
     learner, collector, weight_sync, checkpointer, reporter = (
         parts.learner, parts.collector, parts.weight_sync, parts.checkpointer, parts.reporter)
     tc, metrics = cfg.train, {}
@@ -95,9 +106,10 @@ def run(cfg, *, resume: bool | str = False) -> dict[str, float]:
             reporter.step(step, metrics, rollout)
         if tc.eval_every and step % tc.eval_every == 0:
             metrics.update(_evaluate(parts, step, seed=tc.seed))
-        if checkpointer.after_step(step, run_id=reporter.run_id):
+        stop = checkpointer.after_step(step, run_id=reporter.run_id)
+        reporter.commit(checkpointer.last_saved)  # steps up to the last checkpoint are final in MLflow
+        if stop:
             break
-    _close(parts, status="KILLED" if checkpointer.preempt.set else "FINISHED")
     return metrics
 
 
@@ -153,7 +165,7 @@ def build(cfg, *, resume: bool | str) -> Parts:
                                 total_steps=cfg.train.steps, preempt=preempt)
     start_step, run_id = checkpointer.restore(point) if point is not None else (0, None)
     reporter = Reporter(cfg.tracking, run_dir=Path(cfg.output_dir), rank=dims.rank, total_steps=cfg.train.steps,
-                        run_id=run_id)
+                        run_id=run_id, resume_step=start_step if resume else None)
     reporter.start(to_dict(cfg))
     reporter.dataset(dataset.stats, step=start_step)
     weight_sync.sync(policy.chunks, version=start_step)
