@@ -125,11 +125,12 @@ def test_drgrpo_two_steps(tmp_path):
 
 
 def test_dapo_dynamic_sampling_refills_all_equal_groups(tmp_path):
-    """A scripted reward gives every completion of some prompts the same reward: DAPO drops those
-    groups and draws new prompts until the batch is full again (the refill loop runs)."""
+    """A scripted reward makes every completion of some prompts wrong: DAPO drops those groups (its
+    accuracy filter, Eq. 11) and draws new prompts until the batch is full again (the refill loop
+    runs), with the overlong punishment on."""
     out = tmp_path / "dapo"
     train(out, "algo.name=dapo", "algo.overlong_buffer_len=8", "algo.dynamic_sampling_max_tries=6",
-          "algo.dynamic_sampling_metric=reward", "reward.fn=tests.e2e.dapo_reward.half_constant_reward", steps=3)
+          "algo.dynamic_sampling_metric=accuracy", "reward.fn=tests.e2e.dapo_reward.half_constant_reward", steps=3)
     tries = [v for _, v in history(out, "rollout/tries")]
     dropped = [v for _, v in history(out, "rollout/dropped_groups")]
     assert [v for _, v in history(out, "rollout/groups")] == [2.0, 2.0, 2.0]  # always refilled to full
