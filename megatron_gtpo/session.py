@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.parallel.objects import any_rank, barrier, broadcast_object
+from megatron_gtpo.parallel.control import any_rank, barrier, broadcast_object
 from megatron_gtpo.utils.atomic import write_text_atomic
 from megatron_gtpo.utils.runtime import PreemptionFlag, setup_logging, signals_blocked, start_checkpoint_helpers
 
@@ -60,7 +60,7 @@ def open_session(cfg, *, resume: bool) -> Session:
     from megatron_gtpo.sync.placement import build_rollout
 
     par, tc = cfg.parallel, cfg.train
-    dims = init_distributed(tp=par.tp, pp=par.pp, vpp=par.vpp, seed=tc.seed)
+    dims = init_distributed(tp=par.tp, pp=par.pp, vpp=par.vpp, seed=tc.seed, timeout_s=par.timeout_s)
     setup_logging(dims.rank)
     preempt = PreemptionFlag()
     run_dir = Path(cfg.output_dir)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_gtpo import algo
-from megatron_gtpo.parallel.objects import broadcast_object
+from megatron_gtpo.parallel.control import broadcast_object
 from megatron_gtpo.types import ScoredGroup, TrainBatch
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from megatron_gtpo.parallel import strict
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.utils.configuration import ConfigError
 
@@ -278,7 +279,7 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
             vp_stage=stage,
         )
         _apply_llama3_rope(model, rope)
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() or strict.active():  # strict: the CPU shim marks them device tensors
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:
             model = Float16Module(config, model)
