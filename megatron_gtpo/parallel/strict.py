@@ -221,11 +221,17 @@ def _wrap_tensor_op(name: str, original):
 
 
 def _library_caller() -> bool:
-    """True when the first caller outside torch is Megatron-Core (its checkpointing)."""
+    """True when the innermost caller that is not torch or a helper library (typing_extensions'
+    decorators, contextlib, ...) is Megatron-Core (its dist-checkpointing)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(("torch.", __name__)):
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("megatron.core"):
+            return True
+        if module.startswith(("megatron_gtpo", "tests", "__main__")) and module != __name__:
+            return False
         frame = frame.f_back
-    return frame is not None and frame.f_globals.get("__name__", "").startswith("megatron.core")
+    return False
 
 
 def _wrap_object_op(name: str, original):
