@@ -18,8 +18,10 @@ torchrun``) this module restores the distinction:
   tensor made where the mode cannot see it (``torch.from_numpy``, ``torch.load``) is missed.
 * **Which groups are device groups.** The default (WORLD) group and every ``new_group`` created
   without ``backend="gloo"`` (Megatron's TP/PP/DP/... groups) would be NCCL; ``backend="gloo"``
-  groups (the control plane, Megatron's ``*_GLOO`` groups) are host groups. Groups made before
-  :func:`install` or outside ``new_group`` (e.g. ``ProcessGroupGloo`` built by hand) are not checked.
+  groups (the control plane, Megatron's ``*_GLOO`` groups) are host groups. Not checked: groups
+  made before :func:`install` or outside ``new_group`` (``sync/wire.py``'s ``ProcessGroupGloo``),
+  and the groups vLLM creates (vLLM's own code, not ours; its CPU platform makes even its "device"
+  group gloo, so the classification would not mean what it means on a GPU).
 * **What raises.** A tensor collective or p2p op on a device group handed a host tensor (as NCCL
   would); an object collective (``broadcast_object_list``, ``all_gather_object``, ...) on a device
   group called from anywhere but Megatron-Core (NCCL would accept it, staging the pickle through
@@ -33,6 +35,7 @@ Nothing here runs on a GPU machine (NCCL itself enforces the rule there) or with
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import os
@@ -47,9 +50,13 @@ from megatron_gtpo.parallel import cpu_shims
 ENV = "MEGATRON_GTPO_STRICT_DEVICE_GROUPS"
 _MARK = "_megatron_gtpo_host"  # attribute set on host tensors (absent = device tensor)
 _DEVICE_DESCR, _DATA_DESCR = torch.Tensor.device, torch.Tensor.data
+_DESCRIPTOR_CALL = type(torch.Tensor.device.__get__)  # what the mode sees for t.device / p.data = t
+_PLACEMENT = frozenset({torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu})
 _DEVICE_GROUPS: set = set()
 _HOST_GROUPS: set = set()
 _ACTIVE = False
+CHECKED: collections.Counter = collections.Counter()
+"""Calls checked so far, per ``(op name, group kind)`` (tests and the overhead bench read it)."""
 
 # collectives that carry tensors -> (tensor parameters, tensor-list parameters)
 _TENSOR_OPS = {
@@ -108,15 +115,18 @@ def _target(func, args, kwargs):
     return not (device is cpu_shims.ACCELERATOR or cpu_shims.is_cuda_device(device))
 
 
-def _inputs(args, kwargs):
-    """Tensors among the arguments (one level into lists and tuples)."""
+def _all_host(args, kwargs) -> bool:
+    """True when every tensor argument (one level into lists and tuples) is a host tensor, or
+    there is none (a factory); stops at the first device tensor, the common case."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
-            yield value
+            if not getattr(value, _MARK, False):
+                return False
         elif isinstance(value, (list, tuple)):
             for item in value:
-                if isinstance(item, torch.Tensor):
-                    yield item
+                if isinstance(item, torch.Tensor) and not getattr(item, _MARK, False):
+                    return False
+    return True
 
 
 def _outputs(result):
@@ -127,39 +137,56 @@ def _outputs(result):
     return ()
 
 
+def _is_argument(tensor, args, kwargs) -> bool:
+    """True for in-place and ``out=`` results (the argument itself comes back)."""
+    return any(tensor is value for value in (*args, *kwargs.values()))
+
+
 class StrictDeviceMode(cpu_shims.CudaToCpuMode):
     """The CPU shim's device redirect plus host/device bookkeeping (see the module doc).
 
     Placement calls that are no-ops on CPU (``.cuda()`` on a host tensor, ``.cpu()`` on a device
     tensor) return an alias instead of the tensor itself, so that the original keeps its class,
-    as the original keeps its device on a GPU.
+    as the original keeps its device on a GPU. Every torch call passes through here, so the
+    common case (a device tensor among the inputs, no placement) returns after a few checks.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        owner = getattr(func, "__self__", None)
-        if owner is _DEVICE_DESCR:  # t.device: device tensors answer with the accelerator stand-in
-            return func(*args) if is_host(args[0]) else cpu_shims.ACCELERATOR
-        if owner is _DATA_DESCR and func.__name__ == "__set__":  # p.data = t: p takes t's class
-            func(*args)
-            _set_host(args[0], is_host(args[1]))
-            return None
+        if func in _PLACEMENT or "device" in kwargs:
+            return self._placed(func, types, args, kwargs)
+        if type(func) is _DESCRIPTOR_CALL:  # attribute getters and setters
+            owner = func.__self__
+            if owner is _DEVICE_DESCR:  # t.device: CPU device tensors answer with the accelerator stand-in
+                device = func(*args)
+                return cpu_shims.ACCELERATOR if device.type == "cpu" and not is_host(args[0]) else device
+            if owner is _DATA_DESCR and func.__name__ == "__set__":  # p.data = t: p takes t's class
+                func(*args)
+                _set_host(args[0], is_host(args[1]))
+                return None
+        if func is torch.Tensor.type:
+            return super().__torch_function__(func, types, args, kwargs)
+        result = func(*args, **kwargs)
+        if _all_host(args, kwargs):
+            for out in _outputs(result):
+                if not _is_argument(out, args, kwargs):  # in-place results keep their class
+                    _set_host(out, True)
+        return result
+
+    def _placed(self, func, types, args, kwargs):
+        """``device=``, ``.to``, ``.cuda``, ``.cpu``: the result's class is the target's."""
         target = _target(func, args, kwargs)
         result = super().__torch_function__(func, types, args, kwargs)
-        if target is not None:
-            if args and result is args[0] and is_host(result) != target:  # no copy on CPU: alias it
-                result = result.view_as(result)
-            for out in _outputs(result):
-                _set_host(out, target)
-            return result
-        outs = _outputs(result)
-        if outs:
-            inputs = list(_inputs(args, kwargs))
-            host = all(is_host(t) for t in inputs)  # no tensor input (a factory): host
-            if host:
-                for out in outs:
-                    if not any(out is t for t in inputs):  # in-place results keep their class
+        if target is None:  # .to(dtype) and the like: as any other op
+            if _all_host(args, kwargs):
+                for out in _outputs(result):
+                    if not _is_argument(out, args, kwargs):
                         _set_host(out, True)
+            return result
+        if args and result is args[0] and is_host(result) != target:  # no copy on CPU: alias it
+            result = result.view_as(result)
+        for out in _outputs(result):
+            _set_host(out, target)
         return result
 
 
@@ -181,7 +208,7 @@ def _wrap_new_group(original):
     def new_group(*args, **kwargs):
         group = original(*args, **kwargs)
         backend = kwargs.get("backend", args[2] if len(args) > 2 else None)
-        if isinstance(group, dist.ProcessGroup):
+        if isinstance(group, dist.ProcessGroup) and not _caller(("vllm",)):
             (_HOST_GROUPS if _is_gloo(backend) else _DEVICE_GROUPS).add(group)
         return group
     return new_group
@@ -193,6 +220,7 @@ def _describe(tensor: torch.Tensor) -> str:
 
 def _check_tensors(name: str, group, tensors) -> None:
     kind = group_kind(group)
+    CHECKED[name, kind] += 1
     for tensor in tensors:
         if kind == "device" and is_host(tensor):
             raise RuntimeError(
@@ -220,16 +248,15 @@ def _wrap_tensor_op(name: str, original):
     return op
 
 
-def _library_caller() -> bool:
-    """True when the innermost caller that is not torch or a helper library (typing_extensions'
-    decorators, contextlib, ...) is Megatron-Core (its dist-checkpointing)."""
+def _caller(prefixes: tuple[str, ...]) -> bool:
+    """True when the innermost caller outside torch and this module comes from a module named by
+    ``prefixes``; helper libraries between them (typing_extensions' decorators, contextlib,
+    functools) are looked through."""
     frame = sys._getframe(2)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if module.startswith("megatron.core"):
-            return True
-        if module.startswith(("megatron_gtpo", "tests", "__main__")) and module != __name__:
-            return False
+        if not module.startswith(("torch.", "typing_extensions", "contextlib", "functools", __name__)):
+            return module.startswith(prefixes)
         frame = frame.f_back
     return False
 
@@ -240,7 +267,8 @@ def _wrap_object_op(name: str, original):
     @functools.wraps(original)
     def op(*args, **kwargs):
         group = signature.bind(*args, **kwargs).arguments.get("group")
-        if group_kind(group) == "device" and not _library_caller():
+        CHECKED[name, group_kind(group)] += 1
+        if group_kind(group) == "device" and not _caller(("megatron.core",)):
             raise RuntimeError(
                 f"strict device groups: dist.{name} (a Python-object collective) on a device group "
                 "(NCCL on GPU); control-plane data goes over the gloo control group: use "
