@@ -167,7 +167,8 @@ def install() -> bool:
         from megatron_gtpo.parallel import strict
 
         _install_torch_cuda_stubs()
-        if not (strict.active() or (strict.requested() and strict.install())):  # strict mode's own mode does the redirect
+        # strict mode's own torch-function mode does the redirect too
+        if not (strict.active() or (strict.requested() and strict.install())):
             CudaToCpuMode().__enter__()  # stays active for the life of the process
         _install_causal_mask()
         _INSTALLED = True

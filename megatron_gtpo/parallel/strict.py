@@ -15,7 +15,8 @@ torchrun``) this module restores the distinction:
   :data:`cpu_shims.ACCELERATOR`, recognised by identity), ``device=t.device`` of a device tensor,
   results of ops on device tensors, and tensors the mode never sees (autograd's gradients,
   Parameters). Unknown means device, so Megatron's own traffic passes; the price is that a host
-  tensor made where the mode cannot see it (``torch.from_numpy``, ``torch.load``) is missed.
+  tensor made where the mode cannot see it (``torch.from_numpy``; ``torch.load`` and
+  ``torch.as_tensor`` are seen, as host) is missed.
 * **Which groups are device groups.** The default (WORLD) group and every ``new_group`` created
   without ``backend="gloo"`` (Megatron's TP/PP/DP/... groups) would be NCCL; ``backend="gloo"``
   groups (the control plane, Megatron's ``*_GLOO`` groups) are host groups. Not checked: groups

@@ -279,7 +279,7 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
             vp_stage=stage,
         )
         _apply_llama3_rope(model, rope)
-        if torch.cuda.is_available() or strict.active():  # strict: the CPU shim marks them device tensors
+        if torch.cuda.is_available() or strict.active():  # strict mode takes the GPU path: all on the device
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:
             model = Float16Module(config, model)

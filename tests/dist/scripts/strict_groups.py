@@ -110,9 +110,10 @@ def timeouts() -> None:
             time.sleep(0.2)
         report(check="idle", ok=True, error=None, value=None)
         os._exit(0)
+    tp_group = ps.get_tensor_model_parallel_group()
     cases = [("default", lambda: dist.all_reduce(torch.ones(1, device="cuda"))),
              ("control", control.barrier),
-             ("megatron_tp", lambda: dist.all_reduce(torch.ones(1, device="cuda"), group=ps.get_tensor_model_parallel_group()))]
+             ("megatron_tp", lambda: dist.all_reduce(torch.ones(1, device="cuda"), group=tp_group))]
     for name, fn in cases:
         start = time.perf_counter()
         try:
