@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_gtpo.parallel.strict import ENV as STRICT_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -75,11 +77,14 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600,
     rank printed with the prefix ``RESULT `` (the scripts' way of reporting checks).
 
     Raises AssertionError with the combined output when the launch fails, so a failing rank's
-    traceback appears in the pytest report.
+    traceback appears in the pytest report. Strict device groups (megatron_gtpo/parallel/strict.py)
+    are on unless ``env`` or the caller's environment sets the variable to 0: host data on a group
+    that would be NCCL on a GPU raises here as it would there.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", str(script), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+                STRICT_ENV: os.environ.get(STRICT_ENV, "1"), **(env or {})}
     proc = run_group(cmd, timeout=timeout, env=full_env, cwd=REPO)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"torchrun {script} (nproc={nproc}) failed rc={proc.returncode}:\n{out[-8000:]}"
