@@ -21,6 +21,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment of a launched run: this checkout on the path and strict device groups on (a
+    host tensor or object collective on a device group raises as NCCL would; parallel/strict.py)
+    unless the caller's environment says otherwise."""
+    return {**os.environ, "PYTHONPATH": str(REPO), STRICT_ENV: os.environ.get(STRICT_ENV, "1"), **extra}
+
+
 def kill_tree(pid: int, sig: int = 9) -> None:
     """Sends ``sig`` (SIGKILL) to ``pid`` and every descendant at once, as a crash or outage would.
 
@@ -83,8 +90,7 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600,
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", str(script), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-                STRICT_ENV: os.environ.get(STRICT_ENV, "1"), **(env or {})}
+    full_env = child_env(OMP_NUM_THREADS="1", **(env or {}))
     proc = run_group(cmd, timeout=timeout, env=full_env, cwd=REPO)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"torchrun {script} (nproc={nproc}) failed rc={proc.returncode}:\n{out[-8000:]}"
