@@ -33,6 +33,8 @@ def kill_tree(pid: int, sig: int = 9) -> None:
 
     ``os.killpg`` on the launcher's group is not enough: torchrun starts each rank in a new
     session (its own process group), so the ranks would survive the kill and keep training.
+    ``pid`` is the caller's ``Popen`` child and is not reaped here: its ``wait()`` keeps the
+    return code (-9), which a reaping wait would turn into 0.
     """
     import psutil
 
@@ -46,7 +48,7 @@ def kill_tree(pid: int, sig: int = 9) -> None:
             proc.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=60)
+    psutil.wait_procs(procs[1:], timeout=60)
     try:
         os.killpg(pid, sig)  # whatever the group started and the tree walk missed
     except (ProcessLookupError, PermissionError):
