@@ -126,7 +126,7 @@ def build(cfg, *, resume: bool) -> Parts:
     log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
     learner = Learner.build(cfg.model, cfg.optim, settings=settings, dims=dims, rollout_steps=cfg.train.steps)
     policy = learner.policy
-    rollout_cfg = cfg.rollout
+    rollout_cfg = cfg.rollout.with_fp32_head() if cfg.model.lm_head_fp32 else cfg.rollout
     if not policy.has_hf_weights:  # Megatron checkpoint: the engine starts empty, the first push fills it
         rollout_cfg = dataclasses.replace(rollout_cfg, vllm={"load_format": "dummy", **rollout_cfg.vllm})
     log.info("starting %s rollout engine(s)", cfg.sync.transport)

@@ -53,7 +53,8 @@ def build_policy(model: ModelConfig, *, dims: ParallelDims, optim: OptimConfig |
     optimizer steps: the default LR decay length); without, a frozen eval-mode copy."""
     model_dir = resolve_model(model.path)
     hf_config = read_hf_config(model_dir)
-    chunks = build_model(hf_config, dims=dims, dtype=DTYPES[model.dtype], overrides=model.megatron)
+    chunks = build_model(hf_config, dims=dims, dtype=DTYPES[model.dtype], overrides=model.megatron,
+                         lm_head_fp32=model.lm_head_fp32)
     hf = has_hf_weights(model_dir)
     if hf:
         load_hf_weights(chunks, hf_dir=model_dir, hf_config=hf_config, dims=dims)
