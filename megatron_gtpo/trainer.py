@@ -95,7 +95,7 @@ def run(cfg, *, resume: bool = False) -> dict[str, float]:
             metrics.update(_evaluate(parts, step, seed=tc.seed))
         if checkpointer.after_step(step, run_id=reporter.run_id):
             break
-    _close(parts, status="KILLED" if checkpointer.preempt.set else "FINISHED")
+    close(parts, status="KILLED" if checkpointer.preempt.set else "FINISHED")
     return metrics
 
 
@@ -136,9 +136,7 @@ def build(cfg, *, resume: bool) -> Parts:
     scorer = None
     with signals_blocked():  # reward worker processes must not die of a preemption signal
         if dims.rank == 0:
-            overlong = OverlongPunishment(max_tokens=spec.overlong_max_tokens, cache_tokens=spec.overlong_buffer_len,
-                                          factor=spec.overlong_penalty_factor) if spec.overlong_buffer_len else None
-            scorer = RewardScorer(cfg.reward, overlong=overlong)
+            scorer = RewardScorer(cfg.reward, overlong=overlong_punishment(spec))
     start_checkpoint_helpers()
     rows_unit = dims.dp * cfg.train.micro_batch_size
     collector = RolloutCollector(
@@ -161,6 +159,14 @@ def build(cfg, *, resume: bool) -> Parts:
                  reporter=reporter, scorer=scorer, held_out=held_out, pad_id=int(pad_id), start_step=start_step)
 
 
+def overlong_punishment(spec) -> OverlongPunishment | None:
+    """DAPO's soft overlong punishment of an AlgoSpec (None when its buffer is 0)."""
+    if not spec.overlong_buffer_len:
+        return None
+    return OverlongPunishment(max_tokens=spec.overlong_max_tokens, cache_tokens=spec.overlong_buffer_len,
+                              factor=spec.overlong_penalty_factor)
+
+
 def _held_out_prompts(cfg, tokenizer) -> list:
     """The periodic evaluation's prompts: the first ``train.eval_prompts`` of ``train.eval_benchmark``."""
     data = dataclasses.replace(cfg.data, benchmarks=[cfg.train.eval_benchmark], paths=[],
@@ -174,7 +180,7 @@ def _evaluate(parts: Parts, step: int, *, seed: int) -> dict[str, float]:
     return out
 
 
-def _close(parts: Parts, *, status: str) -> None:
+def close(parts: Parts, *, status: str) -> None:
     """Finishes the MLflow run and stops scorers and engines. The process groups stay up: vLLM's
     own exit hook tears down the groups it joined, and would fail on an already destroyed world."""
     parts.reporter.finish(status)

@@ -187,8 +187,8 @@ def run_toy(lr: float, betas=(0.9, 0.95), tokens=4, steps=400, extra=12):
     norms, ratios, enter = {}, {}, None
     for step in range(1, steps + 1):
         opt.zero_grad()
-        loss, _ = compute_loss(spec_of("dapo", mu=2), TokenInputs(logp=theta, mask=mask, old_logp=torch.zeros_like(theta)),
-                               prepared_of(torch.ones(1, dtype=torch.float64)))
+        tokens = TokenInputs(logp=theta, mask=mask, old_logp=torch.zeros_like(theta))
+        loss, _ = compute_loss(spec_of("dapo", mu=2), tokens, prepared_of(torch.ones(1, dtype=torch.float64)))
         loss.backward()
         ratios[step] = theta.detach().clone()
         if enter is None and bool((theta.grad == 0).all()):

@@ -73,8 +73,8 @@ def test_sampler_logprobs_checked_once_per_step_when_corrected():
 
 def _loss_and_grad(spec, prep, mask, logp, old, ref, is_weights=None):
     x = logp.clone().requires_grad_()
-    loss, metrics = compute_loss(spec, TokenInputs(logp=x, mask=mask, old_logp=old, ref_logp=ref, is_weights=is_weights),
-                                 prep)
+    tokens = TokenInputs(logp=x, mask=mask, old_logp=old, ref_logp=ref, is_weights=is_weights)
+    loss, metrics = compute_loss(spec, tokens, prep)
     loss.backward()
     return loss.detach(), x.grad, metrics
 
