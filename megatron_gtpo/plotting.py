@@ -104,6 +104,7 @@ def plot_probe(report: dict, output: str | os.PathLike) -> Path:
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     for run, label in zip(runs, labels):
         axes[0].plot(range(1, len(run["reward_mean"]) + 1), run["reward_mean"], marker="o", markersize=3, label=label)
+    axes[0].xaxis.get_major_locator().set_params(integer=True)
     axes[0].set_title("reward / phi")
     axes[0].set_xlabel("step")
     axes[0].legend(fontsize=7)
