@@ -27,6 +27,7 @@ from pathlib import Path
 from megatron_gtpo.cli import train as train_cli
 from megatron_gtpo.config import dump_resolved, load_config
 from megatron_gtpo.plan.preflight import preflight
+from megatron_gtpo.plotting import plot_probe
 from megatron_gtpo.probe import ProbePlan, run_probe, variant_config
 from megatron_gtpo.utils.configuration import ConfigError
 
@@ -108,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-gtpo probe: the probe failed (exit {rc}); logs above", file=sys.stderr)
         return rc or 1
     report = json.loads((out / REPORT).read_text())
-    from megatron_gtpo.plotting import plot_probe
-
     plot_probe(report, out / PLOT)
     print(json.dumps(report))
     return 0
