@@ -123,7 +123,7 @@ def logprob_diff(engine, chunks, dims, hf_config: dict) -> dict[str, float]:
     settings = StepSettings(spec=AlgoConfig().resolve(max_completion_tokens=MAX_TOKENS), micro_batch_size=batch.size,
                             temperature=TEMPERATURE, vocab_size=int(hf_config["vocab_size"]))
     _, mbs = rank_micro_batches(batch, settings, dims)
-    trainer = forward_stats(chunks, batch, mbs, logprob_settings(settings, dims, process_groups())).logp
+    trainer = forward_stats(chunks, batch, mbs, logprob_settings(settings, dims, process_groups(), chunks)).logp
     diff = (batch.sampler_logprobs.double() - trainer.double())[batch.mask].abs()
     return {"max": diff.max().item(), "mean": diff.mean().item()}
 

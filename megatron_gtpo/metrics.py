@@ -65,6 +65,8 @@ ROWS: list[tuple[tuple[str, ...], str]] = [
      "wall time per stage and per step"),
     (("throughput/tokens_per_s", "throughput/completion_tokens"), "completion tokens trained per second of step time"),
     (("eval/accuracy", "eval/reward_mean"), "greedy accuracy on held-out prompts every `train.eval_every` steps"),
+    (("data/prompts", "data/prompts_dropped_too_long"),
+     "once per run (at the start step): prompts kept, and dropped for exceeding `data.max_prompt_tokens`"),
 ]
 """Rows of the README table: the names of one row are logged together."""
 

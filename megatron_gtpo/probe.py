@@ -91,8 +91,10 @@ def run_probe(cfg, plan: ProbePlan) -> dict:
                            if stats.reference_norm else float("nan"), cosine_vs_reference=stats.cosine,
                            small_v_frac=small_v_fraction(parts.learner.policy.optimizer))
                 runs.append(run)
-    finally:
-        close(parts, status="FINISHED")
+    except BaseException as err:  # the MLflow run ends FAILED with the reason, as a training run's
+        parts.reporter.finish("FAILED", reason=repr(err)[:500])
+        raise
+    close(parts, status="FINISHED")
     runs.sort(key=lambda r: ([n for n, _ in plan.variants].index(r["variant"]), plan.phis.index(r["phi"])))
     return {"probe": "reward-scale", "steps": plan.steps, "phis": list(plan.phis),
             "reference_phi": plan.reference_phi, "runs": runs, "summary": summarise(runs)}

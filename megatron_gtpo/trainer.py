@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_gtpo.checkpoint import Checkpointer
+from megatron_gtpo.checkpoint import Checkpointer, prepare_resume
 from megatron_gtpo.data.dataset import build_dataset
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.parallel.objects import barrier
@@ -68,9 +68,22 @@ class TrainConfig:
         require(self.eval_every >= 0, "eval_every", self.eval_every, "0 (off) or an integer >= 1")
 
 
-def run(cfg, *, resume: bool = False) -> dict[str, float]:
-    """Trains ``cfg`` (a RunConfig) to ``cfg.train.steps``; returns the last step's metrics."""
+def run(cfg, *, resume: bool | str = False) -> dict[str, float]:
+    """Trains ``cfg`` (a RunConfig) to ``cfg.train.steps``; returns the last step's metrics.
+    ``resume``: True/"require" (``--resume``), "auto" (``--resume=auto``) or False (see
+    ``checkpoint.prepare_resume``)."""
     parts = build(cfg, resume=resume)
+    try:
+        metrics = _loop(cfg, parts)
+    except BaseException as err:  # the MLflow run ends FAILED with the reason; the error goes on
+        parts.reporter.finish("FAILED", reason=repr(err)[:500])
+        raise
+    close(parts, status="KILLED" if parts.checkpointer.preempt.set else "FINISHED")
+    return metrics
+
+
+def _loop(cfg, parts: Parts) -> dict[str, float]:
+    """Steps ``start_step + 1 .. train.steps`` (or up to a preemption); the last step's metrics."""
     learner, collector, weight_sync, checkpointer, reporter = (
         parts.learner, parts.collector, parts.weight_sync, parts.checkpointer, parts.reporter)
     tc, metrics = cfg.train, {}
@@ -78,7 +91,7 @@ def run(cfg, *, resume: bool = False) -> dict[str, float]:
         t0 = time.perf_counter()
         rollout = collector.collect(step, prompts_per_step=tc.prompts_per_step)
         if not rollout.groups:  # DAPO's dynamic sampling kept nothing within its tries: no update
-            reporter.skipped(step, rollout_metrics(rollout))
+            reporter.skipped(step, rollout_metrics(rollout), rollout)
         else:
             batch = collate(rollout.groups, pad_id=parts.pad_id)
             t1 = time.perf_counter()
@@ -90,12 +103,13 @@ def run(cfg, *, resume: bool = False) -> dict[str, float]:
                      "step": t3 - t0}
             metrics = step_metrics(rollout_metrics(rollout), train, sync, times=times,
                                    completion_tokens=float(batch.lengths.sum()))
-            reporter.step(step, metrics, rollout.groups)
+            reporter.step(step, metrics, rollout)
         if tc.eval_every and step % tc.eval_every == 0:
             metrics.update(_evaluate(parts, step, seed=tc.seed))
-        if checkpointer.after_step(step, run_id=reporter.run_id):
+        stop = checkpointer.after_step(step, run_id=reporter.run_id)
+        reporter.commit(checkpointer.last_saved)  # steps up to the last checkpoint are final in MLflow
+        if stop:
             break
-    close(parts, status="KILLED" if checkpointer.preempt.set else "FINISHED")
     return metrics
 
 
@@ -115,12 +129,13 @@ class Parts:
     start_step: int
 
 
-def build(cfg, *, resume: bool) -> Parts:
-    """Builds every part in an order that fails fast: groups, policy, engines, data, reward,
-    checkpoint restore, tracking; then pushes the (restored) weights into the engines."""
+def build(cfg, *, resume: bool | str) -> Parts:
+    """Builds every part in an order that fails fast: groups, the checkpoint to resume (verified),
+    policy, engines, data, reward, tracking; then pushes the (restored) weights into the engines."""
     preempt = PreemptionFlag()  # first: a preemption signal during start-up must not kill the job
     dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, seed=cfg.train.seed)
     setup_logging(dims.rank)
+    point = prepare_resume(cfg.output_dir, resume)  # before the expensive parts: a bad resume fails in seconds
     spec = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
     settings = StepSettings(spec=spec, micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature)
     log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
@@ -146,10 +161,11 @@ def build(cfg, *, resume: bool) -> Parts:
     checkpointer = Checkpointer(Path(cfg.output_dir) / "checkpoints", policy=policy, dataset=dataset,
                                 every=cfg.train.checkpoint_every, keep_last=cfg.train.keep_last,
                                 total_steps=cfg.train.steps, preempt=preempt)
-    start_step, run_id = checkpointer.restore() if resume else (0, None)
+    start_step, run_id = checkpointer.restore(point) if point is not None else (0, None)
     reporter = Reporter(cfg.tracking, run_dir=Path(cfg.output_dir), rank=dims.rank, total_steps=cfg.train.steps,
-                        run_id=run_id)
+                        run_id=run_id, resume_step=start_step if resume else None)
     reporter.start(to_dict(cfg))
+    reporter.dataset(dataset.stats, step=start_step)
     weight_sync.sync(policy.chunks, version=start_step)
     tokenizer = engines.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
 from megatron_gtpo.plan.layout import Layout, LayoutError, plan_layout
 from megatron_gtpo.plan.memory import GIB, MemoryEstimate, check_memory, estimate_memory, \
     optimizer_bytes_per_param
@@ -74,6 +75,8 @@ class RecipeSizes:
     """Bytes of an engine weight / KV entry (vLLM dtype)."""
     gpu_memory_utilization: float = 0.9
     """rollout.vllm.gpu_memory_utilization"""
+    max_model_len: int | None = None
+    """rollout.vllm.max_model_len (None: the model's max_position_embeddings, checked by the layout)"""
     notes: list[str] = field(default_factory=list)
     """Assumptions made while reading the recipe."""
 
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     try:
         cfg = load_config(args.recipe, args.overrides)
+        check_vllm_kwargs(cfg.rollout.vllm)
         sizes = sizes_from_config(cfg)
         shape = load_model_shape(args.hf_config) if args.hf_config else model_shape_of(cfg.model.path)
     except ConfigError as err:
@@ -117,6 +121,13 @@ def report(*, shape: ModelShape, sizes: RecipeSizes, nodes: int, gpus_per_node: 
     print(f"dry-run: {title}", file=out)
     print(f"cluster  {nodes} node(s) x {gpus_per_node} GPU(s) = {nodes * gpus_per_node} GPUs", file=out)
     print(_model_line(shape), file=out)
+    if sizes.max_model_len is not None:
+        too_long = context_problem(context=sizes.max_model_len, source="rollout.vllm.max_model_len",
+                                   max_prompt_tokens=sizes.max_prompt_tokens,
+                                   max_tokens=sizes.max_completion_tokens)
+        if too_long:
+            print(f"REJECTED: {LayoutError([too_long])}", file=out)
+            return EXIT_IMPOSSIBLE
     try:
         layout = plan_layout(
             shape=shape, nodes=nodes, gpus_per_node=gpus_per_node, tp=sizes.tp, pp=sizes.pp, vpp=sizes.vpp, dp=sizes.dp,
@@ -232,7 +243,8 @@ def sizes_from_config(cfg: Any) -> RecipeSizes:
         optimizer=str(optimizer.get("optimizer", "adam")),
         distributed_optimizer=bool(optimizer.get("use_distributed_optimizer", False)),
         rollout_bytes=_DTYPE_BYTES[engine_dtype],
-        gpu_memory_utilization=float(vllm.get("gpu_memory_utilization", 0.9)), notes=notes)
+        gpu_memory_utilization=float(vllm.get("gpu_memory_utilization", 0.9)),
+        max_model_len=None if vllm.get("max_model_len") is None else int(vllm["max_model_len"]), notes=notes)
 
 
 def model_shape_of(model_path: str) -> ModelShape:

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.parallel.world_size == 1:
         rc = worker([str(resolved), str(out / PLAN)])
     else:
-        rc = train_cli.launch_torchrun(resolved, cfg.parallel.world_size, resume=False,
+        rc = train_cli.launch_torchrun(resolved, cfg.parallel.world_size, resume="off",
                                        module="megatron_gtpo.cli.probe", extra=("worker", str(out / PLAN)))
     if rc != 0 or not (out / REPORT).is_file():
         print(f"megatron-gtpo probe: the probe failed (exit {rc}); logs above", file=sys.stderr)

@@ -12,6 +12,9 @@ from megatron_gtpo.utils.configuration import require
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """``ModelConfig.dtype`` names -> torch dtypes."""
 
+# Megatron-LM's --make-vocab-size-divisible-by default (train.model.padded_vocab_size applies it).
+VOCAB_DIVISIBLE_BY = 128
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -39,5 +42,13 @@ class ModelConfig:
     """Fields of megatron.core TransformerConfig passed through unchanged (e.g. recompute_granularity,
     fp8, fp8_recipe, attention_backend). Unknown names are rejected when the model is built."""
 
+    make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY
+    """The trainer's embedding and output layer get the vocabulary padded to a multiple of this x TP
+    (Megatron-LM's --make-vocab-size-divisible-by, and its default), so any vocabulary size works at
+    any TP. Padding rows are zero, never sampled or scored, and never sent to vLLM or exported.
+    Not a TransformerConfig field, hence not under `megatron`. 1 pads only up to a multiple of TP."""
+
     def __post_init__(self):
         require(bool(self.path), "path", self.path, "a model directory or 'smollm2' / 'tiny'")
+        require(self.make_vocab_size_divisible_by >= 1,
+                "make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, "an integer >= 1")

@@ -22,7 +22,8 @@ class ParallelConfig:
     """Parallel layout of the trainer (the ``parallel:`` block); world size = tp * pp * dp."""
 
     tp: int = 1
-    """Tensor-parallel size: must divide attention heads, KV heads (or be a multiple of them) and the vocabulary."""
+    """Tensor-parallel size: must divide attention heads, KV heads and intermediate_size (the vocabulary is
+    padded to fit any TP: model.make_vocab_size_divisible_by)."""
     pp: int = 1
     """Pipeline-parallel size: must divide the number of layers (times vpp)."""
     vpp: int | None = None

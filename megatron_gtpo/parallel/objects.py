@@ -18,6 +18,15 @@ def broadcast_object(obj, *, src: int = 0):
     return box[0]
 
 
+def all_gather_object(obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (``[obj]`` in a one-rank world)."""
+    if not _multi():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is True on at least one (e.g. a preemption signal that
     reached only some ranks: all of them must checkpoint together)."""

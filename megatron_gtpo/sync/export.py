@@ -3,7 +3,11 @@
 Used by HF export and by the per-step weight sync into vLLM. Data flow for one parameter::
 
     owner PP stage: TP shards --(TP gather)--> global Megatron tensor --(PP broadcast/send)-->
-    destination ranks: split fused qkv / gate-up --> (hf_name, tensor) pairs --> bucket
+    destination ranks: strip vocabulary padding rows, split fused qkv / gate-up -->
+    (hf_name, tensor) pairs --> bucket
+
+Yielded tensors have the HF shapes of config.json (``vocab_size`` rows for the embedding and
+lm_head, whatever padding the live model carries).
 
 Order is HF order (embeddings, layers 0..L-1 by global layer number, final norm, lm_head).
 Which ranks materialise full tensors:
@@ -134,7 +138,7 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], *, hf_config: dict, d
     if not to_all and dims.dp_rank != 0:
         return
     family, tied = architecture_of(hf_config), tied_embeddings(hf_config)
-    shapes = mp.shapes_of(hf_config)
+    shapes, vocab = mp.shapes_of(hf_config), int(hf_config["vocab_size"])
     pp_group = ps.get_pipeline_model_parallel_group() if dims.pp > 1 else None
     params = local_params(model_chunks, family=family, tied=tied)
     bucket, size = [], 0
@@ -144,6 +148,7 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], *, hf_config: dict, d
         tensor = _materialise(pm, entry, params, dims=dims, to_all=to_all, pp_group=pp_group)
         if tensor is None:
             continue
+        tensor = mp.strip_vocab(pm, tensor, vocab)  # padding rows never leave the trainer
         for name, part in zip(mp.hf_names(pm, layer), mp.split(pm, tensor, shapes)):
             bucket.append((name, part))
             size += part.nbytes

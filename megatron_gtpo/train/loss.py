@@ -31,7 +31,7 @@ import torch
 from megatron_gtpo import algo
 from megatron_gtpo.algo import AlgoSpec, PreparedBatch
 from megatron_gtpo.train.batching import MicroBatch
-from megatron_gtpo.train.logprobs import shifted_token_logprobs
+from megatron_gtpo.train.logprobs import VocabShard, shifted_token_logprobs
 
 Tensor = torch.Tensor
 
@@ -55,11 +55,11 @@ class LogprobSettings:
                     inplace_backward: bool = False, temperature: float | None = None):
         """``(logp, entropy)`` ``[mb, s]`` aligned with the predicted tokens (column 0 is 0), at the
         sampling temperature unless ``temperature`` is given (GTPO's raw-logit entropy)."""
-        return shifted_token_logprobs(
-            logits, input_ids, group=self.tp_group, vocab_start=self.tp_rank * logits.shape[-1],
-            vocab_size=self.vocab_size, temperature=self.temperature if temperature is None else temperature,
-            chunk_tokens=self.chunk_tokens,
-            entropy_prob_floor=entropy_prob_floor, inplace_backward=inplace_backward)
+        shard = VocabShard(group=self.tp_group, start=self.tp_rank * logits.shape[-1], vocab_size=self.vocab_size)
+        return shifted_token_logprobs(logits, input_ids, shard=shard,
+                                      temperature=self.temperature if temperature is None else temperature,
+                                      chunk_tokens=self.chunk_tokens, entropy_prob_floor=entropy_prob_floor,
+                                      inplace_backward=inplace_backward)
 
 
 @dataclass

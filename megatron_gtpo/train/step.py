@@ -38,6 +38,7 @@ from megatron_gtpo.parallel.layout import pipeline_problem
 from megatron_gtpo.train.batching import MicroBatch, global_normalisers, local_rows, micro_batches
 from megatron_gtpo.train.diagnostics import BatchBias, adam_step, batch_bias, momentum_metrics
 from megatron_gtpo.train.loss import ZERO_WHEN_EMPTY, LogprobSettings, StepInputs, micro_batch_loss, split_extrema
+from megatron_gtpo.train.model import true_vocab_size
 from megatron_gtpo.train.optim import current_lr, zero_grads
 from megatron_gtpo.types import Batch
 
@@ -71,7 +72,8 @@ class StepSettings:
     temperature: float
     """The rollout's sampling temperature: log-probs and entropies refer to that distribution."""
     vocab_size: int | None = None
-    """True vocabulary size (padding columns of the output layer excluded); None: the logits' width."""
+    """True vocabulary size (padding columns of the output layer excluded); None: the model's own
+    (``train.model.true_vocab_size``)."""
     chunk_tokens: int | None = None
     """Rows per chunk of the fused log-prob/entropy pass (None: automatic)."""
     pad_to_multiple: int = 1
@@ -127,14 +129,27 @@ def check_schedule(model_chunks, num_microbatches: int, dims: ParallelDims) -> N
                          "activations and gradients between the two stages")
 
 
+def forward_kwargs(chunk) -> dict:
+    """Keyword arguments of a model chunk's forward: a bf16/fp16 model (Megatron's Float16Module)
+    returns its logits in its own dtype instead of an fp32 copy; the fused log-prob pass upcasts
+    them chunk by chunk (``train/logprobs.py``), so the values are the same and one logits-sized
+    fp32 copy per micro-batch is saved."""
+    from megatron.core.transformer.module import Float16Module
+
+    inner = getattr(chunk, "module", None)  # DDP wraps the Float16Module
+    return {"fp32_output": False} if isinstance(chunk, Float16Module) or isinstance(inner, Float16Module) else {}
+
+
 def run_schedule(model_chunks, mbs: list[MicroBatch], loss_for, *, forward_only: bool) -> list[dict]:
     """Megatron's forward_backward_func over ``mbs``; ``loss_for(mb, logits)`` runs on the last stage.
     Returns the per-micro-batch metric dicts (last stage only; empty elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    extra = forward_kwargs(model_chunks[0])
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        output = model(mb.input_ids, mb.position_ids, None)  # None: causal mask (CPU shim on gloo)
+        output = model(mb.input_ids, mb.position_ids, None, **extra)  # None: causal mask (CPU shim on gloo)
         return output, partial(loss_for, mb)
 
     return get_forward_backward_func()(
@@ -144,8 +159,11 @@ def run_schedule(model_chunks, mbs: list[MicroBatch], loss_for, *, forward_only:
         forward_only=forward_only)
 
 
-def logprob_settings(settings: StepSettings, dims: ParallelDims, groups: Groups) -> LogprobSettings:
-    return LogprobSettings(tp_group=groups.tp, tp_rank=dims.tp_rank, vocab_size=settings.vocab_size,
+def logprob_settings(settings: StepSettings, dims: ParallelDims, groups: Groups, model_chunks) -> LogprobSettings:
+    """How ``model_chunks``' logits become log-probs; ``settings.vocab_size`` None: the model's true
+    vocabulary (``build_model`` records it), so padding columns of the output layer are never scored."""
+    vocab = true_vocab_size(model_chunks) if settings.vocab_size is None else settings.vocab_size
+    return LogprobSettings(tp_group=groups.tp, tp_rank=dims.tp_rank, vocab_size=vocab,
                            temperature=settings.temperature, chunk_tokens=settings.chunk_tokens)
 
 
@@ -196,7 +214,7 @@ def train_step(policy, batch: Batch, settings: StepSettings, dims: ParallelDims,
     spec, groups = settings.spec, process_groups()
     rows, mbs = rank_micro_batches(batch, settings, dims)
     check_schedule(policy.chunks, len(mbs), dims)
-    lp_settings = logprob_settings(settings, dims, groups)
+    lp_settings = logprob_settings(settings, dims, groups, policy.chunks)
     stats = None
     if spec.needs_old_logp or spec.needs_mean_entropy:  # pi_old and/or GTPO's <H>_i: forward first
         stats = forward_stats(policy.chunks, batch, mbs, lp_settings, entropy_prob_floor=spec.entropy_prob_floor,

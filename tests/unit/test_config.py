@@ -75,6 +75,7 @@ def test_overrides_are_typed_and_nested():
     ("rollout.n=1", "rollout.n=1 is not allowed"),
     ("train.micro_batch_size=3", "is not divisible by parallel.dp x train.micro_batch_size = 1 x 3"),
     ("parallel.tp=0", "parallel.tp=0 is not allowed"),
+    ("model.make_vocab_size_divisible_by=0", "model.make_vocab_size_divisible_by=0 is not allowed"),
     ("optim.optimizer.adam_betas=0.9", "adam_betas"),
     ("algo.mu=2.5", "algo.mu: expected int, got float 2.5"),
     ("noequals", "must look like key.path=value"),

@@ -56,7 +56,7 @@ def raw_entropy_phase(batch, full) -> None:
     spec = AlgoConfig(name="gtpo", entropy_logits="raw").resolve(max_completion_tokens=16)
     settings = StepSettings(spec=spec, micro_batch_size=MBS, temperature=TEMPERATURE)
     rows, mbs = rank_micro_batches(batch, settings, dims)
-    lp = logprob_settings(settings, dims, process_groups())
+    lp = logprob_settings(settings, dims, process_groups(), chunks)
     raw = forward_stats(chunks, batch, mbs, lp, entropy_prob_floor=1e-6,
                         entropy_temperature=spec.entropy_temperature(TEMPERATURE))
     sampling = forward_stats(chunks, batch, mbs, lp, entropy_prob_floor=1e-6)
