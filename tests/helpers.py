@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_gtpo.parallel.strict import ENV as STRICT_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -17,6 +19,13 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment of a launched run: this checkout on the path and strict device groups on (a
+    host tensor or object collective on a device group raises as NCCL would; parallel/strict.py)
+    unless the caller's environment says otherwise."""
+    return {**os.environ, "PYTHONPATH": str(REPO), STRICT_ENV: os.environ.get(STRICT_ENV, "1"), **extra}
 
 
 def kill_tree(pid: int, sig: int = 9) -> None:
@@ -75,11 +84,13 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600,
     rank printed with the prefix ``RESULT `` (the scripts' way of reporting checks).
 
     Raises AssertionError with the combined output when the launch fails, so a failing rank's
-    traceback appears in the pytest report.
+    traceback appears in the pytest report. Strict device groups (megatron_gtpo/parallel/strict.py)
+    are on unless ``env`` or the caller's environment sets the variable to 0: host data on a group
+    that would be NCCL on a GPU raises here as it would there.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", str(script), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = child_env(OMP_NUM_THREADS="1", **(env or {}))
     proc = run_group(cmd, timeout=timeout, env=full_env, cwd=REPO)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"torchrun {script} (nproc={nproc}) failed rc={proc.returncode}:\n{out[-8000:]}"

@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from megatron_gtpo.parallel.objects import broadcast_object
+from megatron_gtpo.parallel.control import broadcast_object
 from megatron_gtpo.tracking.tracker import Tracker
 from megatron_gtpo.utils.atomic import write_text_atomic
 from megatron_gtpo.utils.configuration import write_yaml_atomic

@@ -55,6 +55,7 @@ from megatron_gtpo.models.config import VOCAB_DIVISIBLE_BY
 from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, architecture_of, head_dim_of, num_kv_heads_of,
                                             rope_settings, tied_embeddings)
 from megatron_gtpo.models.shape import shape_from_hf_config
+from megatron_gtpo.parallel import strict
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.layout import model_split_problems
 from megatron_gtpo.utils.configuration import ConfigError
@@ -249,7 +250,7 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
         model.true_vocab_size = vocab  # GPTModel.vocab_size is the padded row count
         if lm_head_fp32 and model.post_process and (config.bf16 or config.fp16):
             fp32_output_layer(model.output_layer)
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() or strict.active():  # strict mode takes the GPU path: all on the device
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:
             model = Float16Module(config, model)

@@ -4,7 +4,6 @@ once the server is back, the journal replays and every step 1..6 is in MLflow ex
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import time
 import pytest
 
 from tests.e2e.mlflow_server import MlflowServer, metric_rows
-from tests.helpers import REPO, kill_tree
+from tests.helpers import REPO, child_env, kill_tree
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +35,7 @@ def test_training_survives_a_dead_tracking_server(tmp_path):
 
     server = MlflowServer(tmp_path / "server").start()
     out, log_path = tmp_path / "run", tmp_path / "train.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}  # log lines as they happen
+    env = child_env(PYTHONUNBUFFERED="1")  # log lines as they happen
     proc = None
     try:
         with open(log_path, "w") as log:
@@ -84,7 +83,7 @@ def test_step_rerun_after_sigkill_is_stored_once(tmp_path):
     from mlflow.tracking import MlflowClient
 
     out, log_path = tmp_path / "run", tmp_path / "killed.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}  # log lines as they happen
+    env = child_env(PYTHONUNBUFFERED="1")  # log lines as they happen
     args = [*CLI, "--output-dir", str(out), "--steps", "8", "train.checkpoint_every=4"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
