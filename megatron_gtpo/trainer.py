@@ -78,7 +78,7 @@ def run(cfg, *, resume: bool | str = False) -> dict[str, float]:
     except BaseException as err:  # the MLflow run ends FAILED with the reason; the error goes on
         parts.reporter.finish("FAILED", reason=repr(err)[:500])
         raise
-    _close(parts, status="KILLED" if parts.checkpointer.preempt.set else "FINISHED")
+    close(parts, status="KILLED" if parts.checkpointer.preempt.set else "FINISHED")
     return metrics
 
 
@@ -142,7 +142,7 @@ def build(cfg, *, resume: bool | str) -> Parts:
     log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
     learner = Learner.build(cfg.model, cfg.optim, settings=settings, dims=dims, rollout_steps=cfg.train.steps)
     policy = learner.policy
-    rollout_cfg = cfg.rollout
+    rollout_cfg = cfg.rollout.with_fp32_head() if cfg.model.lm_head_fp32 else cfg.rollout
     if not policy.has_hf_weights:  # Megatron checkpoint: the engine starts empty, the first push fills it
         rollout_cfg = dataclasses.replace(rollout_cfg, vllm={"load_format": "dummy", **rollout_cfg.vllm})
     log.info("starting %s rollout engine(s)", cfg.sync.transport)
@@ -152,9 +152,7 @@ def build(cfg, *, resume: bool | str) -> Parts:
     scorer = None
     with signals_blocked():  # reward worker processes must not die of a preemption signal
         if dims.rank == 0:
-            overlong = OverlongPunishment(max_tokens=spec.overlong_max_tokens, cache_tokens=spec.overlong_buffer_len,
-                                          factor=spec.overlong_penalty_factor) if spec.overlong_buffer_len else None
-            scorer = RewardScorer(cfg.reward, overlong=overlong)
+            scorer = RewardScorer(cfg.reward, overlong=overlong_punishment(spec))
     start_checkpoint_helpers()
     rows_unit = dims.dp * cfg.train.micro_batch_size
     collector = RolloutCollector(
@@ -178,6 +176,14 @@ def build(cfg, *, resume: bool | str) -> Parts:
                  reporter=reporter, scorer=scorer, held_out=held_out, pad_id=int(pad_id), start_step=start_step)
 
 
+def overlong_punishment(spec) -> OverlongPunishment | None:
+    """DAPO's soft overlong punishment of an AlgoSpec (None when its buffer is 0)."""
+    if not spec.overlong_buffer_len:
+        return None
+    return OverlongPunishment(max_tokens=spec.overlong_max_tokens, cache_tokens=spec.overlong_buffer_len,
+                              factor=spec.overlong_penalty_factor)
+
+
 def _held_out_prompts(cfg, tokenizer) -> list:
     """The periodic evaluation's prompts: the first ``train.eval_prompts`` of ``train.eval_benchmark``."""
     data = dataclasses.replace(cfg.data, benchmarks=[cfg.train.eval_benchmark], paths=[],
@@ -191,7 +197,7 @@ def _evaluate(parts: Parts, step: int, *, seed: int) -> dict[str, float]:
     return out
 
 
-def _close(parts: Parts, *, status: str) -> None:
+def close(parts: Parts, *, status: str) -> None:
     """Finishes the MLflow run and stops scorers and engines. The process groups stay up: vLLM's
     own exit hook tears down the groups it joined, and would fail on an already destroyed world."""
     parts.reporter.finish(status)

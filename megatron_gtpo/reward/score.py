@@ -97,7 +97,7 @@ def score_groups(prompts: list[Prompt], completions: list[Completion], *, scorer
     this call). Returns one ScoredGroup per prompt (an empty group when a prompt got no
     completion). A timeout or error scores 0 (plus the overlong term) and is counted in ``stats``;
     the scorer's FailureMonitor then warns about, or stops (RewardFunctionFailing), a batch whose
-    rewards mostly or all failed.
+    rewards mostly or all failed. Every reward is multiplied by ``RewardConfig.scale`` (1 by default).
     """
     if (scorer is None) == (config is None):
         raise ValueError("score_groups needs exactly one of scorer= (reused across steps) or config=")
@@ -117,7 +117,7 @@ def score_groups(prompts: list[Prompt], completions: list[Completion], *, scorer
         if scorer.overlong is not None:
             penalty = scorer.overlong(len(completion.token_ids))
             stats.num_overlong += penalty != 0.0
-        rewards.append(score.reward + penalty)
+        rewards.append((score.reward + penalty) * scorer.config.scale)
     groups = [ScoredGroup(prompt=prompts[p], completions=[completions[i] for i in idx],
                           rewards=[rewards[i] for i in idx], correct=[scores[i].correct for i in idx])
               for p, idx in enumerate(index_groups)]
