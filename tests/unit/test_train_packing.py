@@ -125,3 +125,23 @@ def test_a_budget_below_the_longest_row_names_the_field_and_the_fix():
     with pytest.raises(ValueError, match="prompt of >= 1 token"):
         packed_micro_batches(batch, slice(0, 2), token_budget=50, count=1, common_length=False)
 
+
+def test_config_default_is_packed_and_zero_is_padded():
+    from megatron_gtpo.config import load_config
+    from megatron_gtpo.utils.configuration import ConfigError
+    from tests.helpers import REPO
+
+    cfg = load_config(REPO / "configs" / "gtpo.yaml")
+    assert cfg.train.micro_batch_tokens is None and cfg.train.rows_per_micro_batch == 1
+    assert cfg.token_budget == cfg.train.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rollout.max_tokens)
+    assert load_config(REPO / "configs" / "tiny.yaml").token_budget == 0  # tiny_reference.json: padded
+    assert load_config(REPO / "configs" / "gtpo.yaml", ["train.micro_batch_size=3"]).token_budget == 3 * 5500
+    with pytest.raises(ConfigError, match="not divisible by parallel.dp x train.micro_batch_size = 1 x 3"):
+        load_config(REPO / "configs" / "gtpo.yaml", ["train.micro_batch_tokens=0", "train.micro_batch_size=3"])
+    padded = load_config(REPO / "configs" / "gtpo.yaml", ["train.micro_batch_tokens=0"])
+    assert padded.token_budget == 0 and padded.train.rows_per_micro_batch == padded.train.micro_batch_size
+    with pytest.raises(ConfigError, match=r"train.micro_batch_tokens=1000 cannot hold the longest possible row, "
+                                          r"data.max_prompt_tokens \+ rollout.max_tokens \(5500 tokens"):
+        load_config(REPO / "configs" / "gtpo.yaml", ["train.micro_batch_tokens=1000"])
+    with pytest.raises(ConfigError, match="train.micro_batch_tokens=-1 is not allowed"):
+        load_config(REPO / "configs" / "gtpo.yaml", ["train.micro_batch_tokens=-1"])
