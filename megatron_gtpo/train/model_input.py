@@ -14,10 +14,14 @@ Packed micro-batch (one row ``[1, S]`` of whole sequences, ``MicroBatch.cu_seqle
 * Megatron's local spec (CPU): its ``DotProductAttention`` refuses ``packed_seq_params``, so the row
   stays in the ``[s, b=1, h]`` layout with an explicit block-diagonal causal mask
   ``[1, 1, S, S]`` (True = masked out, Megatron's convention), and the rotary table is gathered at
-  the per-sequence positions (``position_ids``, restarting at 0): Megatron's RoPE otherwise takes
-  positions 0..S-1 of the row and ignores ``position_ids``. Each sequence then sees exactly the
-  inputs, positions and attended keys of its padded row. The dense mask makes attention cost
-  O(S^2) for the whole pack (THD's is the sum of per-sequence squares).
+  the per-sequence positions (``position_ids``, restarting at 0). Megatron's RoPE would otherwise
+  rotate by the row positions 0..S-1 and ignore ``position_ids``; RoPE scores depend only on
+  relative positions, so that would be equal in exact arithmetic, but fp32 angles ``pos * freq``
+  lose ~``pos * 6e-8`` rad, at a budget of tens of thousands of tokens 1e-3 rad that neither the
+  padded row nor the rollout engine has. Learned absolute position embeddings read
+  ``position_ids`` themselves. Each sequence then sees exactly the inputs, positions and attended
+  keys of its padded row. The dense mask makes attention cost O(S^2) for the whole pack (THD's is
+  the sum of per-sequence squares).
 """
 
 from __future__ import annotations
@@ -84,7 +88,11 @@ def rope_at_positions(model, positions: Tensor, max_seqlen: int):
     table_of = rope.forward
 
     def at_positions(max_seq_len, *args, **kwargs):
-        return table_of(max_seqlen, *args, **kwargs).index_select(0, positions)  # [S, 1, 1, dim]
+        table = table_of(max_seqlen, *args, **kwargs)  # [max_seqlen, 1, 1, dim]
+        if not isinstance(table, Tensor):  # YaRN's (table, mscale): build_model refuses YaRN today
+            raise NotImplementedError("packed micro-batches support plain RoPE tables only: set "
+                                      "train.micro_batch_tokens: 0 for padded micro-batches")
+        return table.index_select(0, positions)  # [S, 1, 1, dim]
 
     rope.forward = at_positions
     try:

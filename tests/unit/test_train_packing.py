@@ -145,3 +145,28 @@ def test_config_default_is_packed_and_zero_is_padded():
         load_config(REPO / "configs" / "gtpo.yaml", ["train.micro_batch_tokens=1000"])
     with pytest.raises(ConfigError, match="train.micro_batch_tokens=-1 is not allowed"):
         load_config(REPO / "configs" / "gtpo.yaml", ["train.micro_batch_tokens=-1"])
+
+
+def test_rope_table_restarts_at_every_sequence(monkeypatch):
+    """Inside ``rope_at_positions`` Megatron's rotary embedding (called with the packed length, as
+    GPTModel does) returns, for every packed position, exactly the rotation of that token's position
+    in its own sequence; outside, the class's own forward is back."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_gtpo.train.model_input import rope_at_positions
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))  # RoPE's table device
+    rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_base=10000, use_cpu_initialization=True)
+    batch = batch_of(ROWS, pad=99)
+    (mb,) = packed_micro_batches(batch, slice(0, 4), token_budget=20, count=1, common_length=False, pad_to_multiple=4)
+    seq_len, own = mb.input_ids.shape[1], rope(mb.max_seqlen)  # [max_seqlen, 1, 1, 16]
+    with rope_at_positions(SimpleNamespace(rotary_pos_emb=rope), mb.position_ids[0], mb.max_seqlen):
+        packed = rope(seq_len)
+    assert packed.shape == (seq_len, 1, 1, 16)
+    assert torch.equal(packed, own[mb.position_ids[0]])  # bit for bit the padded row's rotations
+    assert not torch.equal(packed, rope(seq_len))  # and not the row positions 0..S-1
+    assert "forward" not in vars(rope)
+    with rope_at_positions(SimpleNamespace(), mb.position_ids[0], mb.max_seqlen):  # a chunk without RoPE
+        pass
