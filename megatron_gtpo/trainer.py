@@ -48,19 +48,20 @@ class TrainConfig:
     1 as the GTPO reference code (spec 5.10)."""
     micro_batch_size: int = 8
     """Completions per micro-batch on one DP rank (Megatron's micro-batch) on the padded path
-    (``micro_batch_tokens: 0``); on the packed path it only sizes the default token budget."""
+    (``micro_batch_tokens: 0``); unused when packing."""
     micro_batch_tokens: int | None = None
     """Token budget of a packed micro-batch. Packing is the default: each DP rank's rows (prompt +
     completion) go back to back, padding-free, into micro-batches of at most this many tokens,
     balanced by token count, the same number of micro-batches on every DP rank (train/batching.py);
-    loss and gradients equal the padded path's up to float rounding. null (default): micro_batch_size
-    x the longest possible row (data.max_prompt_tokens + rollout.max_tokens), so a packed
-    micro-batch never holds more tokens than a padded one of micro_batch_size rows could. 0: the
-    padded path, micro-batches of micro_batch_size rows, each padded to its longest row (with PP to
-    the step's longest). An explicit budget must hold the longest possible row. On GPU with
-    Transformer Engine the packed micro-batch goes in Megatron's THD format (PackedSeqParams;
-    untested on GPU so far); with the local spec (CPU) as one row with a block-diagonal causal mask,
-    whose attention costs O(budget^2): there a budget of a few longest rows is faster."""
+    loss and gradients equal the padded path's up to float rounding. null (default): the longest
+    possible row, data.max_prompt_tokens + rollout.max_tokens, so a micro-batch never holds more
+    tokens than one worst-case row (padded micro-batches hold up to micro_batch_size of them); on GPU
+    a larger budget means fewer, fuller micro-batches. 0: the padded path, micro-batches of
+    micro_batch_size rows, each padded to its longest row (with PP to the step's longest). An
+    explicit budget must hold the longest possible row. On GPU with Transformer Engine the packed
+    micro-batch goes in Megatron's THD format (PackedSeqParams; untested on GPU so far); with the
+    local spec (CPU) as one row with a block-diagonal causal mask, whose attention costs
+    O(budget^2): there the default is also the fastest (bench/packing.py)."""
     seed: int = 1234
     """Seed of model init, dropout RNG and sampling."""
     checkpoint_every: int = 10
@@ -90,7 +91,7 @@ class TrainConfig:
 
     def token_budget(self, longest_row: int) -> int:
         """``micro_batch_tokens`` resolved for rows of at most ``longest_row`` tokens (0: padded)."""
-        return self.micro_batch_size * longest_row if self.micro_batch_tokens is None else self.micro_batch_tokens
+        return longest_row if self.micro_batch_tokens is None else self.micro_batch_tokens
 
 
 def run(cfg, *, resume: bool | str = False) -> dict[str, float]:

@@ -133,9 +133,10 @@ def test_config_default_is_packed_and_zero_is_padded():
 
     cfg = load_config(REPO / "configs" / "gtpo.yaml")
     assert cfg.train.micro_batch_tokens is None and cfg.train.rows_per_micro_batch == 1
-    assert cfg.token_budget == cfg.train.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rollout.max_tokens)
+    assert cfg.token_budget == cfg.data.max_prompt_tokens + cfg.rollout.max_tokens == 5500
     assert load_config(REPO / "configs" / "tiny.yaml").token_budget == 0  # tiny_reference.json: padded
-    assert load_config(REPO / "configs" / "gtpo.yaml", ["train.micro_batch_size=3"]).token_budget == 3 * 5500
+    assert load_config(REPO / "configs" / "gtpo.yaml", ["train.micro_batch_size=3"]).token_budget == 5500
+    assert load_config(REPO / "configs" / "gtpo.yaml", ["train.micro_batch_tokens=8192"]).token_budget == 8192
     with pytest.raises(ConfigError, match="not divisible by parallel.dp x train.micro_batch_size = 1 x 3"):
         load_config(REPO / "configs" / "gtpo.yaml", ["train.micro_batch_tokens=0", "train.micro_batch_size=3"])
     padded = load_config(REPO / "configs" / "gtpo.yaml", ["train.micro_batch_tokens=0"])
