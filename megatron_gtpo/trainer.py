@@ -27,6 +27,7 @@ from megatron_gtpo.reward.functions import OverlongPunishment
 from megatron_gtpo.reward.score import RewardScorer
 from megatron_gtpo.rollout.collector import DynamicSampling, RolloutCollector, Sampling, rollout_metrics
 from megatron_gtpo.sync import ExportPlan, WeightSync, build_rollout
+from megatron_gtpo.sync.memory import Choreography, TrainerOffload
 from megatron_gtpo.tracking import Reporter, step_metrics
 from megatron_gtpo.train.batching import collate
 from megatron_gtpo.train.learner import Learner
@@ -81,10 +82,13 @@ def run(cfg, *, resume: bool = False) -> dict[str, float]:
             reporter.skipped(step, rollout_metrics(rollout))
         else:
             batch = collate(rollout.groups, pad_id=parts.pad_id)
+            parts.memory.after_rollout()  # colocated engines sleep; the trainer gets the GPU memory back
             t1 = time.perf_counter()
             train = learner.step(batch)
             t2 = time.perf_counter()
+            parts.memory.before_push()  # engine weights awake, KV cache still free
             sync = weight_sync.sync(learner.policy.chunks, version=step)
+            parts.memory.after_push()  # trainer releases its step memory, then the KV cache comes back
             t3 = time.perf_counter()
             times = {"rollout": rollout.rollout_s, "reward": rollout.reward_s, "train": t2 - t1, "sync": t3 - t2,
                      "step": t3 - t0}
@@ -108,6 +112,8 @@ class Parts:
     weight_sync: WeightSync
     checkpointer: Checkpointer
     reporter: Reporter
+    memory: Choreography
+    """Sleep/wake of colocated engines and the trainer's offload around rollout and push."""
     scorer: RewardScorer | None
     held_out: list
     """Held-out prompts of the periodic evaluation (empty when it is off)."""
@@ -130,7 +136,7 @@ def build(cfg, *, resume: bool) -> Parts:
     if not policy.has_hf_weights:  # Megatron checkpoint: the engine starts empty, the first push fills it
         rollout_cfg = dataclasses.replace(rollout_cfg, vllm={"load_format": "dummy", **rollout_cfg.vllm})
     log.info("starting %s rollout engine(s)", cfg.sync.transport)
-    export = ExportPlan(hf_config=policy.hf_config, dims=dims, bucket_bytes=cfg.sync.bucket_bytes)
+    export = ExportPlan(hf_config=policy.hf_config, dims=dims, bucket_bytes=cfg.sync.bucket_size)
     engines, weight_sync = build_rollout(rollout_cfg, cfg.sync, model_dir=str(policy.model_dir), export=export)
     dataset = build_dataset(cfg.data, tokenizer=engines.tokenizer, progress=dims.rank == 0)
     scorer = None
@@ -157,8 +163,10 @@ def build(cfg, *, resume: bool) -> Parts:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     held_out = _held_out_prompts(cfg, tokenizer) if cfg.train.eval_every else []
     log.info("ready: %d prompts, starting at step %d of %d", len(dataset), start_step, cfg.train.steps)
+    memory = Choreography(engines, TrainerOffload(policy.chunks, policy.optimizer) if cfg.rollout.offload_trainer
+                          else None, colocated=cfg.sync.transport == "colocated")
     return Parts(learner=learner, collector=collector, weight_sync=weight_sync, checkpointer=checkpointer,
-                 reporter=reporter, scorer=scorer, held_out=held_out, pad_id=int(pad_id), start_step=start_step)
+                 reporter=reporter, memory=memory, scorer=scorer, held_out=held_out, pad_id=int(pad_id), start_step=start_step)
 
 
 def _held_out_prompts(cfg, tokenizer) -> list:

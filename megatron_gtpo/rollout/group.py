@@ -5,28 +5,27 @@ full completion list back (the TrainBatch contract: every rank holds the whole b
 own slice). How the work is spread depends on the transport:
 
 * colocated: **every rank is part of one engine**. vLLM joins the torchrun world at start-up, so
-  all ranks must build one (``external_launcher``). With the default engine TP=1 (CPU) each rank
+  all ranks must build one (``external_launcher``). With engines of TP=1 (the CPU default) each rank
   holds a full-model engine, and the trainer's TP peers, which would otherwise idle during
   generation, each sample a contiguous shard of the prompts; the shards are all-gathered. With
-  ``vllm.tensor_parallel_size=k`` (GPU, k = the trainer's TP) vLLM groups k consecutive ranks into
-  one engine, exactly like Megatron's TP groups; the k ranks of an engine submit the same shard and
-  only its first rank's copy is kept. Every prompt's seed is derived from the *whole* batch, so the
-  completions do not depend on the number of engines. The exporter hands every rank the full
-  tensors (``dst_ranks="all"``) and each rank loads its own engine (vLLM shards them itself).
-* separate: **global rank 0 owns the one engine process**; it generates everything and broadcasts
-  the completions. Only rank 0 receives full tensors from the exporter (``dst_ranks="first"``).
+  ``vllm.tensor_parallel_size=k`` vLLM groups k consecutive ranks into one engine, exactly like
+  Megatron's TP groups; the k ranks of an engine submit the same shard and only its first rank's
+  copy is kept. Every prompt's seed is derived from the *whole* batch, so the completions do not
+  depend on the number of engines.
+* separate: **global rank 0 holds the pool of rollout servers** (``sync.pool.RolloutPool``), which
+  spreads the prompts over the servers; rank 0 broadcasts the completions.
 
-A world of one rank needs no communication in either case.
+Completions travel as Python objects over the gloo control group (``utils.control``), never over
+the default group, which is NCCL on GPU. A world of one rank needs no communication in either case.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch.distributed as dist
-
 from megatron_gtpo.rollout.engine import call_seed, prompt_seeds
 from megatron_gtpo.types import Completion, Prompt
+from megatron_gtpo.utils import control
 
 
 class RolloutGroup:
@@ -40,8 +39,7 @@ class RolloutGroup:
         self._shard, self._model_dir, self._seed, self._calls = shard, str(model_dir), seed, 0
         self._per_engine = ranks_per_engine
         self._tokenizer = None
-        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self._rank, self._world = (dist.get_rank(), dist.get_world_size()) if multi else (0, 1)
+        self._rank, self._world = control.world()
         if engine is None and not (self._world > 1 and not shard):
             raise ValueError("every rank needs an engine unless rank 0 generates for all (shard=False)")
         if self._world % ranks_per_engine:
@@ -71,24 +69,28 @@ class RolloutGroup:
             return self.engine.sample(prompts, seeds=seeds, **sampling)
         if self._shard:
             return self._sharded(prompts, seeds, sampling)
-        box = [self.engine.sample(prompts, seeds=seeds, **sampling) if self._rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return _relink(box[0], prompts, offset=0)
+        mine = self.engine.sample(prompts, seeds=seeds, **sampling) if self._rank == 0 else None
+        return _relink(control.broadcast_object(mine, src=0), prompts, offset=0)
 
     def _sharded(self, prompts: Sequence[Prompt], seeds: list[int], sampling: dict) -> list[Completion]:
         engines, index = self._world // self._per_engine, self._rank // self._per_engine
         per_engine = -(-len(prompts) // engines)
         lo, hi = min(index * per_engine, len(prompts)), min((index + 1) * per_engine, len(prompts))
         mine = self.engine.sample(prompts[lo:hi], seeds=seeds[lo:hi], **sampling) if hi > lo else []
-        shards: list = [None] * self._world
-        dist.all_gather_object(shards, (lo, mine))
+        shards = control.all_gather_object((lo, mine))
         first_ranks = shards[::self._per_engine]  # the other ranks of an engine hold the same shard
         return [c for start, part in first_ranks for c in _relink(part, prompts, offset=start)]
 
     def sleep(self) -> None:
-        """Frees accelerator memory for training where the engine shares the trainer's devices."""
+        """After a rollout: frees the engine's accelerator memory for training (weights to host, KV
+        cache dropped) where the engine shares the trainer's devices."""
         if self.engine is not None:
             self.engine.sleep()
+
+    def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Re-allocates the engine's ``weights`` (before a push) or ``kv_cache`` (before generating)."""
+        if self.engine is not None:
+            self.engine.wake_up(tags)
 
     def close(self) -> None:
         if self.engine is not None:
