@@ -84,12 +84,10 @@ class RolloutEngine:
         kwargs = engine_kwargs(model_dir, vllm_kwargs, seed)
         # Keep the engine core in this process (see module docstring); read by vLLM at LLM().
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
-
         # vLLM's engine shutdown destroys the default process group; it may only do so when it
         # created that group itself (see close()).
         self._owns_world = not (torch.distributed.is_available() and torch.distributed.is_initialized())
-        self._llm = LLM(**kwargs)
+        self._llm = self._make_llm(kwargs)
         if not self._owns_world:
             _PINNED.append(self._llm)  # never garbage-collected before exit: see close()
         self._model_dir = str(model_dir)
@@ -105,6 +103,13 @@ class RolloutEngine:
         """What the engine was asked to do, in order: generate, sleep, wake:weights, wake:kv_cache,
         push (recorded on every device, so the driver's memory choreography is testable on CPU)."""
         self._broken: str | None = None
+        self._closed = False
+
+    @staticmethod
+    def _make_llm(kwargs: dict):
+        from vllm import LLM
+
+        return LLM(**kwargs)
 
     # ----------------------------------------------------------------------------- properties
 
@@ -189,7 +194,7 @@ class RolloutEngine:
         transactional: a failure inside it leaves the engine refusing to serve until a later push
         completes (which rewrites every weight)."""
         self.check_version(version)
-        self._require("weights", "push into")
+        self._require("weights", "push into", repairs=True)
         self.memory_events.append("push")
         try:
             self._llm.collective_rpc(_reload, kwargs={"weights": named_tensors, "sharded": sharded})
@@ -250,16 +255,17 @@ class RolloutEngine:
         When the process group existed before the engine (a torchrun trainer), vLLM's shutdown would
         destroy it under the trainer's feet, so the engine is only marked closed and its memory is
         reclaimed at process exit."""
-        self._broken = "engine closed"
+        self._broken, self._closed = "engine closed", True
         if self._owns_world:
             self._llm = None
             import gc
 
             gc.collect()
 
-    def _require(self, *need: str) -> None:
-        """Raises unless the engine is usable and the memory ``need[:-1]`` names is awake."""
-        if self._broken:
+    def _require(self, *need: str, repairs: bool = False) -> None:
+        """Raises unless the engine is usable (or the call ``repairs`` it: a whole push) and the
+        memory ``need[:-1]`` names is awake."""
+        if self._broken and not (repairs and not self._closed):
             raise RuntimeError(f"rollout engine unusable: {self._broken}")
         missing = [t for t in need[:-1] if t not in self._awake]
         if missing:
@@ -274,24 +280,29 @@ def _reload(worker, *, weights, sharded: bool) -> None:
 
 def reload_model(model: torch.nn.Module, model_config, weights: Iterable[tuple[str, torch.Tensor]], *,
                  sharded: bool = False) -> None:
-    """vLLM's layer-wise in-place reload (what ``reload_weights`` does), with the linear layers
-    optionally marked as pre-sharded (``is_sharded_weight``: the tensors are this engine rank's TP
-    shard). The reload state is always finalised, so a failed push leaves no half-initialised
-    layers behind for the next one."""
+    """vLLM's layer-wise in-place reload (what ``reload_weights`` does). ``sharded``: the linear
+    layers' tensors are this engine rank's TP shards; their parameters are then loaded as vLLM loads
+    pre-sharded checkpoints (``is_sharded_weight`` for plain parameters; TP rank 0 of a shard-sized
+    tensor for vLLM's parameter classes, whose loaders always cut ``tp_rank * shard``). The reload
+    state is always finalised, so a failed push leaves no half-initialised layers for the next one."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     initialize_layerwise_reload(model)
-    flagged = [p for m in model.modules() if isinstance(m, LinearBase) for p in m.parameters(recurse=False)] \
-        if sharded else []
-    for param in flagged:  # the meta placeholders initialize_layerwise_reload restored
+    flagged = [(p, p.__dict__.get("tp_rank")) for m in model.modules() if isinstance(m, LinearBase)
+               for p in m.parameters(recurse=False)] if sharded else []
+    for param, _ in flagged:  # the placeholders initialize_layerwise_reload restored
         param.is_sharded_weight = True
+        if "tp_rank" in param.__dict__:
+            param.tp_rank = 0
     try:
         model.load_weights(weights)
     finally:
         finalize_layerwise_reload(model, model_config)
-        for param in flagged:  # the placeholders are reused by the next reload
+        for param, tp_rank in flagged:  # the placeholders are reused by the next reload
             param.__dict__.pop("is_sharded_weight", None)
+            if tp_rank is not None:
+                param.tp_rank = tp_rank
 
 
 def _repack_tied_cpu_gemms(model: torch.nn.Module) -> int:

@@ -22,7 +22,6 @@ worker extension class :class:`StagedReceiverExtension` (``worker_extension_cls`
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -36,9 +35,6 @@ from megatron_gtpo.sync.shards import TensorMeta
 from megatron_gtpo.sync.wire import open_group, tcp_store
 
 BACKEND = "mgtpo_staged"
-FAULT_ENV = "MGTPO_TEST_SERVER_EXIT_AFTER_BUCKETS"
-"""Test hook: a server whose environment sets it exits abruptly (``os._exit``) after receiving that
-many buckets of a push, as a crashed node would. Read nowhere else."""
 
 
 @dataclass
@@ -88,15 +84,12 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         self.staged, self.discard = [], False
 
     def receive_weights(self, update_info: StagedUpdateInfo) -> None:
-        exit_after = int(os.environ.get(FAULT_ENV, "0") or 0)
         for owner, nbytes, metas in update_info.buckets:
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self.group.recv([buffer], update_info.senders[owner], 0).wait()
             host = buffer if buffer.device.type == "cpu" else buffer.to("cpu")
             self.staged.extend((m["name"], view_of(host, TensorMeta(**m))) for m in metas)
             self.received_buckets += 1
-            if exit_after and self.received_buckets >= exit_after:
-                os._exit(17)
 
     def finish_weight_update(self) -> None:
         staged, self.staged = self.staged, []
