@@ -23,6 +23,7 @@ from megatron_gtpo.checkpoint import Checkpointer
 from megatron_gtpo.data.dataset import build_dataset
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.parallel.objects import barrier
+from megatron_gtpo.plan.recipe import plan_engine_memory
 from megatron_gtpo.reward.functions import OverlongPunishment
 from megatron_gtpo.reward.score import RewardScorer
 from megatron_gtpo.rollout.collector import DynamicSampling, RolloutCollector, Sampling, rollout_metrics
@@ -132,12 +133,18 @@ def build(cfg, *, resume: bool) -> Parts:
     log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
     learner = Learner.build(cfg.model, cfg.optim, settings=settings, dims=dims, rollout_steps=cfg.train.steps)
     policy = learner.policy
-    rollout_cfg = cfg.rollout
+    rollout_cfg, budget = plan_engine_memory(cfg, model_dir=str(policy.model_dir), world=dims.world)
+    offload = TrainerOffload(policy.chunks, policy.optimizer) if cfg.rollout.offload_trainer else None
+    if offload is not None:  # engines start on the memory the trainer gives up while they generate
+        offload.offload()
     if not policy.has_hf_weights:  # Megatron checkpoint: the engine starts empty, the first push fills it
         rollout_cfg = dataclasses.replace(rollout_cfg, vllm={"load_format": "dummy", **rollout_cfg.vllm})
     log.info("starting %s rollout engine(s)", cfg.sync.transport)
     export = ExportPlan(hf_config=policy.hf_config, dims=dims, bucket_bytes=cfg.sync.bucket_size)
-    engines, weight_sync = build_rollout(rollout_cfg, cfg.sync, model_dir=str(policy.model_dir), export=export)
+    engines, weight_sync = build_rollout(rollout_cfg, cfg.sync, model_dir=str(policy.model_dir), export=export,
+                                         budget=budget)
+    if offload is not None:
+        offload.reload()  # a checkpoint restore writes into the optimizer state
     dataset = build_dataset(cfg.data, tokenizer=engines.tokenizer, progress=dims.rank == 0)
     scorer = None
     with signals_blocked():  # reward worker processes must not die of a preemption signal
@@ -159,12 +166,12 @@ def build(cfg, *, resume: bool) -> Parts:
                         run_id=run_id)
     reporter.start(to_dict(cfg))
     weight_sync.sync(policy.chunks, version=start_step)
+    memory = Choreography(engines, offload, colocated=cfg.sync.transport == "colocated")
+    memory.after_push()  # as after every push: the trainer gives up its rollout-time memory
     tokenizer = engines.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     held_out = _held_out_prompts(cfg, tokenizer) if cfg.train.eval_every else []
     log.info("ready: %d prompts, starting at step %d of %d", len(dataset), start_step, cfg.train.steps)
-    memory = Choreography(engines, TrainerOffload(policy.chunks, policy.optimizer) if cfg.rollout.offload_trainer
-                          else None, colocated=cfg.sync.transport == "colocated")
     return Parts(learner=learner, collector=collector, weight_sync=weight_sync, checkpointer=checkpointer,
                  reporter=reporter, memory=memory, scorer=scorer, held_out=held_out, pad_id=int(pad_id), start_step=start_step)
 

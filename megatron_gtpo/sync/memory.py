@@ -36,25 +36,34 @@ class TrainerOffload:
     """Gradient buffers and optimizer state of a Megatron policy, parked in host memory on demand."""
 
     def __init__(self, model_chunks: list, optimizer):
-        self._grads = _unique_storages(b.grad_data for c in model_chunks
-                                       for b in getattr(c, "buffers", []) + getattr(c, "expert_parallel_buffers", []))
-        self._state = _unique_storages(_optimizer_tensors(optimizer))
-        self._host: list[torch.Tensor | None] = [None] * len(self._state)
+        self._chunks, self._optimizer = model_chunks, optimizer
+        self._grads: list = []
+        self._state: list = []
+        self._host: list[torch.Tensor] = []
+        self._sizes: list[int] = []
         self.offloaded = False
+
+    def _storages(self) -> tuple[list, list]:
+        """Grad buffers and optimizer state as they are now (Adam creates its moments at the first step)."""
+        grads = _unique_storages(b.grad_data for c in self._chunks
+                                 for b in getattr(c, "buffers", []) + getattr(c, "expert_parallel_buffers", []))
+        return grads, _unique_storages(_optimizer_tensors(self._optimizer))
 
     @property
     def nbytes(self) -> int:
-        """Bytes the offload frees on the device."""
-        return sum(s.nbytes() for s in self._grads + self._state) if not self.offloaded else 0
+        """Bytes an offload frees on the device now."""
+        return 0 if self.offloaded else sum(s.nbytes() for part in self._storages() for s in part)
 
     def offload(self) -> None:
         if self.offloaded:
             return
+        self._grads, self._state = self._storages()
         pin = torch.cuda.is_available()
-        for i, storage in enumerate(self._state):
+        self._host = []
+        for storage in self._state:
             host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
             host.copy_(torch.tensor([], dtype=torch.uint8, device=storage.device).set_(storage), non_blocking=pin)
-            self._host[i] = host
+            self._host.append(host)
         if pin:
             torch.cuda.synchronize()
         self._sizes = [s.nbytes() for s in self._grads]
@@ -73,7 +82,7 @@ class TrainerOffload:
             torch.tensor([], dtype=torch.uint8, device=storage.device).set_(storage).copy_(host, non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self._host = [None] * len(self._state)
+        self._host = []
         self.offloaded = False
 
 

@@ -12,6 +12,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from megatron_gtpo.plan.memory import EngineBudget, check_engine_start
 from megatron_gtpo.rollout.config import RolloutConfig
 from megatron_gtpo.rollout.engine import RolloutEngine
 from megatron_gtpo.rollout.group import RolloutGroup
@@ -25,10 +28,15 @@ from megatron_gtpo.sync.shards import delivery_mode
 from megatron_gtpo.utils.configuration import ConfigError
 
 
-def build_rollout(rollout: RolloutConfig, sync: SyncConfig, *, model_dir: str,
-                  export: ExportPlan) -> tuple[RolloutGroup, WeightSync]:
-    """The job's engines and the weight sync that feeds them; call on every rank at the same point."""
+def build_rollout(rollout: RolloutConfig, sync: SyncConfig, *, model_dir: str, export: ExportPlan,
+                  budget: EngineBudget | None = None) -> tuple[RolloutGroup, WeightSync]:
+    """The job's engines and the weight sync that feeds them; call on every rank at the same point.
+    ``budget`` (colocated engines on GPUs, from ``plan.recipe.plan_engine_memory``): the engine start
+    is refused with the plan's numbers when its share of the GPU is not free."""
     control.control_group(timeout_s=max(sync.timeout_s, 1800.0))  # created by every rank, before any use
+    if budget is not None and sync.transport == "colocated":
+        free, total = torch.cuda.mem_get_info()
+        check_engine_start(budget, free=free, total=total)
     return _TRANSPORTS[sync.transport](rollout, sync, str(model_dir), export)
 
 
