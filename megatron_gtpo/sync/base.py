@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,8 +53,8 @@ class SyncStats:
     """Bytes delivered to one engine rank (model dtype)."""
     seconds: float
     """Wall time of ``push``: plan check, export (TP/PP collectives), transfer and vLLM's reload."""
-    peak_extra_bytes: int | None = None
-    """Peak extra memory of the push on this rank, when measured (``PeakMemory``)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Wall seconds of the push's phases on this rank (``plan``, ``transfer``, ``load`` ...)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -192,11 +192,18 @@ def agree(error: BaseException | None, stats: SyncStats | None = None) -> SyncSt
 
 
 class PushTimer:
-    """Wall-clock of one push, started at construction."""
+    """Wall-clock of one push and of its phases, started at construction."""
 
     def __init__(self) -> None:
-        self.start = time.perf_counter()
+        self.start = self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def phase(self, name: str) -> None:
+        """Closes phase ``name`` (the time since the previous phase ended)."""
+        now = time.perf_counter()
+        self.phases[name] = now - self._last
+        self._last = now
 
     def stats(self, *, version: int, num_tensors: int, num_bytes: int) -> SyncStats:
         return SyncStats(version=version, num_tensors=num_tensors, num_bytes=num_bytes,
-                         seconds=time.perf_counter() - self.start)
+                         seconds=time.perf_counter() - self.start, phases=dict(self.phases))

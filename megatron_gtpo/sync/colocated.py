@@ -45,6 +45,7 @@ class ColocatedSync(WeightSync):
         except (WeightPushError, ValueError) as err:
             error = err
         agree(error)  # no byte moves unless every rank's plan matches its engine
+        timer.phase("plan")
         stream, error = source.tensors(self.mode), None
         try:
             self._engine.load_weights(checked_stream(stream, metas, dtype=self._engine.dtype), version=version,
@@ -52,5 +53,6 @@ class ColocatedSync(WeightSync):
         except Exception as err:  # noqa: BLE001 - re-raised on every rank by agree()
             error = err
             drain(stream)
+        timer.phase("load")  # export and vLLM's reload, interleaved tensor by tensor
         stats = timer.stats(version=version, num_tensors=len(metas), num_bytes=push_bytes(metas))
         return agree(error, stats)

@@ -14,8 +14,11 @@ module registers its own backend, ``mgtpo_staged``:
     finish_weight_update()                  loads the staged push (vLLM's layer-wise in-place
                                             reload), or drops it after ``mgtpo_discard_staged``
 
-Staging costs one copy of the weights in the engine dtype in the server's *host* memory (never in
-GPU memory); it is what lets a push that fails anywhere leave every server on its old version.
+Staging costs one copy of the weights (model dtype) in the server's *host* memory, never in GPU
+memory (on GPU each bucket lands in one device buffer and is copied to pinned host memory); it is
+what lets a push that fails anywhere leave every server on its old version. The staging buffers are
+kept from push to push (the plan is the same every step), so only the first push pays their page
+faults.
 The backend is registered in every vLLM process by importing this module, which vLLM does for the
 worker extension class :class:`StagedReceiverExtension` (``worker_extension_cls``).
 """
@@ -71,6 +74,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         super().__init__(config, vllm_config, device, model)
         self.group = None
         self.staged: list[tuple[str, torch.Tensor]] = []
+        self.buffers: list[torch.Tensor] = []  # host staging, kept across pushes (no page faults after the first)
         self.discard = False
         self.received_buckets = 0
 
@@ -84,12 +88,25 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         self.staged, self.discard = [], False
 
     def receive_weights(self, update_info: StagedUpdateInfo) -> None:
-        for owner, nbytes, metas in update_info.buckets:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self.group.recv([buffer], update_info.senders[owner], 0).wait()
-            host = buffer if buffer.device.type == "cpu" else buffer.to("cpu")
+        on_gpu = torch.device(self.device).type == "cuda"
+        wire = torch.empty(max(n for _, n, _ in update_info.buckets), dtype=torch.uint8, device=self.device) \
+            if on_gpu else None
+        for index, (owner, nbytes, metas) in enumerate(update_info.buckets):
+            host = self._staging(index, nbytes)
+            target = wire[:nbytes] if on_gpu else host
+            self.group.recv([target], update_info.senders[owner], 0).wait()
+            if on_gpu:
+                host.copy_(target)
             self.staged.extend((m["name"], view_of(host, TensorMeta(**m))) for m in metas)
             self.received_buckets += 1
+
+    def _staging(self, index: int, nbytes: int) -> torch.Tensor:
+        """Host buffer of bucket ``index``, reused across pushes (the plan is the same every step)."""
+        while len(self.buffers) <= index:
+            self.buffers.append(torch.empty(0, dtype=torch.uint8))
+        if self.buffers[index].numel() != nbytes:
+            self.buffers[index] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self.buffers[index]
 
     def finish_weight_update(self) -> None:
         staged, self.staged = self.staged, []
@@ -101,7 +118,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
 
     def shutdown(self) -> None:
         self.group = None
-        self.staged = []
+        self.staged, self.buffers = [], []
 
 
 class StagedReceiverExtension:

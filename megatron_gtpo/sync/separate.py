@@ -70,6 +70,7 @@ class PoolSync(WeightSync):
         plan = source.buckets(self.bucket_bytes)
         metas = [m for bucket in plan for m in bucket.tensors]
         self._decide(self._on_servers(lambda link: link.call(("plan", version, metas))), version)
+        timer.phase("plan")
         if self._pool is not None:
             wire = [(b.owner, b.nbytes, [asdict(m) for m in b.tensors]) for b in plan]
             for link in self._pool.links:
@@ -78,10 +79,12 @@ class PoolSync(WeightSync):
         if self._pool is not None:
             failures.update(self._on_servers(lambda link: link.recv()))
         failures = {k: v for part in control.all_gather_object(failures) for k, v in part.items()}
+        timer.phase("transfer")  # export, packing, the sends and every server's staging
         if failures:
             self._on_servers(lambda link: link.call(("abort",), timeout_s=60), skip=failures)
             self._decide(failures, version, what="aborted on every server; they keep serving the previous version")
         self._decide(self._on_servers(lambda link: link.call(("commit", version))), version, what="commit failed")
+        timer.phase("load")  # every server's vLLM reload from its staging
         return timer.stats(version=version, num_tensors=len(metas), num_bytes=push_bytes(metas))
 
     def _stream(self, source: PushSource, plan: list[BucketPlan]) -> dict[str, str]:
