@@ -126,8 +126,8 @@ def _push_line(shape: ModelShape, lay: Layout, sizes: MemorySizes) -> str:
     full = shape.params_total() * sizes.param_bytes
     if lay.placement == "separate":
         return (f"push     {full / GIB:.1f} GiB per step to each of {lay.engines} rollout server(s) "
-                f"({lay.engines * full / GIB:.1f} GiB in all), sent by the {lay.pp} TP-rank-0 rank(s) of DP replica 0 "
-                f"that own the stages, in buckets of {sizes.bucket_bytes >> 20} MiB")
+                f"({lay.engines * full / GIB:.1f} GiB in all) from {lay.pp} sender rank(s) (TP rank 0 of each stage), "
+                f"{sizes.bucket_bytes >> 20} MiB buckets")
     if lay.rollout_tp == lay.tp > 1:
         local = (shape.layers * shape.layer_params(lay.tp)
                  + shape.embedding_params() * (1 if shape.tied_embeddings else 2) + shape.hidden) * sizes.param_bytes

@@ -35,7 +35,7 @@ class RolloutGroup:
                  seed: int = 0, ranks_per_engine: int = 1):
         self.engine = engine
         """This rank's engine (None on ranks without one): a ``RolloutEngine``, or any object with
-        its ``sample``/``tokenizer``/``sleep``/``close`` API (``sync.separate.SeparateEngine``)."""
+        its ``sample``/``tokenizer``/``sleep``/``wake_up``/``close`` API (``sync.pool.RolloutPool``)."""
         self._shard, self._model_dir, self._seed, self._calls = shard, str(model_dir), seed, 0
         self._per_engine = ranks_per_engine
         self._tokenizer = None

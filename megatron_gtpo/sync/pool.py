@@ -52,13 +52,13 @@ def server_addresses(sync: SyncConfig) -> list[str] | None:
 class ServerLink:
     """Control connection to one server (trainer rank 0)."""
 
-    def __init__(self, address: str, *, timeout_s: float, alive=None, log_hint: str = ""):
+    def __init__(self, address: str, *, timeout_s: float, alive=None, log_hint=lambda: ""):
         host, _, port = address.rpartition(":")
         self.address, self._timeout = address, timeout_s
         deadline, last = time.monotonic() + timeout_s, None
         while True:
             if alive is not None and not alive():
-                raise ServerError(f"rollout server {address} exited before it was ready{log_hint}")
+                raise ServerError(f"rollout server {address} exited before it was ready{log_hint()}")
             try:
                 self._conn = Client((host, int(port)), authkey=AUTHKEY)
                 break
@@ -66,7 +66,7 @@ class ServerLink:
                 last = err
             if time.monotonic() > deadline:
                 raise ServerError(f"rollout server {address} not reachable after {timeout_s:.0f} s ({last}); is "
-                                  f"`megatron-gtpo rollout-server` running there (ROLLOUT_NODES)?{log_hint}")
+                                  f"`megatron-gtpo rollout-server` running there (ROLLOUT_NODES)?{log_hint()}")
             time.sleep(1.0)
         self.info = self.call(("hello",))
         """host, served version, engine dtype and TP, model directory (from the server)."""
@@ -125,6 +125,7 @@ class LocalServers:
         return lambda: self.procs[index].poll() is None
 
     def hint(self, index: int) -> str:
+        """The tail of server ``index``'s log, for an error message."""
         path = os.path.join(self.log_dir, f"server{index}.log")
         try:
             with open(path) as f:
@@ -208,7 +209,7 @@ def connect(sync: SyncConfig, *, model_dir: str, vllm: dict, seed: int) -> Rollo
         addresses = local.addresses
     try:
         links = [ServerLink(a, timeout_s=sync.timeout_s, alive=local.alive(i) if local else None,
-                            log_hint=local.hint(i) if local else "") for i, a in enumerate(addresses)]
+                            log_hint=(lambda i=i: local.hint(i)) if local else (lambda: "")) for i, a in enumerate(addresses)]
     except BaseException:
         if local is not None:
             local.stop()

@@ -83,7 +83,7 @@ def test_rollout_nodes_separate_pool_for_qwen25_32b(capsys):
     assert code == 0, out
     assert "trainer  TP=4 x PP=2 x DP=2 = 16 ranks on 2 node(s)" in out
     assert "separate: 2 rollout server(s) x TP=8, one per rollout node (2 node(s) of their own)" in out
-    assert "push     61.0 GiB per step to each of 2 rollout server(s) (122.1 GiB in all), sent by the 2" in out
+    assert "push     61.0 GiB per step to each of 2 rollout server(s) (122.1 GiB in all) from 2 sender rank(s)" in out
     assert "gpu_memory_utilization=0.9 (planned: a rollout node holds nothing else)" in out
     assert "OK       launch: ROLLOUT_NODES=2 sbatch --nodes=4 --gpus-per-node=8 slurm/train.sbatch" in out
 
