@@ -1,4 +1,8 @@
-"""Weight-sync bandwidth and memory: SmolLM2-135M pushed from Megatron into vLLM, per placement.
+"""Weight-sync bandwidth and memory: a SmolLM2-135M-shaped model pushed from Megatron into vLLM, per placement.
+
+The model is SmolLM2-135M's config (30 layers, hidden 576, head_dim 64, tied 49152-token vocabulary)
+with 8 query / 2 KV heads instead of 9 / 3, so that TP=2 divides them, random weights and SmolLM2's
+tokenizer (built once, cached): every mode pushes the same 128 M parameters.
 
     modes:  colocated      engine TP=1 in the trainer process (trainer TP=1)
             colocated_tp2  one engine of TP=2 over 2 trainer ranks (trainer TP=2, torchrun), shard-local
@@ -46,6 +50,30 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "2-thread region waits for the busy other core)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a torchrun rank of colocated_tp2
     return parser.parse_args(argv)
+
+
+def ensure_bench_model() -> str:
+    """SmolLM2-135M's shape with 8 / 2 heads (see the module docstring), saved once next to SmolLM2."""
+    import shutil
+
+    import transformers
+
+    from megatron_gtpo.models.smollm2 import default_cache_dir, ensure_smollm2
+
+    out = default_cache_dir() / "bench-smollm2-shape-h8kv2"
+    if (out / "model.safetensors").is_file():
+        return str(out)
+    source = ensure_smollm2()
+    config = transformers.AutoConfig.from_pretrained(source)
+    config.num_attention_heads, config.num_key_value_heads = 8, 2
+    torch.manual_seed(0)
+    tmp = out.with_name(out.name + ".tmp")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+    for f in source.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, tmp / f.name)
+    tmp.rename(out)
+    return str(out)
 
 
 def vllm_kwargs(dtype: str, tp: int = 1) -> dict:
@@ -186,31 +214,30 @@ def run_tp2(args) -> dict:
            "--dtype", args.dtype, "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
            "--threads", str(args.threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=3000)
-    rows = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
-    if proc.returncode or not rows:
+    rows = sorted((json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")),
+                  key=lambda r: r["rank"])
+    if proc.returncode or len(rows) != 2:
         raise RuntimeError(f"colocated_tp2 failed rc={proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
-    return rows[0]
+    return {**rows[0], "peak_extra_mb_per_rank": [r["peak_extra_mb"] for r in rows],
+            "model_mb_per_rank": [r["model_mb"] for r in rows]}
 
 
 def main() -> None:
     args = parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the servers and the torchrun ranks
     torch.set_num_threads(args.threads)
-    from megatron_gtpo.models.smollm2 import ensure_smollm2
-
-    model_dir = str(ensure_smollm2())
+    model_dir = ensure_bench_model()
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     if args.worker == "colocated_tp2":
         row = bench_mode("colocated", args, model_dir=model_dir, trainer=build_trainer(model_dir, dtype, tp=2))
-        if int(os.environ["RANK"]) == 0:
-            print("ROW " + json.dumps({**row, "mode": "colocated_tp2"}), flush=True)
+        print("ROW " + json.dumps({**row, "mode": "colocated_tp2", "rank": int(os.environ["RANK"])}), flush=True)
         return
     modes = args.modes.split(",")
     trainer = build_trainer(model_dir, dtype, tp=1) if set(modes) - {"colocated_tp2"} else None
     rows = []
     for mode in modes:
-        rows.append(run_tp2(args) if mode == "colocated_tp2" else bench_mode(mode, args, model_dir=model_dir,
-                                                                             trainer=trainer))
+        row = run_tp2(args) if mode == "colocated_tp2" else bench_mode(mode, args, model_dir=model_dir, trainer=trainer)
+        rows.append({"peak_extra_mb_per_rank": [row["peak_extra_mb"]], "model_mb_per_rank": [row["model_mb"]], **row})
         print(f"{mode}: {rows[-1]}", flush=True)
     for row in rows:
         print(json.dumps(row))

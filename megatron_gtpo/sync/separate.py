@@ -69,7 +69,7 @@ class PoolSync(WeightSync):
         timer = PushTimer()
         plan = source.buckets(self.bucket_bytes)
         metas = [m for bucket in plan for m in bucket.tensors]
-        self._decide(self._on_servers(lambda link: link.call(("plan", version, metas))), version)
+        self._decide(self._on_servers(("plan", version, metas)), version)
         timer.phase("plan")
         if self._pool is not None:
             wire = [(b.owner, b.nbytes, [asdict(m) for m in b.tensors]) for b in plan]
@@ -77,13 +77,13 @@ class PoolSync(WeightSync):
                 link.send(("receive", version, wire, {stage: stage for stage in range(self._export.dims.pp)}))
         failures = self._stream(source, plan)
         if self._pool is not None:
-            failures.update(self._on_servers(lambda link: link.recv()))
+            failures.update(self._on_servers(None))
         failures = {k: v for part in control.all_gather_object(failures) for k, v in part.items()}
         timer.phase("transfer")  # export, packing, the sends and every server's staging
         if failures:
-            self._on_servers(lambda link: link.call(("abort",), timeout_s=60), skip=failures)
+            self._on_servers(("abort",), skip=failures, timeout_s=60)
             self._decide(failures, version, what="aborted on every server; they keep serving the previous version")
-        self._decide(self._on_servers(lambda link: link.call(("commit", version))), version, what="commit failed")
+        self._decide(self._on_servers(("commit", version)), version, what="commit failed")
         timer.phase("load")  # every server's vLLM reload from its staging
         return timer.stats(version=version, num_tensors=len(metas), num_bytes=push_bytes(metas))
 
@@ -118,16 +118,24 @@ class PoolSync(WeightSync):
             except RuntimeError as err:
                 failures.setdefault(address, f"send failed: {err}")
 
-    def _on_servers(self, call, *, skip: dict | None = None) -> dict[str, str]:
-        """Rank 0 runs ``call`` on every server (not in ``skip``); returns failures by address."""
+    def _on_servers(self, request: tuple | None, *, skip: dict | None = None, timeout_s: float | None = None
+                    ) -> dict[str, str]:
+        """Rank 0 sends ``request`` to every server (not in ``skip``) at once, then collects every
+        answer (``request`` None: only collects), so the servers work in parallel; returns the
+        failures by address."""
+        links = [k for k in (self._pool.links if self._pool is not None else []) if not (skip and k.address in skip)]
         failures: dict[str, str] = {}
-        for link in self._pool.links if self._pool is not None else []:
-            if skip and link.address in skip:
-                continue
+        for link in links if request is not None else []:
             try:
-                call(link)
-            except (ServerError, WeightPushError) as err:
+                link.send(request)
+            except ServerError as err:
                 failures[link.address] = str(err)
+        for link in links:
+            if link.address not in failures:
+                try:
+                    link.recv(timeout_s)
+                except (ServerError, WeightPushError) as err:
+                    failures[link.address] = str(err)
         return failures
 
     def _decide(self, failures: dict[str, str], version: int, what: str = "rejected before any byte moved") -> None:
