@@ -1,154 +1,192 @@
-"""GPU smoke test: one GTPO train step of a ~1B Llama-shaped policy in three builds, same process.
+"""GPU smoke: each GPU-facing piece of megatron-gtpo once, on one GPU, in one process (world of 1).
 
-    python bench/gpu_smoke.py [--layers 16] [--hidden 2048] [--seq 1024] [--rows 16] [--steps 3]
-    python bench/gpu_smoke.py --dry-run-cpu     # tiny local-spec fp32 model on CPU (checks the script)
+    python bench/gpu_smoke.py                   # CUDA + NCCL, bf16; sized for minutes on one H200 (not yet timed there)
+    python bench/gpu_smoke.py --dry             # CPU / CI: arguments, configs, model config, data; prints the plan
+    python bench/gpu_smoke.py --device cpu --tiny --skip vllm   # the same code paths on gloo (checks this script)
 
-Builds (all through ``train/model.py`` + ``train/step.py``, Megatron DDP + Adam, the fused
-vocab-parallel GTPO loss, a synthetic global batch of ``rows`` sequences in groups of 4):
+Parts, in order; each reports its status, seconds and peak GPU memory:
 
-1. ``local-bf16``: Megatron's pure-PyTorch local layer spec, bf16;
-2. ``te-bf16``:    the Transformer Engine layer spec, bf16;
-3. ``te-fp8``:     the TE spec with FP8 (``fp8="hybrid"``, recipe ``--fp8-recipe``), needs Hopper (sm90+).
+  logprob     train/logprobs.py's fused log-prob/entropy on random bf16 logits, forward and backward,
+              against an fp32 log_softmax reference (hard tolerance)
+  local       a random Llama-shaped model on Megatron's local (pure PyTorch) layer spec, bf16, Megatron
+              DDP + Adam, ``--steps`` GTPO train steps (train/step.py's train_step) on a synthetic
+              Batch made by train/batching.py's collate (groups share a prompt, completions share
+              ``--shared-prefix`` tokens and end with EOS, so GTPO finds conflicts)
+  checkpoint  checkpoint.py: saved after step 1, loaded back after the last step; the weights must come
+              back bit for bit, then the step is repeated and its loss compared with the original step 2
+  export      sync/export.py's streaming exporter: every HF tensor, checked against the HF model's
+              names and shapes (sync/checks.py, when transformers imports) and the Megatron parameters
+  te_bf16     the Transformer Engine layer spec, bf16, loaded with the step-1 weights: |logp - logp_local|
+              over the completion tokens (train/step.py's forward_stats) and |loss - loss_local| of one
+              train step, same weights and batch
+  te_fp8      the same with FP8 (``--fp8-recipe``; needs compute capability >= 9.0)
+  vllm        an in-process vLLM engine (dummy weights, no tokenizer) takes the exported weights through
+              sync/colocated.py's ColocatedSync.sync (export + checks + push, as the driver calls it);
+              vLLM's greedy tokens are compared with Megatron's
 
-Prints, per build, tokens/s (sequence tokens of the batch, including GTPO's no-grad entropy
-pass, over the median step time after one warm-up step), peak GPU memory and the loss, then one
-JSON line with all of them; speed and memory are also given relative to ``local-bf16``.
-Exits 0 with a ``SKIP:`` line when CUDA or Transformer Engine is
-missing (FP8 alone is skipped below sm90). Not part of the CPU test suite.
+Parts that cannot run here (no Transformer Engine, no vLLM, compute capability < 9.0) print one
+``SKIP`` line each. The last line of stdout is one JSON object (also written to ``--json-out``);
+the exit status is 1 when a part that ran failed, 2 for bad arguments. The model is built
+in-process from a config dict (no hub, no files), so the first five parts need only torch,
+megatron-core and this repository (code: bench/gpu_smoke_setup.py, bench/gpu_smoke_parts.py;
+docs/gpu.md has the install). Numbers that compare two builds (TE against local, vLLM
+against Megatron) are reported, not judged: bf16 kernels differ in rounding.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import dataclasses
 import json
-import statistics
+import platform
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: megatron_gtpo, bench
+
+from bench.gpu_smoke_setup import (PARTS, TINY, SmokeConfig, absent_reason, hf_config,  # noqa: E402
+                                   param_count, step_settings, synthetic_batch)
+from megatron_gtpo.utils.configuration import ConfigError  # noqa: E402
 
 
-def hf_config(args) -> dict:
-    """A Llama-shaped config (GQA 4:1, SwiGLU, untied) sized by the command line."""
-    heads = max(args.hidden // 128, 1)
-    return {"architectures": ["LlamaForCausalLM"], "hidden_size": args.hidden, "intermediate_size": 4 * args.hidden,
-            "num_hidden_layers": args.layers, "num_attention_heads": heads, "num_key_value_heads": max(heads // 4, 1),
-            "vocab_size": args.vocab, "max_position_embeddings": args.seq, "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0, "tie_word_embeddings": False}
+def parse_args(argv: list[str] | None) -> tuple[SmokeConfig, argparse.Namespace]:
+    """``SmokeConfig`` from the command line (``--tiny`` fills the fields not given); exits 2 on bad values."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    for field in dataclasses.fields(SmokeConfig):
+        flag = "--" + field.name.replace("_", "-")
+        if field.name == "skip":
+            parser.add_argument(flag, default=None, help=f"comma-separated parts to leave out: {','.join(PARTS)}")
+        elif field.name == "workdir":
+            parser.add_argument(flag, default=None, help="folder for the temporary checkpoint (default: the system's)")
+        else:
+            parser.add_argument(flag, type=type(field.default), default=None, help=f"default {field.default}")
+    parser.add_argument("--tiny", action="store_true", help=f"small model and batch for a CPU: {TINY}")
+    parser.add_argument("--dry", action="store_true",
+                        help="build configs, model config and data, print the plan and exit 0 (no CUDA call)")
+    parser.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder (checkpoint, config.json)")
+    opts = parser.parse_args(argv)
+    given = {f.name: getattr(opts, f.name) for f in dataclasses.fields(SmokeConfig)}
+    values = {**(TINY if opts.tiny else {}), **{k: v for k, v in given.items() if v is not None}}
+    if isinstance(values.get("skip"), str):
+        values["skip"] = tuple(s.strip() for s in values["skip"].split(",") if s.strip())
+    from megatron_gtpo.train.model import check_layout
+
+    try:
+        cfg = SmokeConfig(**values)
+        check_layout(hf_config(cfg), tp=1, pp=1, vpp=None)  # head/group divisibility, named as config.json fields
+        return cfg, opts
+    except ConfigError as err:
+        parser.exit(2, f"gpu_smoke.py: bad argument: {err}\n")
 
 
-def synthetic_batch(args, device):
-    """``rows`` sequences (prompt + completion, right-padded), groups of 4, rewards 0/1."""
-    from megatron_gtpo.types import TrainBatch
+def dry_run(cfg: SmokeConfig) -> dict:
+    """Everything before the first CUDA call: Megatron's TransformerConfig, the algorithm and optimizer
+    configs, the synthetic batch and its micro-batches, and which parts would run given the installed
+    packages."""
+    from megatron_gtpo.train.batching import micro_batches
+    from megatron_gtpo.train.model import transformer_config_from_hf
+    from megatron_gtpo.train.optim import OptimConfig
 
-    g = torch.Generator().manual_seed(0)
-    seq, prompt = args.seq, args.seq // 8
-    ids = torch.randint(3, args.vocab, (args.rows, seq), generator=g)
-    lengths = torch.randint(seq // 4, seq - prompt + 1, (args.rows,), generator=g)
-    cols = torch.arange(seq)
-    mask = ((cols >= prompt) & (cols < (prompt + lengths)[:, None])).float()
-    ids = torch.where(cols < (prompt + lengths)[:, None], ids, torch.zeros_like(ids))
-    group_ids = torch.arange(args.rows) // 4
-    rewards = torch.randint(0, 2, (args.rows,), generator=g).float()
-    return TrainBatch(input_ids=ids, loss_mask=mask, position_ids=cols.expand(args.rows, seq).clone(),
-                      group_ids=group_ids, rewards=rewards, advantages=torch.zeros(args.rows),
-                      sampler_logprobs=torch.where(mask > 0, -1.0, 0.0), pad_id=0,
-                      completion_start=torch.full((args.rows,), prompt))
+    hf = hf_config(cfg)
+    config = transformer_config_from_hf(hf, tp=1, pp=1, vpp=None, dtype=torch.bfloat16,
+                                        overrides={"init_method_std": cfg.init_std})
+    settings = step_settings(cfg)
+    OptimConfig(optimizer={**OptimConfig().optimizer, "lr": cfg.lr})
+    batch = synthetic_batch(cfg)
+    mbs = micro_batches(batch, slice(None), micro_batch_size=settings.micro_batch_size, common_length=False,
+                        pad_to_multiple=settings.pad_to_multiple)
+    plan = {part: absent_reason(part, cfg, dry=True) for part in PARTS}
+    return {"dry": True, "would_run": [p for p, why in plan.items() if why is None],
+            "would_skip": {p: why for p, why in plan.items() if why is not None},
+            "note": "te_fp8 also needs compute capability >= 9.0; te_* and vllm are decided again at run time",
+            "config": dataclasses.asdict(cfg), "model_params": param_count(hf),
+            "megatron": {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
+                         "ffn_hidden_size": config.ffn_hidden_size, "num_query_groups": config.num_query_groups,
+                         "kv_channels": config.kv_channels},
+            "algo": {"name": settings.spec.name, "agg_mode": settings.spec.agg_mode, "mu": settings.spec.mu,
+                     "entropy_threshold": settings.spec.entropy_threshold},
+            "batch": {"rows": batch.size, "seq": int((batch.prompt_lengths + batch.lengths).max()),
+                      "groups": int(batch.group_ids.max()) + 1, "completion_tokens": int(batch.lengths.sum()),
+                      "completion_width": batch.token_ids.shape[1],
+                      "micro_batch_shapes": sorted({tuple(mb.input_ids.shape) for mb in mbs})}}
 
 
-def run_build(name: str, args, dims, *, use_te: bool, dtype, overrides: dict | None) -> dict:
-    from megatron_gtpo.algo import AlgoConfig
-    from megatron_gtpo.train import model as M
-    from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
-    from megatron_gtpo.train.step import train_on_batch
+def environment() -> dict:
+    """Versions and the device, for the JSON line."""
+    import megatron.core
 
-    on_gpu = torch.cuda.is_available()
-    gc.collect()  # the previous build's DDP hooks form reference cycles
-    if on_gpu:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    start_bytes = torch.cuda.memory_allocated() if on_gpu else 0
-    chunks = wrap_ddp(M.build_model(hf_config(args), dims=dims, dtype=dtype, overrides=overrides, use_te=use_te),
-                      OptimConfig())
-    optimizer, scheduler = build_optimizer(chunks, OptimConfig(optimizer={"optimizer": "adam", "lr": 1e-6}),
-                                           total_steps=args.steps + 1)
-    algo_cfg = AlgoConfig(name="gtpo", entropy_threshold=777.0)  # keep every completion in the loss
-    batch = synthetic_batch(args, None)
-    times, metrics = [], {}
-    for step in range(args.steps + 1):  # step 0 warms up (kernels, FP8 scales, allocator)
-        if on_gpu:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        metrics = train_on_batch(chunks, optimizer, scheduler, batch, algo_name="gtpo",
-                                 prepare_kwargs=algo_cfg.prepare_kwargs(),
-                                 loss_kwargs=algo_cfg.loss_kwargs(max_completion_tokens=args.seq),
-                                 micro_batch_size=args.micro_batch, mu=1, temperature=1.0, dims=dims,
-                                 pad_to_multiple=64 if on_gpu else 1)
-        if on_gpu:
-            torch.cuda.synchronize()
-        if step > 0:
-            times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
-    out = {"build": name, "tokens_per_s": round(batch.input_ids.numel() / seconds, 1),
-           "step_s": round(seconds, 4), "loss": metrics["loss"], "grad_norm": metrics["optim/grad_norm"],
-           "peak_mem_gib": round((torch.cuda.max_memory_allocated() - start_bytes) / 2**30, 2) if on_gpu else None}
+    out = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "megatron_core": getattr(megatron.core, "__version__", None)}
+    for name in ("transformer_engine", "vllm", "transformers"):
+        module = sys.modules.get(name)
+        out[name] = getattr(module, "__version__", None) if module else None
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+        out["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "mxfp8", "blockwise"])
-    parser.add_argument("--dry-run-cpu", action="store_true", help="tiny local-spec fp32 run on CPU")
-    args = parser.parse_args()
+def summary(parts: dict[str, dict], cfg: SmokeConfig, seconds: float) -> dict:
+    """The JSON line: what ran, failed or was skipped, the headline numbers, then every part's report."""
+    ran = [n for n, p in parts.items() if p["status"] in ("ok", "fail")]
+    failed = [n for n, p in parts.items() if p["status"] in ("fail", "not_run")]
+    out = {"smoke": "megatron-gtpo gpu", "ok": not failed, "ran": ran, "failed": failed,
+           "skipped": {n: p["reason"] for n, p in parts.items() if p["status"] == "skip"},
+           "seconds": round(seconds, 1), "loss_local": parts.get("local", {}).get("losses")}
+    peaks = [p["peak_mem_gib"] for p in parts.values() if "peak_mem_gib" in p]
+    out["peak_mem_gib"] = max(peaks) if peaks else None
+    for name in ("te_bf16", "te_fp8"):
+        if parts.get(name, {}).get("status") == "ok":
+            out[f"loss_{name}"] = parts[name]["loss"]
+            out[f"abs_loss_{name}_vs_local"] = parts[name]["abs_loss_vs_local"]
+    out.update(env=environment(), config=dataclasses.asdict(cfg), parts=parts)
+    return out
 
+
+def emit(result: dict, json_out: str | None) -> None:
+    line = json.dumps(result, default=str)
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(line + "\n")
+    print(line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, opts = parse_args(argv)
+    if opts.dry:
+        result = dry_run(cfg)
+        for part, why in result["would_skip"].items():
+            print(f"SKIP {part}: {why}")
+        print(f"would run: {', '.join(result['would_run'])}")
+        emit(result, opts.json_out)
+        return 0
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_smoke.py: CUDA is not available; use --dry (plan only) or --device cpu (CPU check)", file=sys.stderr)
+        return 2
+    from bench.gpu_smoke_parts import Smoke
     from megatron_gtpo.parallel.dims import init_distributed
 
-    if args.dry_run_cpu:
-        args.layers, args.hidden, args.vocab, args.seq, args.rows, args.micro_batch = 2, 128, 256, 64, 8, 4
-        dims = init_distributed(tp=1, pp=1, seed=0)
-        result = run_build("local-fp32-cpu", args, dims, use_te=False, dtype=torch.float32, overrides=None)
-        print(json.dumps({"dry_run_cpu": True, "builds": [result]}), flush=True)
-        return 0
-    if not torch.cuda.is_available():
-        print("SKIP: CUDA is not available; bench/gpu_smoke.py needs an NVIDIA GPU (try --dry-run-cpu)")
-        return 0
+    start = time.perf_counter()
+    workdir = Path(tempfile.mkdtemp(prefix="gpu-smoke-", dir=cfg.workdir))
     try:
-        import transformer_engine  # noqa: F401
-    except ImportError as err:
-        print(f"SKIP: Transformer Engine is not installed ({err}); pip install transformer-engine[pytorch]")
-        return 0
-    dims = init_distributed(tp=1, pp=1, seed=0)
-    builds = [("local-bf16", False, None), ("te-bf16", True, None)]
-    major, minor = torch.cuda.get_device_capability()
-    if major >= 9:
-        builds.append(("te-fp8", True, {"fp8": "hybrid", "fp8_recipe": args.fp8_recipe,
-                                        "fp8_amax_history_len": 16, "fp8_amax_compute_algo": "max"}))
-    else:
-        print(f"SKIP te-fp8: compute capability {major}.{minor} < 9.0 (FP8 needs Hopper or newer)")
-    results = []
-    for name, use_te, overrides in builds:
-        r = run_build(name, args, dims, use_te=use_te, dtype=torch.bfloat16, overrides=overrides)
-        base = results[0] if results else r  # ratios against the local bf16 build
-        r["speedup_vs_local_bf16"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-        r["mem_vs_local_bf16"] = round(r["peak_mem_gib"] / max(base["peak_mem_gib"], 1e-9), 3)
-        print(f"{r['build']:>10}: {r['tokens_per_s']:>10.0f} tok/s (x{r['speedup_vs_local_bf16']})  "
-              f"step {r['step_s']:.3f}s  peak {r['peak_mem_gib']} GiB (x{r['mem_vs_local_bf16']})  "
-              f"loss {r['loss']:.6f}", flush=True)
-        results.append(r)
-    print(json.dumps({"gpu": torch.cuda.get_device_name(), "hf_config": hf_config(args), "builds": results}))
-    return 0
+        smoke = Smoke(cfg, init_distributed(tp=1, pp=1, seed=cfg.seed), workdir)
+        smoke.run_all()
+    finally:
+        if not opts.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    result = summary(smoke.parts, cfg, time.perf_counter() - start)
+    emit(result, opts.json_out)
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":
+    # A normal exit: os._exit would orphan the checkpoint writer's multiprocessing worker, which keeps
+    # stdout open and stalls any `| tee` after the smoke.
     sys.exit(main())

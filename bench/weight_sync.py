@@ -119,7 +119,7 @@ def copy_baseline(exporter, mode: str, repeats: int) -> dict[str, float]:
     return plain_copy(sources, repeats)
 
 
-def logprob_diff(engines, chunks, dims, hf_config: dict) -> float:
+def logprob_diff(engines, chunks, dims, hf_config: dict) -> dict[str, float]:
     """Max |engine - trainer| log-prob of tokens the engines sample now (temperature 1)."""
     from megatron_gtpo.algo import AlgoConfig
     from megatron_gtpo.train.batching import collate
@@ -139,8 +139,9 @@ def logprob_diff(engines, chunks, dims, hf_config: dict) -> float:
     settings = StepSettings(spec=AlgoConfig().resolve(max_completion_tokens=MAX_TOKENS), micro_batch_size=batch.size,
                             temperature=TEMPERATURE, vocab_size=int(hf_config["vocab_size"]))
     rows, mbs = rank_micro_batches(batch, settings, dims)
-    trainer = forward_stats(chunks, batch, mbs, logprob_settings(settings, dims, process_groups())).logp
-    return (batch.sampler_logprobs[rows].double() - trainer.double())[batch.mask[rows]].abs().max().item()
+    trainer = forward_stats(chunks, batch, mbs, logprob_settings(settings, dims, process_groups(), chunks)).logp
+    diff = (batch.sampler_logprobs[rows].double() - trainer.double())[batch.mask[rows]].abs()
+    return {"max": diff.max().item(), "mean": diff.mean().item()}
 
 
 def timed_pushes(syncer, exporter, repeats: int) -> tuple[list, int]:
@@ -204,7 +205,8 @@ def bench_mode(mode: str, args, *, model_dir: str, trainer) -> dict:
             "peak_extra_mb": round(peak / 2**20, 1), "model_mb": round(model / 2**20, 1),
             "bucket_mb": args.bucket_mb, "gigabytes": round(best.num_bytes / 1e9, 4), "tensors": best.num_tensors,
             "push_seconds_all": [round(s.seconds, 4) for s in stats],
-            "max_abs_logprob_diff": after, "max_abs_logprob_diff_before_push": before,
+            "max_abs_logprob_diff": after["max"], "mean_abs_logprob_diff": after["mean"],
+            "max_abs_logprob_diff_before_push": before["max"],
             "engine_startup_seconds": round(startup, 1), "dtype": args.dtype}
 
 

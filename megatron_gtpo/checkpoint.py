@@ -1,42 +1,52 @@
 """Training checkpoints (Megatron dist-checkpointing) and loading converted model weights.
 
-Layout under ``root``::
+Layout under ``root`` (``<run dir>/checkpoints``)::
 
     root/step_00000100/   one torch_dist checkpoint: model ("model" or "model0..k" with VPP),
-                          optimizer (Megatron's sharded format), per-rank RNG, and in
-                          common.pt the step and the caller's ``extra_state`` (data cursor,
-                          tracking run id, scheduler state ...)
+                          optimizer (Megatron's sharded format), per-rank RNG, in common.pt
+                          the step and the caller's ``extra_state`` (data cursor, tracking run
+                          id, scheduler state ...), and manifest.json (every file's size and
+                          sha256, see ``checkpoint_files``)
     root/.tmp_step_*/     a save in progress; renamed to step_* only once every rank finished
+                          and the manifest is written
 
-Contracts: a step directory exists only when complete (rename is the commit), so
-``latest_step`` never returns a torn save; the last ``keep_last`` steps are kept. A run resumes
-at another DP size with the same TP/PP (optimizer state in Megatron's ``dp_reshardable``
-format); model weights alone reload at any layout (``load_model_weights``). RNG states are per
-(PP, TP) coordinate, shared by the DP replicas. Every rank must call save/load.
+Contracts: a step directory exists only when complete (rename is the commit, after the
+manifest); a resume verifies the manifest (sizes and sha256, hashed by all ranks in parallel)
+before Megatron reads a byte, and falls back to the previous complete step with a warning naming
+the bad file. ``keep_last`` counts only intact steps, so pruning never deletes the last good one.
+A run resumes at another DP size with the same TP/PP (optimizer state in Megatron's
+``dp_reshardable`` format); model weights alone reload at any layout (``load_model_weights``).
+RNG states are per (PP, TP) coordinate, shared by the DP replicas. Every rank must call
+save/load/prepare_resume.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_gtpo.checkpoint_files import (CHECKPOINTS, HASH, CheckpointError, FileRecord, ResumePoint, clean_stale,
+                                            clear_preempted, file_problems, fsync_dir, hash_files, list_files,
+                                            mark_preempted, prunable, read_manifest, refuse_fresh_start_over,
+                                            resolve_mode, resume_decision, select, share_of, step_dir, step_dirs,
+                                            write_manifest)
 from megatron_gtpo.convert.offline import checkpoint_model_dir
 from megatron_gtpo.parallel.dims import current_dims
-from megatron_gtpo.parallel.objects import any_rank
+from megatron_gtpo.parallel.control import all_gather_object, any_rank, barrier, broadcast_object
 from megatron_gtpo.train.model import unwrap
-from megatron_gtpo.utils.atomic import write_text_atomic
 from megatron_gtpo.utils.runtime import PreemptionFlag
 
 log = logging.getLogger("megatron_gtpo")
+__all__ = ["CheckpointError", "Checkpointer", "ResumePoint", "latest_step", "load_checkpoint", "load_model_weights",
+           "prepare_resume", "save_checkpoint", "step_dir", "verify_parallel"]
 
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
 # Distributed-optimizer state format (Megatron-LM's default): every rank writes its own buffers
 # without gathers, and the state reloads at another DP size. (Megatron 0.16.1's TP/PP-reshardable
 # formats fail on CPU without apex/TE: "fully_reshardable" loads hit KeyError 'step', and
@@ -44,18 +54,10 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
 
 
-def step_dir(root: str | Path, step: int) -> Path:
-    """``root/step_<step, 8 digits>``: where a completed save of ``step`` lives."""
-    return Path(root) / f"step_{step:08d}"
-
-
 def latest_step(root: str | Path) -> int | None:
-    """Highest fully written step under ``root``, or None."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    steps = [int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return max(steps) if steps else None
+    """Highest committed step under ``root`` (not verified: ``prepare_resume`` does that), or None."""
+    dirs = step_dirs(root)
+    return dirs[0][0] if dirs else None
 
 
 def model_sharded_state_dict(model_chunks: list[torch.nn.Module]) -> dict:
@@ -158,7 +160,8 @@ def _full_state(model_chunks, optimizer, *, is_loading: bool) -> dict:
 def save_checkpoint(root: str | Path, *, step: int, model_chunks: list[torch.nn.Module], optimizer,
                     extra_state: dict, keep_last: int) -> Path:
     """Saves model, optimizer, RNG, ``step`` and ``extra_state`` as ``root/step_<step>``
-    atomically, then deletes all but the newest ``keep_last`` steps. Returns the step dir."""
+    atomically (with its manifest), then deletes all but the newest ``keep_last`` intact steps.
+    Returns the step dir."""
     from megatron.core import dist_checkpointing
 
     if keep_last < 1:
@@ -166,24 +169,47 @@ def save_checkpoint(root: str | Path, *, step: int, model_chunks: list[torch.nn.
     root, rank = Path(root), dist.get_rank()
     final, tmp = step_dir(root, step), root / f".tmp_step_{step:08d}"
     if rank == 0:
+        # Tests and kill-during-save drills key on this line: it comes right before the first write.
+        log.info("checkpoint: saving step %d into %s", step, tmp)
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crashed save
         tmp.mkdir()
-    dist.barrier()
+    barrier()
     state = _full_state(model_chunks, optimizer, is_loading=False)
     # Plain values: written once, to common.pt.
     state.update(step=step, extra_state=extra_state, layout=_layout(model_chunks))
     dist_checkpointing.save(state, str(tmp))
-    dist.barrier()
+    barrier()
+    records, cost = _hash_written(tmp, rank)
     if rank == 0:
+        write_manifest(tmp, step, records)
         _commit(tmp, final)
-        _prune(root, keep_last)
-    dist.barrier()
+        for old in prunable(root, saved=step, keep_last=keep_last):
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint: step %d committed: %d files, %.1f MB, %s in %.2fs on %d rank(s) (slowest rank)",
+                 step, len(records), cost[0] / 1e6, HASH, cost[1], dist.get_world_size())
+    barrier()
     return final
 
 
+def _hash_written(tmp: Path, rank: int) -> tuple[dict[str, FileRecord], tuple[int, float]]:
+    """Every rank hashes (and fsyncs) the shard files it wrote itself (Megatron names them
+    ``__<rank>_<i>.distcp``), in parallel; rank 0 also the rest (common.pt, .metadata, ...).
+    Returns (all records on rank 0, {} elsewhere) and (total bytes, slowest rank's seconds)."""
+    start = time.perf_counter()
+    names = list_files(tmp)
+    mine = [n for n in names if n.startswith(f"__{rank}_")]
+    records = hash_files(tmp, mine, sync=True)
+    gathered = all_gather_object((records, time.perf_counter() - start))
+    if rank != 0:
+        return {}, (0, 0.0)
+    merged = {name: r for part, _ in gathered for name, r in part.items()}
+    merged.update(hash_files(tmp, [n for n in names if n not in merged], sync=True))
+    return merged, (sum(r.size for r in merged.values()), max(max(t for _, t in gathered), time.perf_counter() - start))
+
+
 def _commit(tmp: Path, final: Path) -> None:
-    if final.exists():  # the same step saved again after a resume: replace it
+    if final.exists():  # the same step saved again after a resume (e.g. over a corrupt one): replace it
         old = final.with_name(f".old_{final.name}")
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
@@ -191,12 +217,60 @@ def _commit(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
     else:
         tmp.rename(final)
+    fsync_dir(final.parent)  # the rename survives a power loss
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
-    for old in steps[:-keep_last]:
-        shutil.rmtree(step_dir(root, old), ignore_errors=True)
+def verify_parallel(directory: Path) -> list[str]:
+    """Every problem of one step dir (empty = usable), identical on all ranks: each rank checks
+    the size and sha256 of its share of the manifest's files; the problems are gathered."""
+    start = time.perf_counter()
+    files, problems = read_manifest(directory)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = share_of(files, rank, world)
+    problems += file_problems(directory, mine, checksums=True)
+    gathered = all_gather_object((problems, time.perf_counter() - start))
+    merged = list(dict.fromkeys(p for part, _ in gathered for p in part))
+    if not merged and rank == 0:
+        size = sum(r.size for r in files.values())
+        log.info("checkpoint: verified %s: %d files, %.1f MB, sizes + sha256 in %.2fs on %d rank(s)", directory,
+                 len(files), size / 1e6, max(t for _, t in gathered), world)
+    return merged
+
+
+def _select_verified(root: Path) -> tuple[ResumePoint | None, list[str]]:
+    """Newest step dir under ``root`` that passes ``verify_parallel`` (collective; rank 0's listing)."""
+    candidates = broadcast_object(step_dirs(root))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return select(candidates, verify_parallel, warn=rank == 0)  # one warning per bad step, not one per rank
+
+
+def prepare_resume(run_dir: str | Path, resume: bool | str) -> ResumePoint | None:
+    """Every rank, at start, before the model and engines are built: removes stale temp dirs,
+    then picks the checkpoint to resume from. ``resume``: "require"/True (``--resume``: a
+    CheckpointError naming the run dir when none is usable), "auto" (None = start fresh when
+    there is no checkpoint; an error when all are unusable), "off"/False (None; an error when
+    the run dir holds checkpoints). Bad newer checkpoints are skipped with a warning naming the
+    file; PREEMPTED is cleared when the run continues."""
+    mode, run_dir = resolve_mode(resume), Path(run_dir)
+    root = run_dir / CHECKPOINTS
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        clean_stale(root)
+    if mode == "off":
+        refuse_fresh_start_over(run_dir)  # every rank sees the same (shared) run dir: all raise together
+        return None
+    point, problems = _select_verified(root)
+    if resume_decision(run_dir, mode, point, problems) is None:
+        if rank == 0:
+            log.info("--resume=auto: no checkpoint under %s, starting fresh", root)
+        return None
+    if rank == 0:
+        if point.skipped:
+            log.warning("resuming from %s, the newest intact checkpoint (newer ones are unusable, see above)",
+                        point.path)
+        clear_preempted(run_dir)
+    return point
 
 
 def _prime_optimizer_state(optimizer) -> None:
@@ -237,18 +311,25 @@ def _restore_adam_steps(optimizer, loaded: dict) -> None:
 
 
 def load_checkpoint(root: str | Path, *, model_chunks: list[torch.nn.Module], optimizer,
-                    step: int | None = None) -> tuple[int, dict] | None:
-    """Restores ``root/step_<step>`` (the latest when None) into the model chunks, optimizer and
-    RNG. Returns ``(step, extra_state)``, or None when there is no checkpoint. The TP/PP/VPP
-    layout must be the saved one (ValueError otherwise); the DP size may differ."""
+                    step: int | None = None, verify: bool = True) -> tuple[int, dict] | None:
+    """Restores ``root/step_<step>`` into the model chunks, optimizer and RNG; with ``step=None``
+    the newest intact one (newer corrupt ones are skipped with a warning). Returns
+    ``(step, extra_state)``, or None when there is no intact checkpoint. The manifest is verified
+    first (``verify=False`` when ``prepare_resume`` just did); CheckpointError naming the file when
+    the requested step is corrupt. The TP/PP/VPP layout must be the saved one (ValueError
+    otherwise); the DP size may differ."""
     from megatron.core import dist_checkpointing
 
-    step = latest_step(root) if step is None else step
     if step is None:
-        return None
+        point, _ = _select_verified(Path(root))
+        if point is None:
+            return None
+        step, verify = point.step, False
     directory = step_dir(root, step)
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} does not exist; available: latest is step {latest_step(root)}")
+    if verify and (problems := verify_parallel(directory)):
+        raise CheckpointError(f"checkpoint {directory} is unusable: " + "; ".join(problems))
     saved, now = dist_checkpointing.load_common_state_dict(str(directory)).get("layout"), _layout(model_chunks)
     if saved != now:
         raise ValueError(f"{directory} was saved with layout {saved}, this run has {now}: resume with the same "
@@ -270,8 +351,8 @@ class Checkpointer:
 
     It saves the policy (model, optimizer, LR schedule, RNG), the prompt cursor and the MLflow run
     id. SIGTERM / SIGUSR1 (SLURM preemption, scancel) set a flag; ``after_step`` then saves and
-    writes ``PREEMPTED`` so the job can be requeued with ``--resume``. A checkpoint directory exists
-    only once complete, so a kill loses at most the steps since the last save.
+    writes ``PREEMPTED`` so the job can be requeued with ``--resume``. A step directory exists only
+    once complete and verified by its manifest, so a kill loses at most the steps since the last save.
     """
 
     def __init__(self, root: str | Path, *, policy, dataset, every: int, keep_last: int, total_steps: int,
@@ -282,14 +363,11 @@ class Checkpointer:
         """Set by SIGTERM/SIGUSR1; installed by the driver before anything slow starts."""
         self.last_saved = -1
 
-    def restore(self) -> tuple[int, str | None]:
-        """Loads the newest checkpoint into the policy and the dataset cursor; returns
-        ``(step, run_id)``, or ``(0, None)`` when there is none (logged)."""
-        loaded = load_checkpoint(self.root, model_chunks=self.policy.chunks, optimizer=self.policy.optimizer)
-        if loaded is None:
-            log.warning("--resume: no checkpoint under %s, starting from step 0", self.root)
-            return 0, None
-        step, extra = loaded
+    def restore(self, point: ResumePoint) -> tuple[int, str | None]:
+        """Loads ``point`` (chosen and verified by ``prepare_resume``) into the policy and the
+        dataset cursor; returns ``(step, MLflow run id)``."""
+        step, extra = load_checkpoint(point.path.parent, model_chunks=self.policy.chunks,
+                                      optimizer=self.policy.optimizer, step=point.step, verify=False)
         self.dataset.load_state_dict(extra["data"])
         self.policy.scheduler.load_state_dict(extra["scheduler"])
         self.last_saved = step
@@ -303,7 +381,7 @@ class Checkpointer:
             self.save(step, run_id=run_id)
         if preempted:
             if dist.get_rank() == 0:
-                write_text_atomic(self.root.parent / "PREEMPTED", f"{step}\n")
+                mark_preempted(self.root.parent, step)
                 log.warning("preempted: checkpoint of step %d saved, exiting (resume with --resume)", step)
             return True
         return False

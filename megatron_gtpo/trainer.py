@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_gtpo.checkpoint import Checkpointer
+from megatron_gtpo.checkpoint import Checkpointer, prepare_resume
 from megatron_gtpo.data.dataset import build_dataset
 from megatron_gtpo.parallel.dims import init_distributed
-from megatron_gtpo.parallel.objects import barrier
+from megatron_gtpo.parallel.control import barrier
 from megatron_gtpo.plan.recipe import plan_engine_memory
 from megatron_gtpo.reward.functions import OverlongPunishment
 from megatron_gtpo.reward.score import RewardScorer
@@ -70,9 +70,22 @@ class TrainConfig:
         require(self.eval_every >= 0, "eval_every", self.eval_every, "0 (off) or an integer >= 1")
 
 
-def run(cfg, *, resume: bool = False) -> dict[str, float]:
-    """Trains ``cfg`` (a RunConfig) to ``cfg.train.steps``; returns the last step's metrics."""
+def run(cfg, *, resume: bool | str = False) -> dict[str, float]:
+    """Trains ``cfg`` (a RunConfig) to ``cfg.train.steps``; returns the last step's metrics.
+    ``resume``: True/"require" (``--resume``), "auto" (``--resume=auto``) or False (see
+    ``checkpoint.prepare_resume``)."""
     parts = build(cfg, resume=resume)
+    try:
+        metrics = _loop(cfg, parts)
+    except BaseException as err:  # the MLflow run ends FAILED with the reason; the error goes on
+        parts.reporter.finish("FAILED", reason=repr(err)[:500])
+        raise
+    close(parts, status="KILLED" if parts.checkpointer.preempt.set else "FINISHED")
+    return metrics
+
+
+def _loop(cfg, parts: Parts) -> dict[str, float]:
+    """Steps ``start_step + 1 .. train.steps`` (or up to a preemption); the last step's metrics."""
     learner, collector, weight_sync, checkpointer, reporter = (
         parts.learner, parts.collector, parts.weight_sync, parts.checkpointer, parts.reporter)
     tc, metrics = cfg.train, {}
@@ -80,7 +93,7 @@ def run(cfg, *, resume: bool = False) -> dict[str, float]:
         t0 = time.perf_counter()
         rollout = collector.collect(step, prompts_per_step=tc.prompts_per_step)
         if not rollout.groups:  # DAPO's dynamic sampling kept nothing within its tries: no update
-            reporter.skipped(step, rollout_metrics(rollout))
+            reporter.skipped(step, rollout_metrics(rollout), rollout)
         else:
             batch = collate(rollout.groups, pad_id=parts.pad_id)
             parts.memory.after_rollout()  # colocated engines sleep; the trainer gets the GPU memory back
@@ -95,12 +108,13 @@ def run(cfg, *, resume: bool = False) -> dict[str, float]:
                      "step": t3 - t0}
             metrics = step_metrics(rollout_metrics(rollout), train, sync, times=times,
                                    completion_tokens=float(batch.lengths.sum()))
-            reporter.step(step, metrics, rollout.groups)
+            reporter.step(step, metrics, rollout)
         if tc.eval_every and step % tc.eval_every == 0:
             metrics.update(_evaluate(parts, step, seed=tc.seed))
-        if checkpointer.after_step(step, run_id=reporter.run_id):
+        stop = checkpointer.after_step(step, run_id=reporter.run_id)
+        reporter.commit(checkpointer.last_saved)  # steps up to the last checkpoint are final in MLflow
+        if stop:
             break
-    _close(parts, status="KILLED" if checkpointer.preempt.set else "FINISHED")
     return metrics
 
 
@@ -122,18 +136,22 @@ class Parts:
     start_step: int
 
 
-def build(cfg, *, resume: bool) -> Parts:
-    """Builds every part in an order that fails fast: groups, policy, engines, data, reward,
-    checkpoint restore, tracking; then pushes the (restored) weights into the engines."""
+def build(cfg, *, resume: bool | str) -> Parts:
+    """Builds every part in an order that fails fast: groups, the checkpoint to resume (verified),
+    policy, engines, data, reward, tracking; then pushes the (restored) weights into the engines."""
     preempt = PreemptionFlag()  # first: a preemption signal during start-up must not kill the job
-    dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, seed=cfg.train.seed)
+    dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, seed=cfg.train.seed,
+                            timeout_s=cfg.parallel.timeout_s)
     setup_logging(dims.rank)
+    point = prepare_resume(cfg.output_dir, resume)  # before the expensive parts: a bad resume fails in seconds
     spec = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
     settings = StepSettings(spec=spec, micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature)
     log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
     learner = Learner.build(cfg.model, cfg.optim, settings=settings, dims=dims, rollout_steps=cfg.train.steps)
     policy = learner.policy
     rollout_cfg, budget = plan_engine_memory(cfg, model_dir=str(policy.model_dir), world=dims.world)
+    if cfg.model.lm_head_fp32:  # the engines sample from the same fp32 head as the trainer
+        rollout_cfg = rollout_cfg.with_fp32_head()
     offload = TrainerOffload(policy.chunks, policy.optimizer) if cfg.rollout.offload_trainer else None
     if offload is not None:  # engines start on the memory the trainer gives up while they generate
         offload.offload()
@@ -149,9 +167,7 @@ def build(cfg, *, resume: bool) -> Parts:
     scorer = None
     with signals_blocked():  # reward worker processes must not die of a preemption signal
         if dims.rank == 0:
-            overlong = OverlongPunishment(max_tokens=spec.overlong_max_tokens, cache_tokens=spec.overlong_buffer_len,
-                                          factor=spec.overlong_penalty_factor) if spec.overlong_buffer_len else None
-            scorer = RewardScorer(cfg.reward, overlong=overlong)
+            scorer = RewardScorer(cfg.reward, overlong=overlong_punishment(spec))
     start_checkpoint_helpers()
     rows_unit = dims.dp * cfg.train.micro_batch_size
     collector = RolloutCollector(
@@ -161,10 +177,11 @@ def build(cfg, *, resume: bool) -> Parts:
     checkpointer = Checkpointer(Path(cfg.output_dir) / "checkpoints", policy=policy, dataset=dataset,
                                 every=cfg.train.checkpoint_every, keep_last=cfg.train.keep_last,
                                 total_steps=cfg.train.steps, preempt=preempt)
-    start_step, run_id = checkpointer.restore() if resume else (0, None)
+    start_step, run_id = checkpointer.restore(point) if point is not None else (0, None)
     reporter = Reporter(cfg.tracking, run_dir=Path(cfg.output_dir), rank=dims.rank, total_steps=cfg.train.steps,
-                        run_id=run_id)
+                        run_id=run_id, resume_step=start_step if resume else None)
     reporter.start(to_dict(cfg))
+    reporter.dataset(dataset.stats, step=start_step)
     weight_sync.sync(policy.chunks, version=start_step)
     memory = Choreography(engines, offload, colocated=cfg.sync.transport == "colocated")
     memory.after_push()  # as after every push: the trainer gives up its rollout-time memory
@@ -174,6 +191,14 @@ def build(cfg, *, resume: bool) -> Parts:
     log.info("ready: %d prompts, starting at step %d of %d", len(dataset), start_step, cfg.train.steps)
     return Parts(learner=learner, collector=collector, weight_sync=weight_sync, checkpointer=checkpointer,
                  reporter=reporter, memory=memory, scorer=scorer, held_out=held_out, pad_id=int(pad_id), start_step=start_step)
+
+
+def overlong_punishment(spec) -> OverlongPunishment | None:
+    """DAPO's soft overlong punishment of an AlgoSpec (None when its buffer is 0)."""
+    if not spec.overlong_buffer_len:
+        return None
+    return OverlongPunishment(max_tokens=spec.overlong_max_tokens, cache_tokens=spec.overlong_buffer_len,
+                              factor=spec.overlong_penalty_factor)
 
 
 def _held_out_prompts(cfg, tokenizer) -> list:
@@ -189,7 +214,7 @@ def _evaluate(parts: Parts, step: int, *, seed: int) -> dict[str, float]:
     return out
 
 
-def _close(parts: Parts, *, status: str) -> None:
+def close(parts: Parts, *, status: str) -> None:
     """Finishes the MLflow run and stops scorers and engines. The process groups stay up: vLLM's
     own exit hook tears down the groups it joined, and would fail on an already destroyed world."""
     parts.reporter.finish(status)

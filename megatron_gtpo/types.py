@@ -80,6 +80,9 @@ class RolloutBatch:
     """Wall time spent generating."""
     reward_s: float = 0.0
     """Wall time spent scoring."""
+    reward_errors: list = field(default_factory=list)
+    """Distinct reward-function failures first seen during this step (``reward.failures.RewardError``,
+    with traceback; rank 0 only): the reporter saves them as an artifact."""
 
 
 @dataclass(kw_only=True)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from megatron_gtpo.parallel.strict import ENV as STRICT_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,18 +21,79 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment of a launched run: this checkout on the path and strict device groups on (a
+    host tensor or object collective on a device group raises as NCCL would; parallel/strict.py)
+    unless the caller's environment says otherwise."""
+    return {**os.environ, "PYTHONPATH": str(REPO), STRICT_ENV: os.environ.get(STRICT_ENV, "1"), **extra}
+
+
+def kill_tree(pid: int, sig: int = 9) -> None:
+    """Sends ``sig`` (SIGKILL) to ``pid`` and every descendant at once, as a crash or outage would.
+
+    ``os.killpg`` on the launcher's group is not enough: torchrun starts each rank in a new
+    session (its own process group), so the ranks would survive the kill and keep training.
+    ``pid`` is the caller's ``Popen`` child and is not reaped here: its ``wait()`` keeps the
+    return code (-9), which a reaping wait would turn into 0.
+    """
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]  # collected first: orphans are re-parented
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs[1:], timeout=60)
+    try:
+        os.killpg(pid, sig)  # whatever the group started and the tree walk missed
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+INNER_TIMEOUT_S = 1500
+"""Longest wait for one subprocess of a test: below pytest's per-test limit (pyproject.toml,
+timeout = 1800), so a hung subprocess group is killed by us, with its output, never orphaned."""
+
+
+def run_group(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` in a process group of its own (``start_new_session``); on timeout the
+    whole tree (torchrun agents, ranks in their own sessions, engine and scorer processes) is
+    killed, then the test fails with the output so far. Output is captured as text."""
+    assert timeout <= INNER_TIMEOUT_S, f"timeout {timeout} s exceeds INNER_TIMEOUT_S"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        raise AssertionError(f"{cmd[:6]} timed out after {timeout} s; process group killed:\n"
+                             f"{(out + err)[-8000:]}") from None
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600,
              env: dict[str, str] | None = None) -> list[dict]:
     """Runs ``script`` on ``nproc`` gloo ranks with torchrun and returns every JSON line that any
     rank printed with the prefix ``RESULT `` (the scripts' way of reporting checks).
 
     Raises AssertionError with the combined output when the launch fails, so a failing rank's
-    traceback appears in the pytest report.
+    traceback appears in the pytest report. Strict device groups (megatron_gtpo/parallel/strict.py)
+    are on unless ``env`` or the caller's environment sets the variable to 0: host data on a group
+    that would be NCCL on a GPU raises here as it would there.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", str(script), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    full_env = child_env(OMP_NUM_THREADS="1", **(env or {}))
+    proc = run_group(cmd, timeout=timeout, env=full_env, cwd=REPO)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"torchrun {script} (nproc={nproc}) failed rc={proc.returncode}:\n{out[-8000:]}"
     return [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -8,6 +8,7 @@ import torch
 from megatron_gtpo.parallel import collectives
 from megatron_gtpo.train.batching import MicroBatch
 from megatron_gtpo.train.logprobs import vocab_parallel_argmax
+from megatron_gtpo.train.model import true_vocab_size
 from megatron_gtpo.train.step import process_groups, run_schedule
 
 
@@ -17,6 +18,7 @@ def greedy_generate(model_chunks, prompt_ids: list[list[int]], max_new_tokens: i
     """Greedy continuation of each prompt (O(n^2): every token is a full forward through the
     forward-only pipeline schedule, broadcast from the last stage). Stops after ``eos_id``."""
     groups = process_groups()
+    vocab_size = true_vocab_size(model_chunks) if vocab_size is None else vocab_size  # never a padding column
     results = []
     for prompt in prompt_ids:
         tokens, new = list(prompt), []

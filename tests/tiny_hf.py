@@ -3,7 +3,10 @@
 Shapes are chosen to exercise every mapping path: GQA (4 query heads, 2 KV groups), a Qwen3
 ``head_dim`` different from hidden/heads, Qwen2 q/k/v biases, a tied-embedding Llama with
 non-default llama3 RoPE scaling (the path Megatron does not cover natively), and 4 layers so
-PP=2 x VPP=2 has one layer per virtual stage.
+PP=2 x VPP=2 has one layer per virtual stage. The vocabulary (257, prime) divides no TP size, so
+every conversion and load pads it (Megatron-LM's make_vocab_size_divisible_by, 128 x TP rows) and
+every export strips the padding again. RoPE uses a non-default theta (12345), so a converter
+that dropped it (Megatron's default is 10000) fails the logits parity checks.
 """
 
 from __future__ import annotations
@@ -12,8 +15,12 @@ from pathlib import Path
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
+VOCAB_SIZE = 257
+ROPE_THETA = 12345.0
+
 _BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-5)
+             num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=256, rms_norm_eps=1e-5)
+_ROPE = {"rope_type": "default", "rope_theta": ROPE_THETA}
 
 
 def tiny_hf_config(family: str) -> dict:
@@ -22,14 +29,14 @@ def tiny_hf_config(family: str) -> dict:
 
     if family == "llama":
         cfg = transformers.LlamaConfig(**_BASE, tie_word_embeddings=True, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "rope_type": "llama3", "rope_theta": ROPE_THETA, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     elif family == "qwen2":
-        cfg = transformers.Qwen2Config(**_BASE, tie_word_embeddings=False)
+        cfg = transformers.Qwen2Config(**_BASE, tie_word_embeddings=False, rope_parameters=dict(_ROPE))
     elif family == "qwen3":
-        cfg = transformers.Qwen3Config(**_BASE, head_dim=32, tie_word_embeddings=False)
+        cfg = transformers.Qwen3Config(**_BASE, head_dim=32, tie_word_embeddings=False, rope_parameters=dict(_ROPE))
     elif family == "mistral":
-        cfg = transformers.MistralConfig(**_BASE, head_dim=16, tie_word_embeddings=False)
+        cfg = transformers.MistralConfig(**_BASE, head_dim=16, tie_word_embeddings=False, rope_parameters=dict(_ROPE))
     else:
         raise ValueError(family)
     cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from megatron_gtpo.convert.offline import hf_to_megatron, megatron_to_hf
 from megatron_gtpo.utils.configuration import ConfigError
+from megatron_gtpo.models.config import VOCAB_DIVISIBLE_BY
 
 EXIT_BAD_INPUT = 2
 
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(validated; Megatron reshards at load, so any layout can load it)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (validated, recorded)")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per PP rank (validated)")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=VOCAB_DIVISIBLE_BY, metavar="N",
+                        help="--to megatron: pad the vocabulary (embedding, output layer) with zero rows to a "
+                        "multiple of N x --tp, as Megatron-LM does (default %(default)s); --to hf strips the padding")
     parser.add_argument("--hf-config", type=Path, default=None,
                         help="--to hf: dir with config.json + tokenizer files when --input lacks them")
     parser.add_argument("--max-shard-mb", type=float, default=5000.0,
@@ -72,6 +76,8 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name}={getattr(args, name)} must be >= 1")
     if args.vpp is not None and args.vpp < 1:
         raise ConfigError(f"--vpp={args.vpp} must be >= 1")
+    if args.make_vocab_size_divisible_by < 1:
+        raise ConfigError(f"--make-vocab-size-divisible-by={args.make_vocab_size_divisible_by} must be >= 1")
     if args.max_shard_mb <= 0:
         raise ConfigError(f"--max-shard-mb={args.max_shard_mb} must be > 0")
     if not args.input.is_dir():
@@ -82,7 +88,8 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _convert(args: argparse.Namespace, tmp: Path) -> int:
     if args.to == "megatron":
-        return hf_to_megatron(args.input, tmp, tp=args.tp, pp=args.pp, vpp=args.vpp)["bytes"]
+        return hf_to_megatron(args.input, tmp, tp=args.tp, pp=args.pp, vpp=args.vpp,
+                              vocab_divisible_by=args.make_vocab_size_divisible_by)["bytes"]
     return megatron_to_hf(args.input, tmp, config_dir=args.hf_config or args.input,
                           shard_bytes=int(args.max_shard_mb * 2**20))
 

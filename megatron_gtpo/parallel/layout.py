@@ -27,9 +27,8 @@ def model_split_problems(shape: ModelShape, *, tp: int, pp: int, vpp: int | None
                         f"query groups evenly): choose parallel.tp among {divisors(shape.kv_heads)}")
     if shape.heads % shape.kv_heads:
         problems.append(f"num_attention_heads={shape.heads} is not a multiple of num_key_value_heads={shape.kv_heads}")
-    for name, size in (("intermediate_size", shape.ffn), ("vocab_size", shape.vocab)):
-        if size % tp:  # the builder does not pad the vocabulary
-            problems.append(f"{name}={size} is not divisible by TP={tp}: choose parallel.tp dividing it")
+    if shape.ffn % tp:  # (the vocabulary is padded to a multiple of TP: train.model.padded_vocab_size)
+        problems.append(f"intermediate_size={shape.ffn} is not divisible by TP={tp}: choose parallel.tp dividing it")
     if shape.layers % pp:
         problems.append(f"num_hidden_layers={shape.layers} is not divisible by PP={pp}: "
                         f"choose parallel.pp among {divisors(shape.layers)}")

@@ -22,6 +22,7 @@ from typing import Literal
 
 from megatron_gtpo.models.shape import ModelShape
 from megatron_gtpo.parallel.layout import batch_split_problem, divisors, model_split_problems, pipeline_problem
+from megatron_gtpo.plan.engine_args import context_problem
 from megatron_gtpo.utils.configuration import ConfigError
 
 
@@ -147,9 +148,10 @@ def plan_layout(req: LayoutRequest) -> Layout:
     microbatches = _check_batch(problems, warnings, sequences=sequences, dp=dp, mbs=req.micro_batch_size,
                                 pp=pp, vpp=vpp)
     seq_len = req.max_prompt_tokens + req.max_completion_tokens
-    if seq_len > shape.max_positions:
-        problems.append(f"max prompt + completion tokens = {req.max_prompt_tokens} + {req.max_completion_tokens} = "
-                        f"{seq_len} exceeds the model's max_position_embeddings={shape.max_positions}")
+    too_long = context_problem(context=shape.max_positions, source="the model's max_position_embeddings",
+                               max_prompt_tokens=req.max_prompt_tokens, max_tokens=req.max_completion_tokens)
+    if too_long:
+        problems.append(too_long)
     if tp > gpus_per_node:
         warnings.append(f"TP={tp} spans nodes ({gpus_per_node} GPUs each): every layer then all-reduces "
                         f"over the network; keep parallel.tp <= {gpus_per_node}")

@@ -13,12 +13,14 @@ from __future__ import annotations
 from megatron_gtpo.reward.config import RewardConfig
 from megatron_gtpo.reward.extract import extract_answer, gold_answer
 from megatron_gtpo.reward.functions import REWARDS, RewardOutput, overlong_penalty, paper_format_score
-from megatron_gtpo.reward.pool import SampleScore, ScoringPool
+from megatron_gtpo.reward.failures import RewardError, RewardFunctionFailing
+from megatron_gtpo.reward.pool import RewardFunctionCrashed, SampleScore, ScoringPool
 from megatron_gtpo.reward.verify import TASKS, Judgement, is_correct, judge
 
 _LAZY = {"score_groups", "RewardScorer", "ScoredBatch", "ScoringStats"}
 
-__all__ = ["REWARDS", "TASKS", "Judgement", "RewardConfig", "RewardOutput", "SampleScore", "ScoringPool",
+__all__ = ["REWARDS", "TASKS", "Judgement", "RewardConfig", "RewardError", "RewardFunctionCrashed",
+           "RewardFunctionFailing", "RewardOutput", "SampleScore", "ScoringPool",
            "extract_answer", "gold_answer", "is_correct", "judge", "overlong_penalty", "paper_format_score",
            *sorted(_LAZY)]
 

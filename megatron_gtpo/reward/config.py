@@ -18,9 +18,17 @@ class RewardConfig:
     ``gtpo`` the paper's 10+10 scheme, ``dapo`` +1/-1) or a dotted import path of a user function
     ``fn(completion, gold, task) -> float | RewardOutput`` (``my_pkg.rewards.fn``)."""
 
+    scale: float = 1.0
+    """Factor phi on every reward (the function's value plus DAPO's overlong term), applied where the
+    rewards are produced (``score_groups``). Spec 6 Prop. 2: under AdamW training is largely
+    insensitive to phi; ``megatron-gtpo probe reward-scale`` measures it. Logged rewards are scaled too."""
+
     num_workers: int = 2
-    """Scoring worker processes. 0 scores in the calling process (no protection against hangs in
-    C code; the per-sample limit then works only from the main thread)."""
+    """Scoring worker processes (>= 1 recommended): a reward that hangs in C code is killed, and one
+    that ends its process (os._exit, segfault) stops the run with RewardFunctionCrashed instead of
+    taking a training rank down. 0 scores in the training process: in-process, no protection (a
+    hang in C code hangs the rank, an os._exit ends it; the per-sample limit works only from the
+    main thread)."""
 
     timeout_s: float = 10.0
     """Per-sample time limit in seconds; a sample over it scores 0 and is counted as a timeout."""
@@ -32,9 +40,19 @@ class RewardConfig:
     """How workers are started. ``spawn`` is safe next to CUDA and vLLM threads; ``fork`` starts
     fastest but only suits processes without CUDA or threads."""
 
+    max_failed_batches: int = 3
+    """Stop the run (RewardFunctionFailing) when every reward failed (error or timeout) in this many
+    scoring batches in a row, instead of training on rewards that are all 0. One batch per step
+    (DAPO's refill tries count one each); each all-failed batch logs a warning, as does one where more
+    than half failed. 0 never stops."""
+
     def __post_init__(self) -> None:
         require(bool(self.fn.strip()), "fn", self.fn, "a built-in reward name or a dotted import path")
+        require(isinstance(self.scale, (int, float)) and math.isfinite(self.scale) and self.scale > 0, "scale",
+                self.scale, "a finite number > 0 (1 = the reward function's own values)")
         require(self.num_workers >= 0, "num_workers", self.num_workers, "an integer >= 0")
         require(math.isfinite(self.timeout_s) and self.timeout_s > 0, "timeout_s", self.timeout_s,
                 "a number of seconds > 0")
         require(self.chunk_size >= 1, "chunk_size", self.chunk_size, "an integer >= 1")
+        require(self.max_failed_batches >= 0, "max_failed_batches", self.max_failed_batches,
+                "0 (never stop) or a number of batches >= 1")

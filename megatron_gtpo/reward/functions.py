@@ -7,6 +7,9 @@ Contract of every reward function (built-in or user, picked by ``RewardConfig.fn
 A plain float is the reward; correctness for the accuracy metric is then judged by ``is_correct``.
 Functions run inside scorer worker processes, so a user function must be importable by dotted path
 (``my_pkg.rewards.fn`` or ``my_pkg.rewards:fn``) and must not rely on state of the training process.
+A function that raises or times out scores 0 for that sample (the first traceback of each distinct
+error is logged); one that ends its process (``os._exit``, a segfault) on the same sample twice
+stops the run with RewardFunctionCrashed (see ``pool.py`` and ``failures.py``).
 
 Length shaping (DAPO's soft overlong punishment) is not a reward function: it needs token counts,
 so ``score.py`` adds ``OverlongPunishment`` on top of whichever function is configured. Its one

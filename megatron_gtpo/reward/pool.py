@@ -4,11 +4,14 @@
     worker: for each sample: SIGALRM(timeout_s) -> reward fn -> (index, result) back to the parent
     parent: a worker silent for timeout_s + grace (stuck in C code, deaf to signals) is killed and
             respawned; its current sample scores 0 as a timeout, the rest of its chunk is re-queued
+    parent: a worker that dies (os._exit, segfault, OOM kill) is respawned and its chunk re-queued,
+            the fatal sample first; a sample that kills a worker twice raises RewardFunctionCrashed
 
 Two layers because a Python-level hang (sympy) is interrupted cheaply by the in-worker alarm, which
 keeps the worker and its warm caches alive, while only the parent's kill can stop a hang that never
 returns to the interpreter. A timeout or an exception gives reward 0, correct False and a status
-the caller counts; nothing here raises because of one bad sample.
+the caller counts with the traceback of the failure; nothing here raises because of one bad
+sample, except a sample that kills its worker process twice (the function cannot be scored at all).
 
 Workers are started with ``spawn`` by default: the training process holds CUDA contexts and vLLM
 threads, which ``fork`` would copy in a broken state. They import only ``megatron_gtpo.reward``
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import logging
 import multiprocessing as mp
 import signal
 import threading
@@ -29,9 +33,19 @@ from multiprocessing.connection import Connection, wait
 
 from tqdm import tqdm
 
+from megatron_gtpo.reward.functions import as_output
+from megatron_gtpo.reward.verify import _judge_cached, _mv_parse
+
 STATUS_OK, STATUS_TIMEOUT, STATUS_ERROR = "ok", "timeout", "error"
+MAX_WORKER_DEATHS = 2
+"""Worker deaths one sample may cause before its reward function is declared fatal (the first
+is retried on a fresh worker: an out-of-memory kill can be a one-off)."""
 _READY = "ready"
 _STARTUP_LIMIT_S = 300.0  # importing sympy on a loaded 2-core CI box takes seconds, not minutes
+_TRACEBACK_CHARS = 8000  # the tail of a deep traceback holds the frame that failed
+_IGNORED_SIGNALS = {signal.SIGINT, signal.SIGUSR1}  # the parent's to handle (see _worker_main)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +63,13 @@ class SampleScore:
     """'ok', 'timeout' (over the per-sample limit) or 'error' (the reward function raised)."""
     error: str = ""
     """Short description of the error or timeout, empty when ok."""
+    traceback: str = ""
+    """Formatted traceback of the failure (for a timeout: where the alarm interrupted the
+    function); empty when ok or when the worker process was killed."""
+
+
+class RewardFunctionCrashed(RuntimeError):
+    """The reward function ended its scoring worker process twice on the same sample."""
 
 
 class SampleTimeout(BaseException):
@@ -56,8 +77,9 @@ class SampleTimeout(BaseException):
     (math-verify wraps its parsing in one) cannot swallow it."""
 
 
-def _failed(status: str, message: str) -> SampleScore:
-    return SampleScore(reward=0.0, correct=False, answer=None, status=status, error=message[:500])
+def _failed(status: str, message: str, trace: str = "") -> SampleScore:
+    return SampleScore(reward=0.0, correct=False, answer=None, status=status, error=message[:500],
+                       traceback=trace[-_TRACEBACK_CHARS:])
 
 
 def load_callable(path: str):
@@ -70,8 +92,6 @@ def score_one(fn, text: str, gold: str, task: str, timeout_s: float | None, with
     """Runs reward ``fn`` on one sample, under a SIGALRM time limit when ``timeout_s`` is set (only
     valid in a process's main thread); ``with_answer`` also extracts the canonical answer (maj@k
     needs it, training does not). Never raises for a bad sample."""
-    from megatron_gtpo.reward.functions import as_output
-    from megatron_gtpo.reward.verify import _judge_cached
 
     try:
         if timeout_s:
@@ -83,9 +103,9 @@ def score_one(fn, text: str, gold: str, task: str, timeout_s: float | None, with
             if timeout_s:
                 signal.setitimer(signal.ITIMER_REAL, 0)
     except SampleTimeout:
-        return _failed(STATUS_TIMEOUT, f"scoring took longer than {timeout_s} s")
+        return _failed(STATUS_TIMEOUT, f"scoring took longer than {timeout_s} s", traceback.format_exc())
     except Exception as err:  # a bad sample or a buggy user reward must not stop the run
-        return _failed(STATUS_ERROR, f"{type(err).__name__}: {err}")
+        return _failed(STATUS_ERROR, f"{type(err).__name__}: {err}", traceback.format_exc())
     return SampleScore(reward=out.reward, correct=out.correct, answer=answer)
 
 
@@ -108,10 +128,9 @@ def _worker_main(conn: Connection, fn_path: str, timeout_s: float) -> None:
     # SIGUSR1 is the trainer's "checkpoint and exit" (SLURM preemption), sent to the whole process
     # group; the rank handles it and stops its pool in order, so a worker must not die of it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _IGNORED_SIGNALS)  # blocked by _Worker until now
     try:
         fn = load_callable(fn_path)
-        from megatron_gtpo.reward.verify import _mv_parse
-
         _mv_parse("1")  # warm math-verify (sympy import) before the first deadline starts
         install_alarm()
     except BaseException:
@@ -136,7 +155,14 @@ class _Worker:
     def __init__(self, ctx, fn_path: str, timeout_s: float):
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=_worker_main, args=(child, fn_path, timeout_s), daemon=True)
-        self.proc.start()
+        # Workers start lazily, possibly mid-run: a preemption signal that reaches the process
+        # group while a new worker imports would kill it before it can ignore the signal. The
+        # blocked mask is inherited through fork and exec; _worker_main unblocks it.
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _IGNORED_SIGNALS)
+        try:
+            self.proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         child.close()  # so that the parent sees EOF when the worker dies
         self.ready = False
         self.pending: collections.deque[int] = collections.deque()
@@ -152,16 +178,21 @@ class ScoringPool:
     """A persistent pool of scoring workers; reuse one across training steps (start-up costs ~2 s).
 
     ``num_workers=0`` scores in the calling process (SIGALRM limit only in the main thread, and
-    no protection against hangs in C code). Use as a context manager or call ``close()``.
+    no protection: a hang in C code hangs the caller, an ``os._exit`` or a segfault ends it).
+    ``label`` names the reward in messages (default ``fn_path``). Use as a context manager or call
+    ``close()``.
     """
 
     def __init__(self, *, fn_path: str, num_workers: int, timeout_s: float,
-                 start_method: str = "spawn", chunk_size: int = 16):
+                 start_method: str = "spawn", chunk_size: int = 16, label: str | None = None):
         self.fn_path, self.num_workers, self.timeout_s = fn_path, num_workers, timeout_s
         self.chunk_size = chunk_size
+        self.label = label or fn_path
         self.grace_s = max(2.0, timeout_s)
         self._ctx = mp.get_context(start_method)
         self._workers: list[_Worker] = []
+        self._items: list[tuple[str, str, str]] = []  # the batch being scored (named in crash reports)
+        self._deaths: collections.Counter[int] = collections.Counter()  # worker deaths per sample index
 
     def __enter__(self) -> ScoringPool:
         return self
@@ -211,14 +242,13 @@ class ScoringPool:
 
     def _ensure_workers(self) -> None:
         if self._ctx.get_start_method() == "fork" and len(self._workers) < self.num_workers:
-            from megatron_gtpo.reward.verify import _mv_parse
-
             _mv_parse("1")  # forked workers then inherit a warm math-verify instead of importing it each
         while len(self._workers) < self.num_workers:
             self._workers.append(_Worker(self._ctx, self.fn_path, self.timeout_s))
 
     def _score_parallel(self, items, bar, with_answers: bool) -> list[SampleScore]:
         self._ensure_workers()
+        self._items, self._deaths = items, collections.Counter()
         queue = collections.deque(range(len(items)))
         results: list[SampleScore | None] = [None] * len(items)
         while queue or any(w.pending for w in self._workers):
@@ -246,9 +276,7 @@ class ScoringPool:
                 self.close()
                 raise RuntimeError(f"a scoring worker for reward {self.fn_path!r} died during start-up "
                                    f"(exit code {worker.proc.exitcode})") from None
-            worker.proc.join(timeout=1)
-            self._replace(worker, queue, results, bar, STATUS_ERROR,
-                          f"scoring worker died (exit code {worker.proc.exitcode})")
+            self._worker_died(worker, queue)
             return
         if message == _READY:
             worker.ready, worker.since = True, time.monotonic()
@@ -280,4 +308,42 @@ class ScoringPool:
             results[worker.pending.popleft()] = _failed(status, message)
             bar.update(1)
             queue.extendleft(reversed(worker.pending))
+        self._respawn(worker)
+
+    def _respawn(self, worker: _Worker) -> None:
         self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.fn_path, self.timeout_s)
+
+    def _worker_died(self, worker: _Worker, queue) -> None:
+        """A ready worker ended (os._exit, segfault, OOM kill): its whole chunk goes back to the
+        queue, the sample it was scoring first, on a fresh worker. That sample's second kill stops
+        scoring: respawning forever would hide a reward function that cannot run."""
+        worker.proc.join(timeout=5)
+        how = _exit_text(worker.proc.exitcode)
+        worker.kill()
+        if worker.pending:
+            index = worker.pending[0]
+            self._deaths[index] += 1
+            if self._deaths[index] >= MAX_WORKER_DEATHS:
+                self.close()
+                text, gold, task = self._items[index]
+                raise RewardFunctionCrashed(
+                    f"reward.fn={self.label!r} killed its worker process ({how}) on sample {index} of this batch, "
+                    f"{self._deaths[index]} times, so scoring stopped. A reward function must return a "
+                    f"reward or raise; something in it ends the process (os._exit, sys.exit, a segfault or abort in "
+                    f"C code, an out-of-memory kill). The sample: completion {text[:300]!r}, gold {gold!r}, "
+                    f"task {task!r}.")
+            log.warning("reward.fn=%r killed its scoring worker (%s) on sample %d; retrying the sample once on a "
+                        "fresh worker", self.label, how, index)
+            queue.extendleft(reversed(worker.pending))
+        self._respawn(worker)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "no exit status"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

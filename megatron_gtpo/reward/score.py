@@ -4,7 +4,10 @@
         --ScoringPool (workers, per-sample timeout)--> reward, correct
         --+ overlong punishment (token counts, DAPO)--> ScoredBatch(groups, stats)
 
-Build one ``RewardScorer`` per run and reuse it: its worker processes are started once.
+Build one ``RewardScorer`` per run and reuse it: its worker processes are started once. It logs the
+first traceback of each distinct failure (``new_errors()`` hands them to the driver for an
+artifact), warns when more than half a batch failed and stops the run when every reward failed for
+``reward.max_failed_batches`` batches in a row (see ``failures.py``).
 """
 
 from __future__ import annotations
@@ -13,31 +16,10 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_gtpo.reward.config import RewardConfig
+from megatron_gtpo.reward.failures import ErrorLog, FailureMonitor, RewardError, ScoringStats
 from megatron_gtpo.reward.functions import OverlongPunishment, resolve_reward, reward_path
 from megatron_gtpo.reward.pool import STATUS_ERROR, STATUS_TIMEOUT, SampleScore, ScoringPool
 from megatron_gtpo.types import Completion, Prompt, ScoredGroup
-
-
-@dataclass(kw_only=True)
-class ScoringStats:
-    """Counters of one scoring call (log them: a rising timeout count means adversarial outputs)."""
-
-    num_samples: int = 0
-    """Completions scored."""
-    num_timeouts: int = 0
-    """Completions that hit the per-sample time limit (scored 0)."""
-    num_errors: int = 0
-    """Completions whose reward function raised or whose worker died (scored 0)."""
-    num_overlong: int = 0
-    """Completions that received a non-zero overlong punishment."""
-    seconds: float = 0.0
-    """Wall-clock time of the call."""
-
-    def metrics(self, prefix: str = "reward/") -> dict[str, float]:
-        """Flat metric names -> values for StepMetrics / MLflow."""
-        return {f"{prefix}num_samples": float(self.num_samples), f"{prefix}timeouts": float(self.num_timeouts),
-                f"{prefix}errors": float(self.num_errors), f"{prefix}overlong": float(self.num_overlong),
-                f"{prefix}seconds": self.seconds}
 
 
 @dataclass(kw_only=True)
@@ -64,7 +46,11 @@ class RewardScorer:
         resolve_reward(config.fn)  # fail fast on a typo or an unimportable user reward
         self.pool = ScoringPool(fn_path=reward_path(config.fn), num_workers=config.num_workers,
                                 timeout_s=config.timeout_s, start_method=config.start_method,
-                                chunk_size=config.chunk_size)
+                                chunk_size=config.chunk_size, label=config.fn)
+        self.errors = ErrorLog(config.fn)
+        """Distinct failures so far (``errors.counts``), each logged once with its traceback."""
+        self.monitor = FailureMonitor(config.fn, max_failed_batches=config.max_failed_batches)
+        """Per-batch alarms, fed by ``score_groups``."""
 
     def __enter__(self) -> RewardScorer:
         return self
@@ -79,8 +65,16 @@ class RewardScorer:
     def score(self, items: list[tuple[str, str, str]], *, with_answers: bool = False, progress: bool = False,
               desc: str = "scoring") -> list[SampleScore]:
         """Scores ``[(completion_text, gold, task), ...]``; one SampleScore per item, in order.
-        ``with_answers`` also returns each canonical extracted answer (for maj@k)."""
-        return self.pool.score(items, with_answers=with_answers, progress=progress, desc=desc)
+        ``with_answers`` also returns each canonical extracted answer (for maj@k). Raises
+        RewardFunctionCrashed when the function kills its worker process twice on one sample."""
+        scores = self.pool.score(items, with_answers=with_answers, progress=progress, desc=desc)
+        self.errors.record(items, scores)
+        return scores
+
+    def new_errors(self) -> list[RewardError]:
+        """Distinct reward failures (first occurrence, with traceback) seen since the previous call;
+        the driver saves them (``dataclasses.asdict``) as a JSON artifact."""
+        return self.errors.new()
 
 
 def group_indices(num_prompts: int, completions: list[Completion]) -> list[list[int]]:
@@ -101,7 +95,9 @@ def score_groups(prompts: list[Prompt], completions: list[Completion], *, scorer
 
     Pass a long-lived ``scorer`` (training loop) or a ``config`` (a pool is started and stopped for
     this call). Returns one ScoredGroup per prompt (an empty group when a prompt got no
-    completion). A timeout or error scores 0 (plus the overlong term) and is counted in ``stats``.
+    completion). A timeout or error scores 0 (plus the overlong term) and is counted in ``stats``;
+    the scorer's FailureMonitor then warns about, or stops (RewardFunctionFailing), a batch whose
+    rewards mostly or all failed. Every reward is multiplied by ``RewardConfig.scale`` (1 by default).
     """
     if (scorer is None) == (config is None):
         raise ValueError("score_groups needs exactly one of scorer= (reused across steps) or config=")
@@ -121,9 +117,10 @@ def score_groups(prompts: list[Prompt], completions: list[Completion], *, scorer
         if scorer.overlong is not None:
             penalty = scorer.overlong(len(completion.token_ids))
             stats.num_overlong += penalty != 0.0
-        rewards.append(score.reward + penalty)
+        rewards.append((score.reward + penalty) * scorer.config.scale)
     groups = [ScoredGroup(prompt=prompts[p], completions=[completions[i] for i in idx],
                           rewards=[rewards[i] for i in idx], correct=[scores[i].correct for i in idx])
               for p, idx in enumerate(index_groups)]
     stats.seconds = time.perf_counter() - start
+    scorer.monitor.observe(stats)
     return ScoredBatch(groups=groups, stats=stats)

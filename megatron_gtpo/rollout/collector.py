@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron_gtpo import algo
-from megatron_gtpo.parallel.objects import broadcast_object
+from megatron_gtpo.parallel.control import broadcast_object
+from megatron_gtpo.reward.failures import RewardFunctionFailing
+from megatron_gtpo.reward.pool import RewardFunctionCrashed
 from megatron_gtpo.reward.score import RewardScorer, group_indices, score_groups
 from megatron_gtpo.rollout.group import RolloutGroup
 from megatron_gtpo.types import Completion, Prompt, RolloutBatch, ScoredGroup
@@ -78,6 +80,8 @@ class RolloutCollector:
             result.reward_s += time.perf_counter() - start
             for name, value in stats.items():
                 result.reward_stats[name] = result.reward_stats.get(name, 0.0) + value
+            if self.scorer is not None:
+                result.reward_errors += self.scorer.new_errors()
             groups = [g for g in groups if g.completions]
             if self.dynamic:
                 keep = _dynamic_keep(groups, self.dynamic.metric)
@@ -108,10 +112,16 @@ class RolloutCollector:
         broadcast rewards (a float and a flag per completion, plus the scoring counters)."""
         payload = None
         if self.scorer is not None:
-            scored = score_groups(prompts, completions, scorer=self.scorer)
-            payload = ([g.rewards for g in scored.groups], [g.correct for g in scored.groups],
-                       scored.stats.metrics(prefix=""))
-        rewards, correct, stats = broadcast_object(payload, src=0)
+            try:
+                scored = score_groups(prompts, completions, scorer=self.scorer)
+                payload = ([g.rewards for g in scored.groups], [g.correct for g in scored.groups],
+                           scored.stats.metrics(prefix=""))
+            except (RewardFunctionCrashed, RewardFunctionFailing) as err:
+                payload = err  # every rank stops with the reward function's own message
+        payload = broadcast_object(payload, src=0)
+        if isinstance(payload, Exception):
+            raise payload
+        rewards, correct, stats = payload
         groups = [ScoredGroup(prompt=prompts[p], completions=[completions[i] for i in idx], rewards=rewards[p],
                               correct=correct[p])
                   for p, idx in enumerate(group_indices(len(prompts), completions))]

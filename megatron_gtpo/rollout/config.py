@@ -6,6 +6,8 @@ vLLM's own engine settings are not mirrored here: ``vllm`` is handed to ``vllm.L
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +22,10 @@ class RolloutConfig:
     """Completions per prompt (the group size G of GRPO/GTPO)."""
 
     temperature: float = 1.0
-    """Sampling temperature. The trainer must compute its log-probs at the same temperature: the
-    engine reports log-probs of the tempered distribution it sampled from."""
+    """Sampling temperature, > 0. The trainer must compute its log-probs at the same temperature:
+    the engine reports log-probs of the tempered distribution it sampled from. 0 (greedy decoding)
+    is rejected: the G >= 2 completions of a group would all be the same text, so every group
+    advantage would be 0 and nothing would be learned."""
 
     top_p: float = 1.0
     """Nucleus sampling mass. Below 1 the reported log-probs are those of the renormalised nucleus,
@@ -48,7 +52,12 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         require(self.n >= 1, "n", self.n, "an integer >= 1")
-        require(self.temperature >= 0, "temperature", self.temperature, "a float >= 0 (0 = greedy)")
+        require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+                "a float > 0")
+        require(self.temperature > 0 or self.n < 2, "temperature", self.temperature,
+                f"a float > 0 with n={self.n}: at temperature 0 (greedy) the {self.n} completions of a prompt are "
+                f"identical, every group advantage is 0 and nothing is learned; sample with e.g. "
+                f"rollout.temperature=1.0")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "a float in (0, 1]")
         require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
         require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
@@ -60,3 +69,10 @@ class RolloutConfig:
         """The keyword arguments of ``RolloutEngine.generate`` (everything but prompts and seed)."""
         return {"n": self.n, "temperature": self.temperature, "top_p": self.top_p,
                 "max_tokens": self.max_tokens, "stop": list(self.stop) or None}
+
+    def with_fp32_head(self) -> RolloutConfig:
+        """This config with vLLM's lm_head in fp32 (``hf_overrides: {head_dtype: float32}``, vLLM 0.32's
+        ``ModelConfig.head_dtype``), merged into any ``hf_overrides`` the recipe sets; ``model.lm_head_fp32``."""
+        overrides = dict(self.vllm.get("hf_overrides") or {})
+        overrides.setdefault("head_dtype", "float32")
+        return dataclasses.replace(self, vllm={**self.vllm, "hf_overrides": overrides})

@@ -15,7 +15,7 @@ own slice). How the work is spread depends on the transport:
 * separate: **global rank 0 holds the pool of rollout servers** (``sync.pool.RolloutPool``), which
   spreads the prompts over the servers; rank 0 broadcasts the completions.
 
-Completions travel as Python objects over the gloo control group (``utils.control``), never over
+Completions travel as Python objects over the gloo control group (``parallel.control``), never over
 the default group, which is NCCL on GPU. A world of one rank needs no communication in either case.
 """
 
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from megatron_gtpo.parallel import control
 from megatron_gtpo.rollout.engine import call_seed, prompt_seeds
 from megatron_gtpo.types import Completion, Prompt
-from megatron_gtpo.utils import control
 
 
 class RolloutGroup:

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_gtpo.parallel import control
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.utils import control
 from megatron_gtpo.sync.checks import WeightPushError
 from megatron_gtpo.sync.export import Exporter
 from megatron_gtpo.sync.shards import BucketPlan, Mode, TensorMeta, aligned
@@ -179,9 +179,9 @@ def drain(stream: Iterator) -> None:
 
 def agree(error: BaseException | None, stats: SyncStats | None = None) -> SyncStats | None:
     """Makes every rank of the job reach the same outcome: raises WeightPushError everywhere if
-    any rank failed, else returns the first stats any rank passed. Over the gloo control group."""
-    mine = (None if error is None else f"{type(error).__name__}: {error}", stats)
-    outcomes = control.all_gather_object(mine)
+    any rank failed, else returns the first stats any rank passed (ranks without an engine pass
+    none). A no-op outside a multi-rank world."""
+    outcomes = control.all_gather_object((None if error is None else f"{type(error).__name__}: {error}", stats))
     failures = [(rank, msg) for rank, (msg, _) in enumerate(outcomes) if msg]
     if failures:
         if isinstance(error, WeightPushError):

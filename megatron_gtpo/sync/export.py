@@ -10,6 +10,9 @@ materialises one HF tensor at a time, on the ranks the delivery mode names::
         --(TP gather: to all / to TP rank 0 / none in local mode)--> HF tensor
         --(PP broadcast along the pipeline, full/local modes)--> consumer
 
+Yielded tensors have the HF shapes of config.json: ``vocab_size`` rows for the embedding and
+lm_head, whatever padding the live model carries (padding rows never leave the trainer).
+
 Memory: the gather writes each rank's piece straight into the output tensor (row chunks), or passes
 one piece at a time through a piece-sized buffer (column chunks of row-parallel weights); a sender's
 output is a view of its bucket buffer. So a rank holds at most what its consumer has not released
@@ -28,10 +31,10 @@ import torch.distributed as dist
 
 from megatron_gtpo.convert import mapping as mp
 from megatron_gtpo.models.hf_config import architecture_of, tied_embeddings
+from megatron_gtpo.parallel import control
 from megatron_gtpo.parallel.collectives import comm_device
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.utils import control
-from megatron_gtpo.sync.shards import (BucketPlan, Entry, Mode, TensorMeta, delivered, hf_order, param_map,
+from megatron_gtpo.sync.shards import (BucketPlan, Entry, Mode, TensorMeta, delivered, full_shape, hf_order, param_map,
                                        plan_buckets, receives)
 from megatron_gtpo.train.model import layer_offset, unwrap
 
@@ -147,6 +150,18 @@ class Exporter:
 
     def _gather(self, pm: mp.ParamMap, entry: Entry, part: int, out: torch.Tensor | None, *,
                 to_all: bool) -> torch.Tensor | None:
+        """:meth:`_gather_tp` with a padded vocabulary's extra rows dropped: they never leave the
+        trainer (vLLM pads its own). A padded tensor is gathered whole first, then copied into ``out``."""
+        if pm.kind != mp.VOCAB or full_shape(pm, entry.shard_shape, self.dims.tp)[0] == self.shapes.vocab:
+            return self._gather_tp(pm, entry, part, out, to_all=to_all)
+        tensor = self._gather_tp(pm, entry, part, None, to_all=to_all)
+        if tensor is None:
+            return None
+        tensor = mp.strip_vocab(pm, tensor, self.shapes.vocab)
+        return tensor if out is None else out.copy_(tensor)
+
+    def _gather_tp(self, pm: mp.ParamMap, entry: Entry, part: int, out: torch.Tensor | None, *,
+                   to_all: bool) -> torch.Tensor | None:
         """HF tensor ``part`` of a parameter of this stage, gathered from the TP ranks into ``out``
         (allocated when None) on every TP rank (``to_all``) or on TP rank 0 only. Row chunks land
         directly in place; column chunks (row-parallel weights) pass one shard at a time."""

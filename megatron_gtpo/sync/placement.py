@@ -18,7 +18,7 @@ from megatron_gtpo.plan.memory import EngineBudget, check_engine_start
 from megatron_gtpo.rollout.config import RolloutConfig
 from megatron_gtpo.rollout.engine import RolloutEngine
 from megatron_gtpo.rollout.group import RolloutGroup
-from megatron_gtpo.utils import control
+from megatron_gtpo.parallel import control
 from megatron_gtpo.sync.base import ExportPlan, WeightSync
 from megatron_gtpo.sync.colocated import ColocatedSync
 from megatron_gtpo.sync.config import SyncConfig
@@ -33,7 +33,6 @@ def build_rollout(rollout: RolloutConfig, sync: SyncConfig, *, model_dir: str, e
     """The job's engines and the weight sync that feeds them; call on every rank at the same point.
     ``budget`` (colocated engines on GPUs, from ``plan.recipe.plan_engine_memory``): the engine start
     is refused with the plan's numbers when its share of the GPU is not free."""
-    control.control_group(timeout_s=max(sync.timeout_s, 1800.0))  # created by every rank, before any use
     if budget is not None and sync.transport == "colocated":
         free, total = torch.cuda.mem_get_info()
         check_engine_start(budget, free=free, total=total)

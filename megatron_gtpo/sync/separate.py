@@ -25,7 +25,7 @@ from dataclasses import asdict
 import torch
 
 from megatron_gtpo.parallel.collectives import comm_device
-from megatron_gtpo.utils import control
+from megatron_gtpo.parallel import control
 from megatron_gtpo.sync.base import ExportPlan, PushSource, PushTimer, SyncStats, WeightSync
 from megatron_gtpo.sync.checks import WeightPushError
 from megatron_gtpo.sync.pool import RolloutPool, ServerError

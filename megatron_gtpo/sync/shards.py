@@ -118,6 +118,8 @@ def hf_shapes(pm: mp.ParamMap, megatron_shape: tuple[int, ...], shapes: mp.Shape
                 (groups * shapes.head_dim, *tail)]
     if pm.kind == mp.FC1:
         return [(megatron_shape[0] // 2, *tail)] * 2
+    if pm.kind == mp.VOCAB and shapes.vocab:  # a padded vocabulary reaches vLLM with HF's row count
+        return [(shapes.vocab, *tail)]
     return [megatron_shape]
 
 

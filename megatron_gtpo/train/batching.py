@@ -114,22 +114,23 @@ def micro_batches(batch: Batch, rows: slice, *, micro_batch_size: int, common_le
     """Cuts ``rows`` of the global batch into micro-batches of ``micro_batch_size`` rows.
 
     ``common_length`` (pipeline parallel): one sequence length for all micro-batches. Lengths are
-    rounded up to ``pad_to_multiple`` but never past the batch's longest sequence. ``device``:
-    where the micro-batch tensors are placed (the model's device; default: CPU).
+    rounded up to ``pad_to_multiple`` (``train.model.sequence_multiple``: FP8, sequence parallelism),
+    past the batch's longest sequence if need be: the extra positions hold pad tokens, come after
+    every real token under the causal mask and never reach the loss. ``device``: where the
+    micro-batch tensors are placed (the model's device; default: CPU).
     """
     ends = batch.prompt_lengths + batch.lengths
-    full = int(ends.max())
     all_rows = torch.arange(batch.size)[rows]
 
     def rounded(length: int) -> int:
-        return min(-(-max(length, 1) // pad_to_multiple) * pad_to_multiple, full)
+        return -(-max(length, 1) // pad_to_multiple) * pad_to_multiple
 
     shared = rounded(int(ends[all_rows].max())) if common_length else None
     out = []
     for idx in all_rows.split(micro_batch_size):
         seq_len = shared or rounded(int(ends[idx].max()))
         out.append(MicroBatch(rows=idx.to(device), input_ids=_model_input(batch, idx, seq_len).to(device),
-                              position_ids=torch.arange(seq_len).expand(len(idx), seq_len).to(device),
+                              position_ids=torch.arange(seq_len).expand(len(idx), seq_len).contiguous().to(device),
                               start=batch.prompt_lengths[idx].to(device), lengths=batch.lengths[idx].to(device),
                               width=max(int(batch.lengths[idx].max()), 1)))
     return out

@@ -10,6 +10,8 @@ it needs and nothing else. The weight sync reads ``learner.policy.chunks``; the 
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,11 +24,13 @@ from megatron_gtpo.models.config import DTYPES, ModelConfig
 from megatron_gtpo.models.hf_config import has_hf_weights, read_hf_config
 from megatron_gtpo.models.resolve import resolve_model
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.train.model import build_model
+from megatron_gtpo.train.model import build_model, sequence_multiple
 from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gtpo.train.step import StepSettings, forward_stats, logprob_settings, process_groups, \
     rank_micro_batches, train_step
 from megatron_gtpo.types import Batch
+
+log = logging.getLogger("megatron_gtpo")
 
 
 @dataclass(kw_only=True)
@@ -53,7 +57,9 @@ def build_policy(model: ModelConfig, *, dims: ParallelDims, optim: OptimConfig |
     optimizer steps: the default LR decay length); without, a frozen eval-mode copy."""
     model_dir = resolve_model(model.path)
     hf_config = read_hf_config(model_dir)
-    chunks = build_model(hf_config, dims=dims, dtype=DTYPES[model.dtype], overrides=model.megatron)
+    chunks = build_model(hf_config, dims=dims, dtype=DTYPES[model.dtype], overrides=model.megatron,
+                         weights_loaded=True, vocab_divisible_by=model.make_vocab_size_divisible_by,
+                         lm_head_fp32=model.lm_head_fp32)
     hf = has_hf_weights(model_dir)
     if hf:
         load_hf_weights(chunks, hf_dir=model_dir, hf_config=hf_config, dims=dims)
@@ -82,8 +88,15 @@ class Learner:
               rollout_steps: int) -> Learner:
         """The policy with its optimizer (LR schedule over ``rollout_steps * mu`` optimizer steps)
         and, when the algorithm has a KL term, a frozen reference copy of the initial model."""
+        from megatron.core.utils import get_model_config
+
         policy = build_policy(model, dims=dims, optim=optim, total_steps=rollout_steps * settings.spec.mu)
-        reference = build_policy(model, dims=dims) if settings.spec.needs_reference else None
+        # Every forward (policy, pi_old, reference) pads its micro-batches to what the model's config needs.
+        settings = dataclasses.replace(settings, pad_to_multiple=sequence_multiple(get_model_config(policy.chunks[0])))
+        reference = None
+        if settings.spec.needs_reference:
+            log.info("building the frozen reference model for the KL term (kl_beta=%g)", settings.spec.kl_beta)
+            reference = build_policy(model, dims=dims)
         return cls(policy, settings=settings, dims=dims, reference=reference)
 
     def step(self, batch: Batch) -> dict[str, float]:
@@ -96,6 +109,6 @@ class Learner:
         if self.reference is None:
             return None
         _, mbs = rank_micro_batches(batch, self.settings, self.dims)
-        lp_settings = logprob_settings(self.settings, self.dims, process_groups())
+        lp_settings = logprob_settings(self.settings, self.dims, process_groups(), self.reference.chunks)
         stats = forward_stats(self.reference.chunks, batch, mbs, lp_settings)
         return None if stats is None else stats.logp

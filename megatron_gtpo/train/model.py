@@ -33,6 +33,12 @@ without the layer number (``decoder.layers.self_attention.linear_qkv.weight`` of
 ``[num_layers, ...]``), norms live under the TE names, and the global (unsharded) tensor is the
 TP=1 layout above. The conversion code in ``megatron_gtpo/convert`` relies on exactly this table.
 
+Vocabulary padding: as Megatron-LM's ``_vocab_size_with_padding``, the embedding and output layer
+have ``padded_vocab_size(vocab_size, tp, divisible_by)`` rows (a multiple of
+``make_vocab_size_divisible_by`` x TP, default 128 x TP), so any vocabulary splits over any TP.
+Rows ``>= vocab_size`` are padding: zero when loaded from HF, excluded from log-probs, entropy and
+greedy argmax (``true_vocab_size`` gives the trainer the real size), stripped on export/conversion.
+
 Not mapped: Mistral's ``sliding_window`` (sequences longer than the window attend further than in
 HF); Llama ``attention_bias``/``mlp_bias`` and RoPE types other than default/llama3 are rejected.
 """
@@ -40,16 +46,32 @@ HF); Llama ``attention_bias``/``mlp_bias`` and RoPE types other than default/lla
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
 
+from megatron_gtpo.models.config import VOCAB_DIVISIBLE_BY
 from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, architecture_of, head_dim_of, num_kv_heads_of,
                                             rope_settings, tied_embeddings)
 from megatron_gtpo.models.shape import shape_from_hf_config
+from megatron_gtpo.parallel import strict
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.layout import model_split_problems
 from megatron_gtpo.utils.configuration import ConfigError
+
+def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Rows of the Megatron embedding/output layer: ``vocab_size`` rounded up to a multiple of
+    ``divisible_by * tp`` (Megatron-LM's ``_vocab_size_with_padding``). The one place that decides it:
+    model builder, HF loader, converter and exporter all call this."""
+    if vocab_size < 1 or tp < 1:
+        raise ConfigError(f"vocab_size={vocab_size} and tp={tp} must be >= 1")
+    if divisible_by < 1:
+        raise ConfigError(f"make_vocab_size_divisible_by={divisible_by} must be an integer >= 1 "
+                          f"(1 pads only up to a multiple of tp; Megatron's default is {VOCAB_DIVISIBLE_BY})")
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
 
 def _check_supported(hf_config: dict, family: str) -> None:
     """Rejects HF options that the Megatron local/TE GPT layers cannot reproduce exactly."""
@@ -87,7 +109,8 @@ def validate_overrides(overrides: dict | None) -> dict:
 
 
 def _cpu_safe_defaults(*, on_gpu: bool) -> dict:
-    """Fusion flags: the CUDA-only kernels stay off on CPU (megatron_cpu.md section 4)."""
+    """Fusion flags: the CUDA-only kernels stay off on CPU (megatron_cpu.md section 4). On GPU the
+    recipes turn on what their stack provides (configs/gpu/*.yaml: TE's RoPE fusion, ...)."""
     return {
         "masked_softmax_fusion": False, "persist_layer_norm": False,
         "gradient_accumulation_fusion": False, "apply_rope_fusion": False,
@@ -95,12 +118,21 @@ def _cpu_safe_defaults(*, on_gpu: bool) -> dict:
     }
 
 
+def init_settings(*, on_gpu: bool, weights_loaded: bool) -> dict:
+    """How Megatron initialises parameters. On GPU a model whose weights are loaded right after
+    (the trainer always loads them) is neither initialised on the CPU first (minutes and tens of
+    GB of host RAM for 70B: every rank builds full unsharded layers) nor randomly initialised at
+    all; on CPU the TP-size-independent CPU initialisation stays (tests compare layouts with it)."""
+    return {"use_cpu_initialization": not on_gpu, "perform_initialization": not (on_gpu and weights_loaded)}
+
+
 def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | None,
-                               dtype: torch.dtype, overrides: dict | None = None):
+                               dtype: torch.dtype, overrides: dict | None = None, weights_loaded: bool = False):
     """``TransformerConfig`` for an HF Llama/Qwen2/Qwen3/Mistral config at layout (tp, pp, vpp).
 
     ``overrides`` are native TransformerConfig fields applied last (e.g. recompute, fp8); an
-    unknown key or a value TransformerConfig rejects raises ConfigError.
+    unknown key or a value TransformerConfig rejects raises ConfigError. ``weights_loaded``: real
+    weights are loaded after the build (see ``init_settings``).
     """
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
@@ -122,8 +154,8 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         params_dtype=dtype, pipeline_dtype=dtype,
-        bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16),
-        use_cpu_initialization=True, sequence_parallel=False,
+        bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16), sequence_parallel=False,
+        **init_settings(on_gpu=on_gpu, weights_loaded=weights_loaded),
         # The local spec always uses DotProductAttention; "local" only pins the NVTE_* env vars.
         attention_backend=AttnBackend.auto if on_gpu else AttnBackend.local,
         **_cpu_safe_defaults(on_gpu=on_gpu),
@@ -138,6 +170,16 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         return TransformerConfig(**kwargs)
     except (ValueError, AssertionError, TypeError) as err:
         raise ConfigError(f"TransformerConfig rejected the settings (overrides {sorted(overrides)}): {err}") from None
+
+
+def sequence_multiple(config) -> int:
+    """The multiple every micro-batch's sequence length must be padded to for this TransformerConfig:
+    16 with FP8 (Transformer Engine's FP8 GEMMs need token counts divisible by 16), times the TP
+    size with sequence parallelism (the sequence is split over the TP ranks); 1 otherwise."""
+    multiple = 16 if getattr(config, "fp8", None) else 1
+    if getattr(config, "sequence_parallel", False):
+        multiple = math.lcm(multiple, int(config.tensor_model_parallel_size))
+    return multiple
 
 
 def te_available() -> bool:
@@ -168,26 +210,34 @@ def _resolve_use_te(use_te: bool | None) -> bool:
 
 
 def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = torch.float32,
-                overrides: dict | None = None, use_te: bool | None = None) -> list[torch.nn.Module]:
+                overrides: dict | None = None, use_te: bool | None = None, weights_loaded: bool = False,
+                vocab_divisible_by: int = VOCAB_DIVISIBLE_BY, lm_head_fp32: bool = False) -> list[torch.nn.Module]:
     """One ``GPTModel`` per virtual pipeline stage of this rank (a list of one without VPP).
 
     Requires ``parallel.dims.init_distributed`` first. Weights are random (Megatron's CPU init,
-    identical at every TP size); load real ones with ``megatron_gtpo.convert``. bf16/fp16 chunks
-    are wrapped in ``Float16Module`` (which casts fp32 inputs and returns fp32 outputs).
+    identical at every TP size) unless ``weights_loaded`` says real ones follow (then, on GPU,
+    nothing is initialised: ``init_settings``); load them with ``megatron_gtpo.convert`` or a
+    checkpoint. bf16/fp16 chunks are wrapped in ``Float16Module`` (fp32 inputs are cast; the train
+    step asks it for bf16 logits, which the fused log-prob pass upcasts chunk by chunk). The
+    vocabulary is padded to ``padded_vocab_size(vocab_size, tp, vocab_divisible_by)`` rows; each
+    chunk records the true size for :func:`true_vocab_size`. ``lm_head_fp32``: the output layer's
+    matmul runs in fp32 (``fp32_output_layer``), so the logits are fp32 even then.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
     config = transformer_config_from_hf(hf_config, tp=dims.tp, pp=dims.pp, vpp=dims.vpp,
-                                        dtype=dtype, overrides=overrides)
+                                        dtype=dtype, overrides=overrides, weights_loaded=weights_loaded)
     spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=_resolve_use_te(use_te))
     rope = rope_settings(hf_config)
+    vocab = int(hf_config["vocab_size"])
+    padded = padded_vocab_size(vocab, tp=dims.tp, divisible_by=vocab_divisible_by)
     chunks = []
     for vp_stage in range(dims.vpp or 1):
         stage = vp_stage if dims.vpp else None
         model = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=int(hf_config["vocab_size"]),
+            config=config, transformer_layer_spec=spec, vocab_size=padded,
             max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -197,12 +247,33 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
             vp_stage=stage,
         )
         _apply_llama3_rope(model, rope)
-        if torch.cuda.is_available():
+        model.true_vocab_size = vocab  # GPTModel.vocab_size is the padded row count
+        if lm_head_fp32 and model.post_process and (config.bf16 or config.fp16):
+            fp32_output_layer(model.output_layer)
+        if torch.cuda.is_available() or strict.active():  # strict mode takes the GPU path: all on the device
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:
             model = Float16Module(config, model)
         chunks.append(model)
     return chunks
+
+
+def fp32_output_layer(layer) -> None:
+    """Makes a ``ColumnParallelLinear`` output layer multiply in fp32: hidden states and weight
+    (its own, or the tied embedding passed in) are upcast, so the logits are fp32 products of the
+    bf16 values instead of bf16-rounded ones. Megatron-Core 0.16.1 has no option for this (the
+    ``fp32_output`` of ``Float16Module`` only casts the finished bf16 logits). The weight's fp32
+    copy is a differentiable cast, so its gradient reaches the bf16 parameter through autograd;
+    the fused wgrad accumulation (which writes to ``weight.main_grad`` directly) is turned off for
+    this one layer, and Megatron's DDP hook adds ``param.grad`` to the main grad instead."""
+    layer.gradient_accumulation_fusion = False
+    forward = layer.forward
+
+    def forward_fp32(input_, weight=None, runtime_gather_output=None):
+        weight = layer.weight if weight is None else weight
+        return forward(input_.float(), weight=weight.float(), runtime_gather_output=runtime_gather_output)
+
+    layer.forward = forward_fp32
 
 
 def _apply_llama3_rope(model, rope: dict) -> None:
@@ -224,6 +295,13 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
         chunk = chunk.module
     return chunk
+
+
+def true_vocab_size(model_chunks: list[torch.nn.Module]) -> int:
+    """Real vocabulary of a model from ``build_model`` (logit columns at ids >= it are padding);
+    ``GPTModel.vocab_size`` (no padding known) for a model built elsewhere."""
+    model = unwrap(model_chunks[0])
+    return int(getattr(model, "true_vocab_size", model.vocab_size))
 
 
 def layer_offset(chunk: torch.nn.Module) -> int:

@@ -138,12 +138,19 @@ def _coerce_scalar(hint: type, value: Any, path: str) -> Any:
 
 # ----------------------------------------------------------------------------- recipes
 
-def load_recipe(path: str | os.PathLike) -> dict:
+def load_recipe(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict:
     """Reads a YAML recipe. A top-level ``base: other.yaml`` key (relative to the file) is loaded
-    first and deep-merged under this file's values."""
+    first and deep-merged under this file's values. A ``base:`` chain that comes back to a file
+    already in it (a file naming itself, a -> b -> a) is a ConfigError naming the chain."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"recipe file {path} does not exist; pass a YAML file such as configs/gtpo.yaml")
+        where = f" (base: of {_chain[-1]})" if _chain else ""
+        raise ConfigError(f"recipe file {path}{where} does not exist; pass a YAML file such as configs/gtpo.yaml")
+    resolved = path.resolve()
+    if resolved in _chain:
+        loop = " -> ".join(str(p) for p in (*_chain[_chain.index(resolved):], resolved))
+        raise ConfigError(f"recipe base: chain loops back on itself: {loop}; remove or change the `base:` key "
+                          f"of {_chain[-1]}")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
@@ -152,7 +159,9 @@ def load_recipe(path: str | os.PathLike) -> dict:
         raise ConfigError(f"recipe file {path} must hold a mapping at the top level")
     base = data.pop("base", None)
     if base is not None:
-        data = deep_merge(load_recipe(path.parent / base), data)
+        if not isinstance(base, str) or not base:
+            raise ConfigError(f"recipe file {path}: base={base!r} must be a file name such as base.yaml")
+        data = deep_merge(load_recipe(path.parent / base, (*_chain, resolved)), data)
     return data
 
 

@@ -14,7 +14,7 @@ import torch
 from megatron_gtpo.cli.convert import main as convert_main
 from megatron_gtpo.convert.hf_io import HFReader
 from tests.helpers import REPO, torchrun
-from tests.tiny_hf import tiny_hf_config
+from tests.dist.scripts.ckpt_resume import model_config
 
 SCRIPT = REPO / "tests/dist/scripts/ckpt_resume.py"
 
@@ -57,7 +57,7 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     # A training step dir (model + distributed-optimizer state) exports straight to HF safetensors.
     config_dir = tmp_path / "config"
     config_dir.mkdir()
-    (config_dir / "config.json").write_text(json.dumps(tiny_hf_config("qwen2")))
+    (config_dir / "config.json").write_text(json.dumps(model_config()))
     assert convert_main(["--to", "hf", "--input", str(tmp_path / "b" / "step_00000003"),
                          "--hf-config", str(config_dir), "--output", str(tmp_path / "hf")]) == 0
     exported = HFReader(tmp_path / "hf")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_gtpo.convert.hf_io import HFReader
-from tests.helpers import REPO, torchrun
+from tests.helpers import REPO, torchrun, run_group
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +29,7 @@ def smollm2():
 
 def _cli(*args):
     env = {**os.environ, "MEGATRON_GTPO_PYTHON": sys.executable}
-    proc = subprocess.run([str(REPO / "tools" / "convert_hf_checkpoint"), *map(str, args)], capture_output=True,
-                          text=True, env=env, timeout=900)
+    proc = run_group([str(REPO / "tools" / "convert_hf_checkpoint"), *map(str, args)], env=env, timeout=900)
     stats = None
     if proc.returncode == 0:
         stats = json.loads(proc.stdout.split("stats: ")[1])

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, run_group
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +24,7 @@ def run_eval(tmp_path, *args: str, timeout: float = 900) -> subprocess.Completed
     # The benchmarks shipped in this checkout (no MEGATRON_GTPO_DATA override).
     env = {**{k: v for k, v in os.environ.items() if k != "MEGATRON_GTPO_DATA"}, "PYTHONPATH": str(REPO)}
     # cwd = tmp_path: MLflow's sqlite store puts artifacts under ./mlruns of the working directory
-    proc = subprocess.run([sys.executable, "-m", "megatron_gtpo.cli.eval", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=tmp_path)
+    proc = run_group([sys.executable, "-m", "megatron_gtpo.cli.eval", *args], timeout=timeout, env=env, cwd=tmp_path)
     (tmp_path / "eval.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"eval failed rc={proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
     return proc

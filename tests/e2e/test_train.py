@@ -7,8 +7,6 @@ killed with SIGKILL mid-step resumes and reproduces the uninterrupted run's loss
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, child_env, kill_tree, run_group
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +33,9 @@ DOCUMENTED = ["reward/mean", "reward/std", "reward/accuracy", "completion/length
 
 
 def train(out: Path, *args: str, steps: int, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([*CLI, "--output-dir", str(out), "--steps", str(steps), *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=REPO)
+    env = child_env()
+    proc = run_group([*CLI, "--output-dir", str(out), "--steps", str(steps), *args], timeout=timeout, env=env,
+                     cwd=REPO)
     (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"training failed rc={proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
     return proc
@@ -104,32 +102,46 @@ def test_plot_run_renders_png(gtpo_run, tmp_path):
     assert out.stat().st_size > 10_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_grpo_raises_reward_on_toy_task(tmp_path):
+def test_grpo_with_kl_learns_and_reports_its_kl(tmp_path, gtpo_run):
     out = tmp_path / "grpo"
-    train(out, *LEARN, "algo.name=grpo", steps=LEARN_STEPS)
+    proc = train(out, *LEARN, "algo.name=grpo", "algo.kl_beta=0.04", steps=LEARN_STEPS)
     rewards = [v for _, v in history(out, "reward/mean")]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, f"GRPO did not learn: reward {rewards}"
-    assert all(v > 0 for _, v in history(out, "train/kl_k3")) or history(out, "train/kl_mean"), \
-        "GRPO with beta=0.04 must report its KL to the reference model"
+    kl = history(out, "train/kl_mean")
+    assert [s for s, _ in kl] == list(range(1, LEARN_STEPS + 1)), kl
+    assert kl[0][1] == 0.0 and all(v > 0 for _, v in kl[1:]), kl  # the policy leaves the reference after step 1
+    assert "building the frozen reference model for the KL term (kl_beta=0.04)" in proc.stdout + proc.stderr
+    # GTPO has no KL term: no reference model is built, and no KL is reported
+    assert "reference model" not in (gtpo_run.parent / "gtpo.log").read_text()
+    assert history(gtpo_run, "train/kl_mean") == []
 
 
-@pytest.mark.parametrize("algo", ["drgrpo", "dapo"])
-def test_two_steps(tmp_path, algo):
-    out = tmp_path / algo
-    extra = ["algo.overlong_buffer_len=8", "algo.dynamic_sampling_max_tries=3",
-             "algo.dynamic_sampling_metric=reward"] if algo == "dapo" else []
-    train(out, f"algo.name={algo}", *extra, steps=2)
+def test_drgrpo_two_steps(tmp_path):
+    out = tmp_path / "drgrpo"
+    train(out, "algo.name=drgrpo", steps=2)
     assert [s for s, _ in history(out, "reward/mean")] == [1, 2]
     assert [s for s, _ in history(out, "loss")] == [1, 2]
-    if algo == "dapo":
-        assert history(out, "rollout/tries")[0][1] >= 1
+
+
+def test_dapo_dynamic_sampling_refills_all_equal_groups(tmp_path):
+    """A scripted reward makes every completion of some prompts wrong: DAPO drops those groups (its
+    accuracy filter, Eq. 11) and draws new prompts until the batch is full again (the refill loop
+    runs), with the overlong punishment on."""
+    out = tmp_path / "dapo"
+    train(out, "algo.name=dapo", "algo.overlong_buffer_len=8", "algo.dynamic_sampling_max_tries=6",
+          "algo.dynamic_sampling_metric=accuracy", "reward.fn=tests.e2e.dapo_reward.half_constant_reward", steps=3)
+    tries = [v for _, v in history(out, "rollout/tries")]
+    dropped = [v for _, v in history(out, "rollout/dropped_groups")]
+    assert [v for _, v in history(out, "rollout/groups")] == [2.0, 2.0, 2.0]  # always refilled to full
+    assert sum(tries) > 3 and sum(dropped) > 0, (tries, dropped)
+    assert history(out, "reward/overlong"), "DAPO's overlong punishment counter is logged"
 
 
 def test_kill9_then_resume_matches_uninterrupted(gtpo_run, tmp_path):
     """SIGKILL in the middle of step 3 (checkpoint after step 2), then --resume: the run finishes,
     keeps its MLflow run, and steps 3-4 have the uninterrupted run's losses (fp32, same seeds)."""
     out = tmp_path / "killed"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     args = [*CLI, "--output-dir", str(out), "--steps", "4", *LEARN[:-1], "train.checkpoint_every=2"]
     log = open(tmp_path / "killed.log", "w")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
@@ -139,7 +151,7 @@ def test_kill9_then_resume_matches_uninterrupted(gtpo_run, tmp_path):
             time.sleep(2.0)  # inside step 3: rollout and training are under way
             break
         time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_tree(proc.pid)  # killpg alone misses the ranks: torchrun starts them in sessions of their own
     proc.wait()
     run_id = (out / "run_id").read_text().strip()
     assert (out / "checkpoints" / "step_00000002").is_dir()

@@ -28,3 +28,27 @@ def misbehaving_reward(completion, gold, task):
 def length_reward(completion, gold, task):
     """A user reward returning a bare float: a quarter point per character."""
     return 0.25 * len(completion)
+
+
+def failing_reward(completion, gold, task):
+    """Raises on every sample: KeyError for 'KEY' in the completion, else ValueError (two distinct
+    errors, each raised on many samples)."""
+    if "KEY" in completion:
+        return {}["missing"]
+    raise ValueError("cannot score this")
+
+
+def dies_once_reward(completion, gold, task):
+    """Kills its process the first time it sees a completion 'DIE_ONCE <marker path>' (creating the
+    marker), scores it 0.5 the second time: a one-off crash, such as an out-of-memory kill."""
+    if completion.startswith("DIE_ONCE "):
+        marker = completion.split(" ", 1)[1]
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(4)
+    return 0.5
+
+
+def always_dies_reward(completion, gold, task):
+    """Ends its process on every sample (a reward that segfaults on everything)."""
+    os._exit(5)

@@ -54,6 +54,18 @@ def test_fc1_and_parallel_linear_slicing():
     assert mp.all_hf_names("llama", num_layers=1, tied=True)[-1] == "model.norm.weight"
 
 
+def test_vocab_padding_and_stripping():
+    emb = next(p for p in mp.pre_maps() if p.kind == mp.VOCAB)
+    norm = mp.post_maps(tied=True)[0]
+    x = torch.randn(257, 8)
+    padded = mp.pad_vocab(emb, x, 512)
+    assert padded.shape == (512, 8) and torch.equal(padded[:257], x) and not padded[257:].any()
+    assert torch.equal(mp.strip_vocab(emb, padded, 257), x)
+    assert mp.pad_vocab(norm, x, 512) is x and mp.strip_vocab(norm, x, 3) is x  # only vocabulary tensors
+    with pytest.raises(ValueError, match="do not fit in 256 padded rows"):
+        mp.pad_vocab(emb, x, 256)
+
+
 # ----------------------------------------------------------------------------- CLI round trips
 
 def _convert(*args) -> int:
@@ -76,6 +88,10 @@ def test_roundtrip_each_family(tmp_path, family, capsys):
     assert stats["mb"] > 0.4 and stats["peak_rss_mb"] > 0 and stats["mb_per_s"] > 0
     manifest = json.loads((tmp_path / "mc" / "megatron_gtpo.json").read_text())
     assert manifest["family"] == family and manifest["layout"] == {"tp": 2, "pp": 2, "vpp": None}
+    # vocabulary 257 at TP=2: Megatron-LM pads to a multiple of 128 x 2 with zero rows
+    assert (manifest["vocab_size"], manifest["padded_vocab_size"], manifest["make_vocab_size_divisible_by"]) == (
+        257, 512, 128)
+    _assert_padded_rows(tmp_path / "mc" / "model", hf, rows=512, tied=family == "llama")
     assert (tmp_path / "mc" / "config.json").is_file() and (tmp_path / "mc" / "model" / ".metadata").is_file()
     assert _convert("--to", "hf", "--input", tmp_path / "mc", "--output", tmp_path / "back",
                     "--max-shard-mb", "0.2") == 0
@@ -84,6 +100,43 @@ def test_roundtrip_each_family(tmp_path, family, capsys):
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
     assert not (tmp_path / "back" / "megatron_gtpo.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "hf", "mc"]  # no temp dirs left
+
+
+def _assert_padded_rows(ckpt_dir, hf_dir, *, rows: int, tied: bool) -> None:
+    """The checkpoint's vocabulary tensors: ``rows`` rows, the HF rows first, zero padding after."""
+    from megatron_gtpo.convert.mcore_ckpt import CheckpointReader
+
+    reader, hf = CheckpointReader(ckpt_dir), hf_io.HFReader(hf_dir)
+    pairs = [("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
+    pairs += [] if tied else [("output_layer.weight", "lm_head.weight")]
+    for key, hf_name in pairs:
+        size = tuple(reader.tensor_meta(key).size)
+        assert size[0] == rows, (key, size)
+        (stored,) = reader.read({(key, (0, 0)): size}).values()
+        vocab = hf.shape(hf_name)[0]
+        assert torch.equal(stored[:vocab], hf.get(hf_name)) and not stored[vocab:].any(), key
+
+
+def test_vocab_divisor_option_and_manifest_check(tmp_path, capsys):
+    hf = save_tiny_hf_model("mistral", tmp_path / "hf")
+    assert _convert("--to", "megatron", "--input", hf, "--output", tmp_path / "mc", "--tp", "2",
+                    "--make-vocab-size-divisible-by", "1") == 0
+    assert json.loads((tmp_path / "mc" / "megatron_gtpo.json").read_text())["padded_vocab_size"] == 258
+    _assert_padded_rows(tmp_path / "mc" / "model", hf, rows=258, tied=False)
+    assert _convert("--to", "hf", "--input", tmp_path / "mc", "--output", tmp_path / "back") == 0
+    _same(hf, tmp_path / "back")
+    capsys.readouterr()
+    other = tmp_path / "other"  # a config.json that disagrees with the recorded true vocabulary
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**tiny_hf_config("mistral"), "vocab_size": 250}))
+    _fails(tmp_path, capsys, "--to", "hf", "--input", tmp_path / "mc", "--hf-config", other,
+           expect="records vocab_size=257, but config.json says 250")
+    (other / "config.json").write_text(json.dumps({**tiny_hf_config("mistral"), "vocab_size": 300}))
+    (tmp_path / "mc" / "megatron_gtpo.json").unlink()  # e.g. a training checkpoint: no manifest
+    _fails(tmp_path, capsys, "--to", "hf", "--input", tmp_path / "mc", "--hf-config", other,
+           expect="'embedding.word_embeddings.weight' is shape [258, 64], but config.json")
+    _fails(tmp_path, capsys, "--to", "megatron", "--input", hf, "--make-vocab-size-divisible-by", "0",
+           expect="--make-vocab-size-divisible-by=0 must be >= 1")
 
 
 def test_bf16_is_kept(tmp_path):

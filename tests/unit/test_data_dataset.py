@@ -55,6 +55,10 @@ def test_prompts_over_the_limit_are_dropped_and_counted():
                                    max_prompt_tokens=lengths[0])
     assert [p.uid for p in prompts] == ["t:0", "t:0"]
     assert (stats.num_rows, stats.num_prompts, stats.num_too_long) == (3, 2, 1)
+    assert stats.longest_tokens > lengths[0] and stats.max_prompt_tokens == lengths[0]
+    assert stats.metrics() == {"data/prompts": 2.0, "data/prompts_dropped_too_long": 1.0}
+    assert stats.summary() == (f"prompts: 2 of 3 rows kept, 1 dropped as too long > data.max_prompt_tokens="
+                               f"{lengths[0]} (longest prompt {stats.longest_tokens} tokens)")
     with pytest.raises(ValueError, match="prompt set is empty"):
         PromptDataset(build_prompts([long], tokenizer=tok, template="plain", max_prompt_tokens=lengths[0])[0])
 

@@ -25,6 +25,10 @@ LAZY_OWN_IMPORTS = {
     # (through types.py), which a worker must not pay for.
     ("megatron_gtpo/reward/__init__.py", "megatron_gtpo.reward"),
     ("megatron_gtpo/reward/__init__.py", "megatron_gtpo.reward.score"),
+    # `megatron-gtpo train` answers --help and refuses a bad --resume before torch loads (a second).
+    ("megatron_gtpo/cli/train.py", "megatron_gtpo.config"),
+    ("megatron_gtpo/cli/train.py", "megatron_gtpo.plan.preflight"),
+    ("megatron_gtpo/cli/train.py", "megatron_gtpo.cli.worker"),
 }
 
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.logprob_entropy import peak_extra_bytes
-from megatron_gtpo.train.logprobs import (shifted_token_logprobs, vocab_parallel_argmax,
+from megatron_gtpo.train.logprobs import (VocabShard, shifted_token_logprobs, vocab_parallel_argmax,
                                           vocab_parallel_logprob_entropy)
 
 
@@ -45,7 +45,7 @@ def test_float64_values_and_grads_match_dense(n, v, temperature, chunk, pad, sca
     logits = scale * torch.randn(n, v, generator=g, dtype=torch.float64)
     target = torch.randint(0, vocab, (n,), generator=g)
     w_lp, w_h = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
-    lp, h, gx = grads(lambda x, t: vocab_parallel_logprob_entropy(x, t, vocab_size=vocab, temperature=temperature,
+    lp, h, gx = grads(lambda x, t: vocab_parallel_logprob_entropy(x, t, shard=VocabShard(vocab_size=vocab), temperature=temperature,
                                                                   chunk_tokens=chunk), logits, target, w_lp, w_h)
     ref_fn = lambda x, t: dense(x, t, temperature=temperature, vocab_size=vocab)  # noqa: E731
     rlp, rh, rgx = grads(ref_fn, logits, target, w_lp, w_h)
@@ -185,3 +185,29 @@ def test_extra_memory_is_bounded_by_the_chunk():
     logits.grad = None
     peak_dense, _ = peak_extra_bytes(dense_path)
     assert (peak_dense - shard) / shard >= 2.0  # the measurement sees a naive path's buffers
+
+
+@pytest.mark.parametrize("pad_logit", [1e4, -1e4, 80.0])
+def test_padding_columns_are_ignored_whatever_their_logits(pad_logit):
+    """A vocabulary padded from 50 to 128 columns (TP=1), the padding holding large arbitrary
+    logits: log-probs, entropies (exact and floored) and greedy ids equal those of the unpadded
+    logits bit for bit, and the padding columns get exactly zero gradient."""
+    g = torch.Generator().manual_seed(9)
+    true_v, padded_v = 50, 128
+    real = 5 * torch.randn(40, true_v, generator=g)
+    pad = pad_logit * torch.rand(40, padded_v - true_v, generator=g)
+    target = torch.randint(0, true_v, (40,), generator=g)
+    w = torch.randn(40, generator=g)
+    for floor in (0.0, 1e-6):
+        x_pad = torch.cat([real, pad], dim=1).requires_grad_(True)
+        x_real = real.clone().requires_grad_(True)
+        lp, h = vocab_parallel_logprob_entropy(x_pad, target, shard=VocabShard(vocab_size=true_v), temperature=0.7,
+                                               entropy_prob_floor=floor)
+        lp0, h0 = vocab_parallel_logprob_entropy(x_real, target, temperature=0.7, entropy_prob_floor=floor)
+        assert torch.equal(lp, lp0) and torch.equal(h, h0)
+        (w * lp).sum().backward()
+        (w * lp0).sum().backward()
+        assert torch.equal(x_pad.grad[:, :true_v], x_real.grad)
+        assert torch.equal(x_pad.grad[:, true_v:], torch.zeros(40, padded_v - true_v))
+    padded = torch.cat([real, torch.full((40, padded_v - true_v), 1e4)], dim=1)
+    assert torch.equal(vocab_parallel_argmax(padded, vocab_size=true_v), real.argmax(-1))

@@ -97,3 +97,33 @@ def test_latest_step_ignores_partial_saves(tmp_path):
     (tmp_path / ".tmp_step_00000020").mkdir()
     (tmp_path / "step_junk").mkdir()
     assert latest_step(tmp_path) == 12 and step_dir(tmp_path, 12).name == "step_00000012"
+
+
+def test_gpu_builds_skip_the_cpu_init_when_weights_are_loaded():
+    """GPU: no full unsharded CPU init per rank and no random init of weights that are loaded right
+    after; CPU keeps Megatron's TP-size-independent CPU init (the layout tests compare with it)."""
+    assert M.init_settings(on_gpu=True, weights_loaded=True) == {"use_cpu_initialization": False,
+                                                                 "perform_initialization": False}
+    assert M.init_settings(on_gpu=True, weights_loaded=False) == {"use_cpu_initialization": False,
+                                                                  "perform_initialization": True}
+    for loaded in (True, False):
+        assert M.init_settings(on_gpu=False, weights_loaded=loaded) == {"use_cpu_initialization": True,
+                                                                        "perform_initialization": True}
+    cfg = M.transformer_config_from_hf(tiny_hf_config("llama"), tp=1, pp=1, vpp=None, dtype=torch.float32,
+                                       weights_loaded=True)
+    assert cfg.use_cpu_initialization is not torch.cuda.is_available()
+
+
+def test_padded_vocab_size_follows_megatron_lm():
+    """Megatron-LM's _vocab_size_with_padding: round up to a multiple of divisible_by x TP."""
+    cases = {(257, 1, 128): 384, (257, 2, 128): 512, (257, 4, 128): 512, (128, 2, 128): 256,
+             (128, 2, 64): 128, (49152, 8, 128): 49152, (151936, 2, 128): 152064, (128256, 4, 128): 128512,
+             (257, 2, 1): 258, (7, 3, 1): 9, (1, 1, 1): 1}
+    for (vocab, tp, div), want in cases.items():
+        assert M.padded_vocab_size(vocab, tp=tp, divisible_by=div) == want, (vocab, tp, div)
+    with pytest.raises(ConfigError, match="make_vocab_size_divisible_by=0 must be an integer >= 1"):
+        M.padded_vocab_size(257, tp=2, divisible_by=0)
+    # no vocabulary rule in the layout check any more: 257 tokens at TP=2 pass (the dist tests
+    # build and load such models: tests/dist/test_convert_dist.py checks the padded row counts)
+    M.check_layout(tiny_hf_config("qwen2"), tp=2, pp=2, vpp=None)
+

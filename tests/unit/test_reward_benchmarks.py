@@ -3,9 +3,11 @@
 For each row, four completions written the way a model would: the gold answer boxed at the end of
 a sentence, the gold in <answer> tags, and the same two with a genuinely wrong answer (gold + 1 for
 numbers, the next letter for MMLU, and for MATH's LaTeX answers the first digit changed, which
-always changes the value, or a different word/expression when the answer has no digit). The gold
-fields are read exactly as the data loaders read them. Scoring runs through the parallel scorer
-(spawned workers, per-sample timeout), as in training. At least 99.5% must be right each way.
+always changes the value, or a different word/expression when the answer has no digit). The answers
+are parsed here from the raw JSON files, independently of the package's own ``gold_answer``, and the
+completions are scored against the gold fields exactly as the data loaders read them. Scoring runs
+through the parallel scorer (spawned workers, per-sample timeout), as in training. Every row must be
+graded right both ways, except the rows listed in KNOWN_MISGRADES with the reason.
 """
 
 import re
@@ -14,11 +16,33 @@ from fractions import Fraction
 
 import pytest
 
+import json
+
 from megatron_gtpo.data import SHIPPED_DATA, load_benchmark
 from megatron_gtpo.reward import RewardConfig, RewardScorer
-from megatron_gtpo.reward.extract import gold_answer
 
 BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23", "mmlu_stem"]
+FILES = {"gsm8k": "gsm8k/test.jsonl", "math500": "math500/test.jsonl", "aime24": "aime24/test.jsonl",
+         "aime25": "aime25/test.jsonl", "amc23": "amc23/test.jsonl", "mmlu_stem": "mmlu_stem/test.jsonl"}
+KNOWN_MISGRADES: dict[tuple[str, str, bool], str] = {}
+"""(benchmark, uid, expected verdict) -> why the checker gets it wrong (none today)."""
+
+
+def raw_answer(name: str, row: dict) -> str:
+    """The gold answer of a raw JSON row, parsed without the package's code."""
+    if name == "gsm8k":
+        return row["answer"].split("####")[-1].strip().replace(",", "")
+    if name == "mmlu_stem":
+        return "ABCD"[int(row["answer"])]
+    value = row["answer"]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value).strip()
+
+
+def raw_rows(name: str) -> list[dict]:
+    with (SHIPPED_DATA / FILES[name]).open() as handle:
+        return [json.loads(line) for line in handle if line.strip()]
 
 
 def wrong_number(answer: str) -> str:
@@ -53,8 +77,10 @@ def variants(answer: str, wrong: str) -> list[tuple[str, bool]]:
 def test_every_benchmark_row_is_graded_right_both_ways():
     items, keys = [], []
     for name in BENCHMARKS:
-        for example in load_benchmark(name, data_root=SHIPPED_DATA):
-            answer = gold_answer(example.gold, example.task)
+        examples, rows = load_benchmark(name, data_root=SHIPPED_DATA), raw_rows(name)
+        assert len(examples) == len(rows)
+        for example, row in zip(examples, rows):
+            answer = raw_answer(name, row)
             wrong = {"mmlu": wrong_letter, "math": wrong_latex}.get(example.task, wrong_number)(answer)
             assert wrong != answer
             for text, expected in variants(answer, wrong):
@@ -65,10 +91,10 @@ def test_every_benchmark_row_is_graded_right_both_ways():
     totals, failures = defaultdict(int), defaultdict(list)
     for (name, expected, uid, text), score in zip(keys, scores):
         totals[name, expected] += 1
-        if score.correct != expected or score.status != "ok":
+        if (score.correct != expected or score.status != "ok") and (name, uid, expected) not in KNOWN_MISGRADES:
             failures[name, expected].append((uid, text[-80:], score.status))
     assert {name for name, _ in totals} == set(BENCHMARKS)
     report = {f"{name} {'right' if exp else 'wrong'}": f"{len(failures[name, exp])}/{totals[name, exp]}"
               for name, exp in sorted(totals)}
-    for key, total in totals.items():
-        assert len(failures[key]) <= 0.005 * total, f"misgraded {report}; first failures: {failures[key][:5]}"
+    assert not any(failures.values()), f"misgraded {report}; first failures: " + str(
+        {k: v[:5] for k, v in failures.items() if v})

@@ -9,13 +9,14 @@ import pytest
 from megatron_gtpo.reward import RewardConfig, RewardScorer, ScoringPool, score_groups
 from megatron_gtpo.reward.functions import OverlongPunishment
 from megatron_gtpo.types import Completion, Prompt
+from megatron_gtpo.utils.configuration import ConfigError
 
 PLUGIN = "tests.unit.reward_plugins"
 
 
 def test_pool_survives_timeouts_hangs_and_errors():
     items = [("ok \\boxed{3}", "3", "math"), ("SLOW", "1", "gsm8k"), ("HANG", "1", "gsm8k"),
-             ("BOOM", "1", "gsm8k"), ("NAN", "1", "gsm8k"), ("DIE", "1", "gsm8k")]
+             ("BOOM", "1", "gsm8k"), ("NAN", "1", "gsm8k")]
     items += [(f"the answer is {i}", str(i if i % 3 else i + 1), "gsm8k") for i in range(30)]
     # fork keeps this protocol test fast (no re-import per worker or respawn); the spawn default
     # is exercised by test_reward_benchmarks and the eval e2e tests.
@@ -24,14 +25,17 @@ def test_pool_survives_timeouts_hangs_and_errors():
         start = time.monotonic()
         scores = pool.score(items, with_answers=True)
         assert time.monotonic() - start < 60  # neither the 60 s sleep nor the hang was waited out
-        assert [s.status for s in scores[:6]] == ["ok", "timeout", "timeout", "error", "error", "error"]
-        assert "boom" in scores[3].error and "finite" in scores[4].error and "exit code 3" in scores[5].error
-        assert all(s.reward == 0.0 and not s.correct for s in scores[1:6])
+        assert [s.status for s in scores[:5]] == ["ok", "timeout", "timeout", "error", "error"]
+        assert "boom" in scores[3].error and "finite" in scores[4].error
+        assert all(s.reward == 0.0 and not s.correct for s in scores[1:5])
+        # tracebacks: where the alarm interrupted the sleep, where the function raised; none for a killed worker
+        assert "time.sleep(60)" in scores[1].traceback and "SampleTimeout" in scores[1].traceback
+        assert scores[2].traceback == "" and 'raise RuntimeError("boom")' in scores[3].traceback
         assert scores[0].reward == 0.5 and scores[0].correct and scores[0].answer == "3"
         # every other sample kept its place in the output order
-        assert [s.correct for s in scores[6:]] == [bool(i % 3) for i in range(30)]
-        assert [s.answer for s in scores[6:]] == [str(i) for i in range(30)]
-        # the killed and the dead worker were replaced: the pool keeps working
+        assert [s.correct for s in scores[5:]] == [bool(i % 3) for i in range(30)]
+        assert [s.answer for s in scores[5:]] == [str(i) for i in range(30)]
+        # the killed worker was replaced: the pool keeps working
         again = pool.score([("the answer is 5", "5", "gsm8k")] * 5)
         assert all(s.status == "ok" and s.correct and s.answer is None for s in again)  # no answers asked
 
@@ -99,3 +103,31 @@ def test_score_groups_counts_failures_and_rejects_bad_input():
         score_groups(prompts, [], scorer=None, config=None)
     with pytest.raises(ValueError, match="reward.fn='not_a_reward'"):
         RewardScorer(RewardConfig(fn="not_a_reward"))
+
+
+def test_reward_scale_multiplies_every_reward_where_it_is_produced():
+    """reward.scale (the reward-scale probe's phi, spec 6 D3) scales the rule reward and the overlong
+    term alike; bad values name the field."""
+    prompts = [_prompt(0, "#### 4")]
+    completions = [_completion(0, "\\boxed{4}", 10), _completion(0, "\\boxed{5}", 100)]
+    rewards = {}
+    for scale in (1.0, 10.0):
+        with RewardScorer(RewardConfig(fn="dapo", num_workers=0, scale=scale),
+                          overlong=OverlongPunishment(max_tokens=100, cache_tokens=20)) as scorer:
+            rewards[scale] = score_groups(prompts, completions, scorer=scorer).groups[0].rewards
+    assert rewards[1.0] == [1.0, -2.0] and rewards[10.0] == [10.0, -20.0]
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ConfigError, match="scale"):
+            RewardConfig(scale=bad)
+
+
+def test_preemption_signal_during_worker_start_up_does_not_kill_it():
+    """SLURM's SIGUSR1 reaches the rank's whole process group; a worker still importing (workers
+    start lazily, mid-run) must not die of it before it installs its ignore handler."""
+    import os
+
+    with ScoringPool(fn_path=f"{PLUGIN}:length_reward", num_workers=1, timeout_s=5.0) as pool:
+        pool._ensure_workers()  # noqa: SLF001  start it, then signal it at once, mid-import
+        os.kill(pool._workers[0].proc.pid, signal.SIGUSR1)  # noqa: SLF001
+        scores = pool.score([("abcd", "1", "gsm8k")])
+    assert scores[0].status == "ok" and scores[0].reward == 1.0

@@ -57,12 +57,10 @@ def test_local_rows_and_micro_batches():
     assert [mb.rows.tolist() for mb in mbs] == [[0, 1], [2, 3]]
     assert [mb.input_ids.shape[1] for mb in mbs] == [5, 7]  # cut to the longest used sequence
     assert [mb.width for mb in mbs] == [3, 4]
-    shared = micro_batches(batch, slice(0, 4), micro_batch_size=2, common_length=True, pad_to_multiple=4)
-    assert [mb.input_ids.shape[1] for mb in shared] == [7, 7]  # one length for pipeline p2p buffers, capped
+    shared = micro_batches(batch, slice(0, 4), micro_batch_size=2, common_length=True)
+    assert [mb.input_ids.shape[1] for mb in shared] == [7, 7]  # one length for pipeline p2p buffers
     shared = micro_batches(batch, slice(0, 2), micro_batch_size=1, common_length=True, pad_to_multiple=4)
-    assert [mb.input_ids.shape[1] for mb in shared] == [7, 7]  # rounded up to 8, never past the longest (7)
-    capped = micro_batches(batch, slice(0, 4), micro_batch_size=4, common_length=False, pad_to_multiple=64)
-    assert capped[0].input_ids.shape[1] == 7
+    assert [mb.input_ids.shape[1] for mb in shared] == [8, 8]  # rounded up to the multiple
 
 
 def test_optim_config_rejects_mirrored_or_unknown_fields():
@@ -81,3 +79,27 @@ def test_optim_config_rejects_mirrored_or_unknown_fields():
         OptimConfig(scheduler={"max_lr": 1.0})
     with pytest.raises(ConfigError, match="lr_warmup_steps"):
         OptimConfig(scheduler={"lr_warmup_steps": -1})
+
+
+def test_fp8_and_sequence_parallel_padding_goes_past_the_longest_row():
+    """FP8 needs token counts divisible by 16, sequence parallelism sequence lengths divisible by TP:
+    micro-batches are padded to that multiple even past the batch's longest sequence (7 tokens here),
+    with pad tokens after every real token and the completion view unchanged."""
+    from types import SimpleNamespace
+
+    from megatron_gtpo.train.model import sequence_multiple
+
+    assert sequence_multiple(SimpleNamespace(fp8=None, sequence_parallel=False, tensor_model_parallel_size=2)) == 1
+    assert sequence_multiple(SimpleNamespace(fp8="hybrid", sequence_parallel=False, tensor_model_parallel_size=2)) == 16
+    assert sequence_multiple(SimpleNamespace(fp8=None, sequence_parallel=True, tensor_model_parallel_size=3)) == 3
+    assert sequence_multiple(SimpleNamespace(fp8="e4m3", sequence_parallel=True, tensor_model_parallel_size=3)) == 48
+    batch = batch_of(ROWS, pad=99)
+    for common in (False, True):
+        mbs = micro_batches(batch, slice(0, 4), micro_batch_size=2, common_length=common, pad_to_multiple=16)
+        assert [mb.input_ids.shape[1] for mb in mbs] == [16, 16]
+        plain = micro_batches(batch, slice(0, 4), micro_batch_size=2, common_length=common)
+        for mb, ref in zip(mbs, plain):
+            width = ref.input_ids.shape[1]
+            assert torch.equal(mb.input_ids[:, :width], ref.input_ids) and (mb.input_ids[:, width:] == 99).all()
+            seq = torch.randn(mb.input_ids.shape)
+            assert torch.equal(mb.take(seq), ref.take(seq[:, :width]))

@@ -12,7 +12,10 @@ from megatron_gtpo.train import model as M
 from megatron_gtpo.types import Batch
 from tests.algo_helpers import policy_loss
 
-VOCAB, PAD, EOS = 128, 0, 2
+# 200 tokens: Megatron pads to 256 rows at TP 1 and 2 (make_vocab_size_divisible_by 128), so at
+# TP=2 rank 0 holds ids 0..127 and rank 1 ids 128..199 plus 56 padding columns. The reference's
+# random padding rows give large arbitrary padding logits that the train step must ignore.
+VOCAB, PAD, EOS = 200, 0, 2
 
 
 def tiny_config(*, tied: bool) -> dict:
@@ -124,9 +127,10 @@ def completion_rows(batch: Batch):
 
 def dense_token_stats(logits: torch.Tensor, batch: Batch, temperature: float):
     """float64 dense log-softmax: per completion token log-prob, exact entropy and the GTPO
-    reference's clamped entropy (p floored at 1e-6 inside the log), each [B, T]."""
+    reference's clamped entropy (p floored at 1e-6 inside the log), each [B, T]. ``logits`` may
+    carry vocabulary padding columns: only the first VOCAB are the model's distribution."""
     ids, mask, pos = completion_rows(batch)
-    logsm = torch.log_softmax(logits.double() / temperature, dim=-1)  # [B, S, V]
+    logsm = torch.log_softmax(logits[..., :VOCAB].double() / temperature, dim=-1)  # [B, S, V]
     prev = (pos - 1).clamp(min=0)
     rows = torch.arange(ids.shape[0])[:, None]
     token_logp = logsm[rows, prev].gather(-1, ids[..., None]).squeeze(-1)

@@ -6,8 +6,13 @@ WORK_DIR/<family>/mcore its conversion by the CLI. For each layout and family th
 2. runs a forward through Megatron's pipeline schedule and compares the logits with the
    transformers forward of the original HF model,
 3. loads the HF files directly (load_hf_weights) and checks every parameter equals (1),
-4. exports with export_hf_weights (dst "all" and "first") and compares bit for bit with the HF files.
+4. exports with export_hf_weights (dst "all" and "first") and compares bit for bit with the HF files
+   (the vocabulary, 257 rows in HF, is padded in the live model and must come back stripped),
+5. at (1,1) only, a negative control: the same weights with rope_theta 10% off must miss the parity
+   tolerance (so the logits check can see a wrong RoPE base at all).
 """
+
+import copy
 
 import json
 import os
@@ -52,8 +57,19 @@ def hf_logits(hf_dir, tokens):
         return model(tokens).logits
 
 
+def logits_diffs(logits, hf_ref) -> tuple[float | None, float | None]:
+    """(max |logits - HF| over the true vocabulary, max |logit| in the padding columns) of padded
+    Megatron logits; (None, None) on ranks without logits."""
+    if logits is None:
+        return None, None
+    vocab = hf_ref.shape[-1]
+    pad = logits[..., vocab:]
+    return (logits[..., :vocab] - hf_ref).abs().max().item(), (pad.abs().max().item() if pad.numel() else 0.0)
+
+
 def megatron_logits(chunks, tokens, dims):
-    """Full-vocab logits on last-stage ranks (None elsewhere), through the real pipeline schedule."""
+    """Full-vocab logits (padded columns included) on last-stage ranks (None elsewhere), through
+    the real pipeline schedule."""
     captured = []
     positions, mask = torch.arange(SEQ).expand(1, SEQ), M.causal_mask(SEQ)
     # One sample per micro-batch: the interleaved (VPP) schedule needs at least PP micro-batches.
@@ -90,6 +106,22 @@ def export_matches(chunks, hf_config, dims, reader, dst):
     return names, equal
 
 
+def with_rope_theta(hf_config: dict, factor: float) -> dict:
+    """A copy of ``hf_config`` whose RoPE base is ``factor`` x the original (both config spellings)."""
+    out = copy.deepcopy(hf_config)
+    for holder in (out.get("rope_parameters"), out):
+        if isinstance(holder, dict) and "rope_theta" in holder:
+            holder["rope_theta"] = float(holder["rope_theta"]) * factor
+    return out
+
+
+def wrong_theta_diff(hf_config, mc_dir, hf_ref, tokens, dims):
+    """Max |logits - HF| when Megatron is built with a rope_theta 10% too large (negative control)."""
+    chunks = M.build_model(with_rope_theta(hf_config, 1.1), dims=dims)
+    load_model_weights(chunks, mc_dir / "model")
+    return logits_diffs(megatron_logits(chunks, tokens, dims), hf_ref)[0]
+
+
 def check(family, work, dims, layout):
     hf_dir, mc_dir = work / family / "hf", work / family / "mcore"
     hf_config = read_hf_config(mc_dir)
@@ -97,15 +129,20 @@ def check(family, work, dims, layout):
     chunks = M.build_model(hf_config, dims=dims)
     load_model_weights(chunks, mc_dir / "model")
     tokens = tokens_for(int(hf_config["vocab_size"]))
-    logits = megatron_logits(chunks, tokens, dims)
-    diff = None if logits is None else (logits - hf_logits(hf_dir, tokens)).abs().max().item()
+    hf_ref = hf_logits(hf_dir, tokens)
+    diff, pad_logit = logits_diffs(megatron_logits(chunks, tokens, dims), hf_ref)
+    control = wrong_theta_diff(hf_config, mc_dir, hf_ref, tokens, dims) if layout == [1, 1] else None
+    padded_rows = [M.unwrap(c).embedding.word_embeddings.weight.shape[0] * dims.tp for c in chunks
+                   if M.unwrap(c).pre_process]
     direct = M.build_model(hf_config, dims=dims)
     load_hf_weights(direct, hf_dir=hf_dir, hf_config=hf_config, dims=dims)
     same_params = all(torch.equal(a, b) for c1, c2 in zip(chunks, direct)
                       for a, b in zip(c1.parameters(), c2.parameters()))
     all_names, all_equal = export_matches(chunks, hf_config, dims, reader, "all")
     first_names, first_equal = export_matches(chunks, hf_config, dims, reader, "first")
-    report(family=family, layout=layout, logits_diff=diff, direct_load_equal=same_params,
+    report(family=family, layout=layout, logits_diff=diff, pad_logit=pad_logit, wrong_theta_diff=control,
+           padded_rows=padded_rows,
+           logits_scale=hf_ref.abs().max().item(), direct_load_equal=same_params,
            export_all_complete=sorted(all_names) == sorted(reader.names()), export_all_equal=all_equal,
            export_first_names=len(first_names), export_first_complete=sorted(first_names) == sorted(reader.names()),
            export_first_equal=first_equal, hf_order=all_names[:2] + all_names[-2:])

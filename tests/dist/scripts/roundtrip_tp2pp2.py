@@ -17,7 +17,7 @@ from megatron_gtpo.sync.export import export_hf_weights
 from megatron_gtpo.convert.hf_io import HFWriter, copy_side_files
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import model as M
-from tests.dist.scripts.convert_parity import hf_logits, megatron_logits, report, tokens_for
+from tests.dist.scripts.convert_parity import hf_logits, logits_diffs, megatron_logits, report, tokens_for
 from tests.tiny_hf import FAMILIES
 
 
@@ -27,8 +27,7 @@ def roundtrip(family, work, dims, suffix):
     chunks = M.build_model(hf_config, dims=dims)
     load_model_weights(chunks, mc_dir)
     tokens = tokens_for(int(hf_config["vocab_size"]))
-    logits = megatron_logits(chunks, tokens, dims)
-    diff = None if logits is None else (logits - hf_logits(work / family / "hf", tokens)).abs().max().item()
+    diff, pad_logit = logits_diffs(megatron_logits(chunks, tokens, dims), hf_logits(work / family / "hf", tokens))
     writer = HFWriter(work / family / f"back_{suffix}", shard_bytes=200 << 10) if dist.get_rank() == 0 else None
     buckets = 0
     for bucket in export_hf_weights(chunks, hf_config=hf_config, dims=dims, bucket_bytes=128 << 10,
@@ -39,7 +38,7 @@ def roundtrip(family, work, dims, suffix):
     if writer is not None:
         writer.close()
         copy_side_files(work / family / "hf", work / family / f"back_{suffix}")
-    report(family=family, layout=suffix, logits_diff=diff, buckets=buckets, chunks=len(chunks),
+    report(family=family, layout=suffix, logits_diff=diff, pad_logit=pad_logit, buckets=buckets, chunks=len(chunks),
            layer_offsets=[M.layer_offset(c) for c in chunks])
 
 

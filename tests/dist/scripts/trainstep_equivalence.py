@@ -71,6 +71,7 @@ def reference_phase(batch, *, tied: bool):
     dims = init_distributed(tp=1, pp=1, seed=7)
     torch.manual_seed(0)
     model = M.build_model(C.tiny_config(tied=tied), dims=dims)[0]
+    assert model.vocab_size == 256 and M.true_vocab_size([model]) == C.VOCAB  # padded, random padding rows
     with torch.no_grad():  # sharper next-token distributions: entropies spread around the threshold
         model.output_layer.weight.mul_(40.0) if not tied else model.embedding.word_embeddings.weight.mul_(8.0)
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -133,7 +134,7 @@ def _dense_greedy(model, steps: int) -> list[list[int]]:
         for _ in range(steps):
             ids = torch.tensor([tokens])
             logits = model(ids, torch.arange(len(tokens))[None], M.causal_mask(len(tokens)))
-            tokens.append(int(logits[0, -1].argmax()))
+            tokens.append(int(logits[0, -1, :C.VOCAB].argmax()))  # padding columns are not tokens
         out.append(tokens[len(prompt):])
     return out
 
@@ -238,7 +239,7 @@ def _check_logprobs_and_greedy(chunks, batch, ref, dims, name) -> None:
     settings = StepSettings(spec=AlgoConfig().resolve(max_completion_tokens=16), micro_batch_size=MBS,
                             temperature=TEMPERATURE, chunk_tokens=7)
     rows, mbs = rank_micro_batches(batch, settings, dims)
-    stats = forward_stats(chunks, batch, mbs, logprob_settings(settings, dims, process_groups()))
+    stats = forward_stats(chunks, batch, mbs, logprob_settings(settings, dims, process_groups(), chunks))
     greedy = greedy_generate(chunks, PROMPTS, 6, dims)
     if stats is None:
         return

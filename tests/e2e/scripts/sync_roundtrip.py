@@ -42,7 +42,7 @@ from megatron_gtpo.rollout import RolloutConfig
 from megatron_gtpo.sync import ExportPlan, ListSource, SyncConfig, WeightPushError, build_rollout
 from megatron_gtpo.sync.export import Exporter
 from megatron_gtpo.train.batching import collate
-from megatron_gtpo.train.model import build_model
+from megatron_gtpo.train.model import build_model, unwrap
 from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gtpo.train.step import (StepSettings, forward_stats, logprob_settings, process_groups,
                                       rank_micro_batches, train_step)
@@ -146,8 +146,12 @@ def setup(transport: str, dtype: torch.dtype, engine_tp: int) -> Run:
     # init; both sides round logits to bf16 (step 2**-7 below 1, 2**-5 near 4), so larger logits
     # would mostly measure that rounding.
     std = 0.1 if dtype == torch.float32 else 0.02
-    chunks = wrap_ddp(build_model(hf_config, dims=dims, dtype=dtype, overrides={"init_method_std": std}),
-                      OptimConfig())
+    # Divisor 100 pads the 49152-token vocabulary to 49200 rows (a multiple of 100 x TP): the 48
+    # padding rows hold random, non-zero weights, so the push must strip them (vLLM takes HF shapes)
+    # and Megatron's greedy tokens and log-probs must ignore their logits.
+    model = build_model(hf_config, dims=dims, dtype=dtype, overrides={"init_method_std": std}, vocab_divisible_by=100)
+    assert unwrap(model[0]).output_layer.weight.shape[0] * dims.tp == 49200
+    chunks = wrap_ddp(model, OptimConfig())
     rollout_cfg = RolloutConfig(n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=7, vllm={
         "dtype": "float32" if dtype == torch.float32 else "bfloat16", "max_model_len": 256,
         "kv_cache_memory_bytes": 64 << 20, "tensor_parallel_size": engine_tp})
@@ -220,7 +224,7 @@ def train_push_compare(run: Run) -> None:
     for name, samples in (("v2", samples_v2), ("v1_samples", samples_v1)):
         batch = to_batch(run.prompts, samples, seed=0)
         rows, mbs = rank_micro_batches(batch, settings, run.dims)  # TP=2, DP=1: every rank holds every row
-        trainer = forward_stats(run.chunks, batch, mbs, logprob_settings(settings, run.dims, process_groups())).logp
+        trainer = forward_stats(run.chunks, batch, mbs, logprob_settings(settings, run.dims, process_groups(), run.chunks)).logp
         checks[name] = mismatch(batch.sampler_logprobs[rows], trainer, batch.mask[rows])
     emit("logprobs_v2", push_seconds=stats.seconds, versions=sorted({c.weight_version for c in samples_v2}),
          **{f"{k}:{m}": v for k, d in checks.items() for m, v in d.items()})

@@ -1,0 +1,318 @@
+"""The parts of ``bench/gpu_smoke.py`` (see its docstring): one method each, run in order by
+:class:`Smoke`, each returning the numbers it reports or raising :class:`SmokeFailure`.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import math
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from bench.gpu_smoke_setup import (NEEDS, PARTS, Policy, SmokeConfig, absent_reason, build_policy, greedy_tokens,
+                                   gtpo_train_step, hf_config, param_count, step_settings, synthetic_batch, token_stats)
+
+
+class SmokeFailure(RuntimeError):
+    """A hard check of a part failed (the message says which and by how much)."""
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn):
+    _sync()
+    start = time.perf_counter()
+    out = fn()
+    _sync()
+    return out, time.perf_counter() - start
+
+
+def _masked_abs(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(max, mean) of |a - b| over ``mask`` (the Batch's mask lives on the CPU, the statistics on the device)."""
+    diff = (a.float() - b.float()).abs()[mask.bool().to(a.device)]
+    return float(diff.max()), float(diff.mean())
+
+
+class Smoke:
+    """Runs the parts in order; each one's report lands in ``self.parts[name]``."""
+
+    def __init__(self, cfg: SmokeConfig, dims, workdir: Path):
+        self.cfg, self.dims, self.workdir = cfg, dims, workdir
+        self.hf = hf_config(cfg)
+        self.batch = synthetic_batch(cfg)  # the completion view; model inputs are [micro_batch, seq]
+        self.settings = step_settings(cfg)
+        self.parts: dict[str, dict] = {}
+        self.local: Policy | None = None
+        self.losses: list[float] = []
+        self.step1: dict = {}  # step-1 checkpoint dir, save time and weight snapshot (or the save error)
+        self.stats_local = None  # ForwardStats of the local model at the step-1 weights
+
+    def run_all(self) -> None:
+        for name in PARTS:
+            self.run(name, getattr(self, f"part_{name}"))
+
+    def run(self, name: str, fn) -> None:
+        missing = [n for n in NEEDS.get(name, ()) if self.parts.get(n, {}).get("status") != "ok"]
+        reason = None if missing else absent_reason(name, self.cfg, dry=False)
+        if missing:
+            self.parts[name] = {"status": "not_run", "reason": f"needs {', '.join(missing)}, which did not pass"}
+            return
+        if reason:
+            print(f"SKIP {name}: {reason}", flush=True)
+            self.parts[name] = {"status": "skip", "reason": reason}
+            return
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        try:
+            entry = {"status": "ok", **fn()}
+        except Exception as err:  # noqa: BLE001 - a failed part is reported, the others still run
+            traceback.print_exc()
+            entry = {"status": "fail", "error": f"{type(err).__name__}: {err}"[:500]}
+        _sync()
+        entry["seconds"] = round(time.perf_counter() - start, 2)
+        if torch.cuda.is_available():
+            entry["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        print(f"{name}: {entry['status']} in {entry['seconds']} s", flush=True)
+        self.parts[name] = entry
+
+    @property
+    def device(self) -> torch.device:
+        from megatron_gtpo.parallel.collectives import comm_device
+
+        return comm_device()
+
+    def part_logprob(self) -> dict:
+        """Fused log-prob/entropy (temperature 0.7) against log_softmax in fp32: values and gradients."""
+        from megatron_gtpo.train.logprobs import vocab_parallel_logprob_entropy
+
+        n, v, temp = min(self.cfg.rows * self.cfg.seq, 8192), self.cfg.vocab, 0.7
+        g = torch.Generator(device=self.device).manual_seed(self.cfg.seed)
+        logits = (3 * torch.randn(n, v, generator=g, device=self.device)).to(torch.bfloat16)
+        target = torch.randint(0, v, (n,), generator=g, device=self.device)
+        g_lp, g_h = torch.randn(n, generator=g, device=self.device), torch.randn(n, generator=g, device=self.device)
+
+        def fused():
+            x = logits.clone().requires_grad_()
+            lp, h = vocab_parallel_logprob_entropy(x, target, temperature=temp)
+            (lp * g_lp + h * g_h).sum().backward()
+            return lp.detach(), h.detach(), x.grad
+
+        def reference():
+            x = logits.clone().requires_grad_()
+            z = torch.log_softmax(x.float() / temp, dim=-1)
+            lp, h = z.gather(1, target[:, None])[:, 0], -(z.exp() * z).sum(-1)
+            (lp * g_lp + h * g_h).sum().backward()
+            return lp.detach(), h.detach(), x.grad
+
+        (lp, h, grad), fused_s = _timed(fused)
+        (lp_ref, h_ref, grad_ref), ref_s = _timed(reference)
+        errors = {"logp_abs_max": float((lp - lp_ref).abs().max()), "entropy_abs_max": float((h - h_ref).abs().max()),
+                  "grad_rel_max": float((grad.float() - grad_ref.float()).abs().max() / grad_ref.float().abs().max())}
+        limits = {"logp_abs_max": 2e-3, "entropy_abs_max": 2e-3, "grad_rel_max": 2e-2}
+        bad = {k: v for k, v in errors.items() if not v <= limits[k]}
+        if bad:
+            raise SmokeFailure(f"fused log-prob/entropy off the fp32 reference: {bad} (limits {limits})")
+        return {"tokens": n, "vocab": v, **errors, "fused_fwd_bwd_s": round(fused_s, 4),
+                "reference_fwd_bwd_s": round(ref_s, 4)}
+
+    def part_local(self) -> dict:
+        """``steps`` GTPO steps of the local-spec bf16 model; the step-1 state is checkpointed."""
+        cfg = self.cfg
+        self.local = build_policy(cfg, self.hf, self.dims, use_te=False)
+        steps = []
+        for step in range(1, cfg.steps + 1):
+            metrics, seconds = _timed(lambda: gtpo_train_step(self.local, self.batch, self.settings, self.dims))
+            steps.append({"loss": metrics["loss"], "grad_norm": metrics["optim/grad_norm"], "s": seconds,
+                          "update_ok": metrics["optim/update_ok"],
+                          "conflicts": metrics["gtpo/conflict_tokens_per_completion"]})
+            if step == 1:
+                self._save_step1()
+        self.losses = [s["loss"] for s in steps]
+        bad = [i + 1 for i, s in enumerate(steps)
+               if not (math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) and s["update_ok"] == 1.0)]
+        if bad:
+            raise SmokeFailure(f"steps {bad}: non-finite loss or grad norm, or a skipped update: {steps}")
+        step_s = [s["s"] for s in steps]
+        return {"model_params": param_count(self.hf), "losses": self.losses,
+                "grad_norms": [s["grad_norm"] for s in steps], "step_s": [round(s, 4) for s in step_s],
+                "tokens_per_s": round(self.batch.size * cfg.seq / min(step_s[1:]), 1),
+                "conflict_tokens_per_completion": steps[0]["conflicts"]}
+
+    def _save_step1(self) -> None:
+        """Checkpoint after step 1 and a copy of the weights it holds; an error is kept for part_checkpoint."""
+        from megatron_gtpo.checkpoint import save_checkpoint
+        from megatron_gtpo.train.model import unwrap
+
+        try:
+            path, seconds = _timed(lambda: save_checkpoint(
+                self.workdir / "ckpt", step=1, model_chunks=self.local.chunks, optimizer=self.local.optimizer,
+                extra_state={"smoke_seed": self.cfg.seed}, keep_last=1))
+        except Exception as err:  # noqa: BLE001 - reported by the checkpoint part
+            traceback.print_exc()
+            self.step1 = {"error": f"{type(err).__name__}: {err}"[:500]}
+            return
+        weights = {n: p.detach().clone() for n, p in unwrap(self.local.chunks[0]).named_parameters()}
+        self.step1 = {"dir": path, "save_s": seconds, "weights": weights}
+
+    def part_checkpoint(self) -> dict:
+        """Load the step-1 checkpoint after the last step: weights bit for bit, then step 2 again."""
+        from megatron_gtpo.checkpoint import load_checkpoint
+        from megatron_gtpo.train.model import unwrap
+
+        if "error" in self.step1:
+            raise SmokeFailure(f"save after step 1 failed: {self.step1['error']}")
+        params = dict(unwrap(self.local.chunks[0]).named_parameters())
+        saved = self.step1.pop("weights")
+        changed = sum(not torch.equal(p, saved[n]) for n, p in params.items())
+        if changed == 0:
+            raise SmokeFailure("no parameter changed after step 1, so reloading it would prove nothing; raise --lr")
+        (step, extra), load_s = _timed(lambda: load_checkpoint(
+            self.workdir / "ckpt", model_chunks=self.local.chunks, optimizer=self.local.optimizer, step=1))
+        differ = [n for n, p in params.items() if not torch.equal(p, saved[n])]
+        if step != 1 or extra != {"smoke_seed": self.cfg.seed} or differ:
+            raise SmokeFailure(f"reload of step 1 gave step {step}, extra_state {extra}, "
+                               f"{len(differ)} parameters not restored (e.g. {differ[:3]})")
+        del saved
+        self.stats_local = token_stats(self.local.chunks, self.batch, self.settings, self.dims)
+        metrics = gtpo_train_step(self.local, self.batch, self.settings, self.dims)
+        mask = self.batch.mask.to(self.stats_local.logp.device)
+        disk = sum(f.stat().st_size for f in Path(self.step1["dir"]).rglob("*") if f.is_file())
+        return {"save_s": round(self.step1["save_s"], 3), "load_s": round(load_s, 3), "bytes_on_disk": disk,
+                "params_changed_since_save": changed, "params_restored_exactly": len(params),
+                "loss_after_reload": metrics["loss"], "abs_loss_vs_step2": abs(metrics["loss"] - self.losses[1]),
+                "logp_local_mean": float(self.stats_local.logp[mask].mean()),
+                "logp_local_std": float(self.stats_local.logp[mask].std())}
+
+    def hf_dir(self) -> Path:
+        """A folder holding only the model's ``config.json`` (what WeightSpec and vLLM read)."""
+        path = self.workdir / "hf"
+        if not (path / "config.json").is_file():
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "config.json").write_text(json.dumps(self.hf, indent=1))
+        return path
+
+    def part_export(self) -> dict:
+        """Streams every HF tensor; checks names/shapes against the HF model and sizes against Megatron."""
+        from megatron_gtpo.sync.export import export_hf_weights
+        from megatron_gtpo.train.model import unwrap
+
+        params = dict(unwrap(self.local.chunks[0]).named_parameters())
+        checker = None
+        if importlib.util.find_spec("transformers"):
+            from megatron_gtpo.sync.checks import PushChecker, WeightSpec
+
+            checker = PushChecker(WeightSpec.from_model_dir(self.hf_dir(), dtype=torch.bfloat16), version=1)
+        counts = {"buckets": 0, "tensors": 0, "bytes": 0, "numel": 0}
+        embed_equal = None
+
+        def drain():
+            nonlocal embed_equal
+            buckets = export_hf_weights(self.local.chunks, hf_config=self.hf, dims=self.dims, bucket_bytes=64 << 20)
+            for bucket in buckets:
+                if checker is not None:
+                    checker.prepare(bucket)
+                counts["buckets"] += 1
+                for name, tensor in bucket:
+                    counts["tensors"] += 1
+                    counts["bytes"] += tensor.nbytes
+                    counts["numel"] += tensor.numel()
+                    if name == "model.embed_tokens.weight":
+                        embed_equal = torch.equal(tensor, params["embedding.word_embeddings.weight"])
+            if checker is not None:
+                checker.finish()
+
+        _, seconds = _timed(drain)
+        megatron_numel = sum(p.numel() for p in params.values())
+        if counts["numel"] != megatron_numel or not embed_equal:
+            raise SmokeFailure(f"export holds {counts['numel']} elements, the model {megatron_numel}; "
+                               f"embedding equal: {embed_equal}")
+        return {**counts, "gb_per_s": round(counts["bytes"] / seconds / 1e9, 3),
+                "checked_against_hf": checker is not None}
+
+    def part_te_bf16(self) -> dict:
+        return self._te_part(overrides=None)
+
+    def part_te_fp8(self) -> dict:
+        overrides = {"fp8": "hybrid", "fp8_recipe": self.cfg.fp8_recipe}
+        if self.cfg.fp8_recipe == "delayed":
+            overrides.update(fp8_amax_history_len=16, fp8_amax_compute_algo="max")
+        return self._te_part(overrides=overrides)
+
+    def _te_part(self, *, overrides: dict | None) -> dict:
+        """TE-spec model with the step-1 weights: log-probs and one step against the local model's."""
+        from megatron_gtpo.checkpoint import load_model_weights
+
+        policy = build_policy(self.cfg, self.hf, self.dims, use_te=True, overrides=overrides)
+        try:
+            load_model_weights(policy.chunks, self.step1["dir"])
+            if overrides:  # first FP8 pass: delayed scaling has no amax history yet
+                token_stats(policy.chunks, self.batch, self.settings, self.dims)
+            stats = token_stats(policy.chunks, self.batch, self.settings, self.dims)
+            metrics, seconds = _timed(lambda: gtpo_train_step(policy, self.batch, self.settings, self.dims))
+        finally:
+            del policy
+            gc.collect()  # DDP hooks form reference cycles
+            torch.cuda.empty_cache()
+        if not math.isfinite(metrics["loss"]):
+            raise SmokeFailure(f"non-finite loss {metrics['loss']}")
+        mask = self.batch.mask
+        logp_max, logp_mean = _masked_abs(stats.logp, self.stats_local.logp, mask)
+        _, ent_mean = _masked_abs(stats.entropy, self.stats_local.entropy, mask)
+        return {"loss": metrics["loss"], "loss_local": self.losses[1],
+                "abs_loss_vs_local": abs(metrics["loss"] - self.losses[1]),
+                "logp_abs_max_vs_local": logp_max, "logp_abs_mean_vs_local": logp_mean,
+                "entropy_abs_mean_vs_local": ent_mean, "grad_norm": metrics["optim/grad_norm"],
+                "step_s": round(seconds, 4)}
+
+    def part_vllm(self) -> dict:
+        """Exported weights into an in-process vLLM engine through the driver's weight-sync call
+        (``WeightSync.sync``: export + checks + push), then greedy tokens against Megatron's."""
+        from megatron_gtpo.rollout import RolloutEngine
+        from megatron_gtpo.sync import ColocatedSync, ExportPlan
+        from megatron_gtpo.types import Prompt
+
+        engine = RolloutEngine(model_dir=str(self.hf_dir()), seed=self.cfg.seed, vllm_kwargs=self._vllm_kwargs())
+        try:
+            sync = ColocatedSync(engine, ExportPlan(hf_config=self.hf, dims=self.dims, bucket_bytes=64 << 20))
+            push = sync.sync(self.local.chunks, version=1)
+            itemsize = torch.empty((), dtype=engine.dtype).element_size()
+            prompts = [Prompt(uid=f"p{i}", token_ids=self.batch.prompt_ids[i * self.cfg.group, :8].tolist())
+                       for i in range(2)]
+            got = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=16)
+        finally:
+            engine.close()
+        push_bytes, want_bytes = round(push["sync/gigabytes"] * 1e9), itemsize * param_count(self.hf)
+        if push["sync/version"] != 1 or [c.weight_version for c in got] != [1, 1] or push_bytes != want_bytes:
+            raise SmokeFailure(f"push reports version {push['sync/version']} and {push_bytes} bytes (the model "
+                               f"has {want_bytes} in the engine dtype), the engine serves "
+                               f"{[c.weight_version for c in got]}; expected version 1 everywhere and every byte")
+        want = greedy_tokens(self.local.chunks, [p.token_ids for p in prompts], 16, self.dims,
+                             eos_id=self.hf["eos_token_id"], vocab_size=self.cfg.vocab)
+        agree = [next((i for i, (a, b) in enumerate(zip(c.token_ids, w)) if a != b), min(len(c.token_ids), len(w)))
+                 for c, w in zip(got, want)]
+        return {"push_s": round(push["sync/seconds"], 3), "push_bytes": push_bytes,
+                "greedy_tokens_agreeing": agree, "greedy_vllm": [c.token_ids for c in got],
+                "greedy_megatron": want}
+
+    def _vllm_kwargs(self) -> dict:
+        """A small engine next to the trainer: dummy weights (the push brings the real ones), no
+        tokenizer, eager mode, 1 GiB of KV cache. vLLM refuses to start unless ``gpu_memory_utilization``
+        of the whole card is free, even with ``kv_cache_memory_bytes`` set, so it asks for half of
+        what is free now (the trainer's model and optimizer stay resident)."""
+        kwargs = {"dtype": "bfloat16", "load_format": "dummy", "skip_tokenizer_init": True,
+                  "max_model_len": self.cfg.seq, "enforce_eager": True}
+        if self.cfg.device != "cuda":
+            return {**kwargs, "kv_cache_memory_bytes": 64 << 20}
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        return {**kwargs, "kv_cache_memory_bytes": 1 << 30, "gpu_memory_utilization": round(0.5 * free / total, 3)}

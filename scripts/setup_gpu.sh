@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GPU cluster install: a Python 3.12 venv with the pinned CUDA 13 stack of requirements/gpu.lock, then
+# Transformer Engine's PyTorch extension built against that torch, then this repository (editable).
+#
+#   scripts/setup_gpu.sh    # venv: $MEGATRON_GTPO_GPU_VENV (default ~/.cache/megatron-gtpo/gpu-venv), linked .venv-gpu
+#
+# Needs: Linux x86_64 with glibc >= 2.35; Python 3.12 (python3.12, or $PYTHON); an NVIDIA driver for
+# CUDA 13 (>= 580); network to PyPI; and, for transformer-engine-torch (sdist only), g++ and a CUDA 13
+# toolkit (nvcc on PATH or $CUDA_HOME). An NGC PyTorch container whose `nvcc --version` says 13.x has all
+# of it; the container's own torch is not used (vLLM 0.32.0 pins torch==2.13.0, PyPI's CUDA 13.0 build).
+#
+# NOT TESTED: no GPU and no CUDA toolkit were available where this was written. Verified there
+# (2026-11-30, metadata only): the lock resolves for cp312 / manylinux_2_35 and every pin has a wheel;
+# megatron-core 0.16.1 ships a cp312 wheel; transformer-engine-torch 2.11.0 is an sdist whose setup.py
+# imports torch, setuptools, wheel and packaging (so it must build with --no-build-isolation, against the
+# torch installed here) and requires transformer_engine_cu<torch's CUDA major>==2.11.0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+VENV=${MEGATRON_GTPO_GPU_VENV:-$HOME/.cache/megatron-gtpo/gpu-venv}
+PY=${PYTHON:-python3.12}
+LOCK=requirements/gpu.lock
+TE_TORCH="transformer-engine-torch==2.11.0"
+STAMP="$VENV/.megatron-gtpo-gpu-lock"
+want=$(cat "$LOCK" pyproject.toml "$0" | sha256sum | cut -c1-16)
+# NGC containers export PIP_CONSTRAINT to pin their own torch build; this venv installs the lock's instead.
+unset PIP_CONSTRAINT
+
+fail() { echo "[setup_gpu] error: $*" >&2; exit 1; }
+"$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null \
+  || fail "$PY is not Python 3.12 (requirements/gpu.lock is resolved for 3.12); set PYTHON=/path/to/python3.12"
+NVCC=${CUDA_HOME:+$CUDA_HOME/bin/}nvcc
+cuda_major=$("$NVCC" --version 2>/dev/null | sed -n 's/.*release \([0-9]*\)\..*/\1/p' || true)
+[ "$cuda_major" = 13 ] || fail "transformer-engine-torch is compiled here and needs a CUDA 13 toolkit to match \
+torch 2.13.0+cu130; '$NVCC --version' gave '${cuda_major:-nothing}'. Put CUDA 13's nvcc on PATH or set CUDA_HOME"
+command -v g++ >/dev/null || fail "g++ is needed to build transformer-engine-torch"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup_gpu] creating $VENV with $("$PY" --version)"
+  mkdir -p "$(dirname "$VENV")"
+  "$PY" -m venv "$VENV"
+fi
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+  "$VENV/bin/python" -m pip install -q "pip==26.3" "setuptools==80.10.2" "wheel==0.48.0"
+  echo "[setup_gpu] installing $LOCK (--no-deps: it is the complete resolved set)"
+  "$VENV/bin/python" -m pip install -q --no-deps -r "$LOCK"
+  echo "[setup_gpu] building $TE_TORCH against $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+  # --no-build-isolation: the extension must be compiled against the torch installed above, not a fresh one.
+  # Without NVIDIA_PRODUCT_NAME, TE's setup.py looks for a prebuilt wheel for *this* torch (inside an NGC
+  # container it would fetch one built for the container's torch) and compiles from source when none exists.
+  env -u NVIDIA_PRODUCT_NAME NVTE_FRAMEWORK=pytorch MAX_JOBS="${MAX_JOBS:-8}" \
+    "$VENV/bin/python" -m pip install --no-deps --no-build-isolation "$TE_TORCH"
+  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$REPO"
+  "$VENV/bin/python" - <<'PY'
+import importlib
+
+import torch
+
+for name in ("megatron.core", "vllm", "transformer_engine.pytorch", "transformers", "mlflow", "megatron_gtpo"):
+    importlib.import_module(name)
+print(f"[setup_gpu] imports ok: torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"GPUs visible: {torch.cuda.device_count()}")
+PY
+  echo "$want" > "$STAMP"
+fi
+ln -sfn "$VENV" "$REPO/.venv-gpu"
+echo "[setup_gpu] ready: $REPO/.venv-gpu -> $VENV; smoke: .venv-gpu/bin/python bench/gpu_smoke.py"
