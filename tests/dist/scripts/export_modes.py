@@ -25,6 +25,7 @@ from megatron_gtpo.convert.load import load_hf_weights
 from megatron_gtpo.models.hf_config import read_hf_config
 from megatron.core import parallel_state as ps
 
+from megatron_gtpo.parallel.collectives import comm_device
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.sync.checks import WeightSpec, sharded_shapes
 from megatron_gtpo.sync.export import Exporter, view_of
@@ -69,7 +70,7 @@ def check_local(family, hf_dir, exporter, dims):
 def check_senders(family, hf_dir, exporter, dims):
     ref = HFReader(hf_dir)
     plan = exporter.buckets(4 << 10)  # small buckets: several per stage
-    buffer = torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8)
+    buffer = torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=comm_device())
     mine, bad = [], []
     for bucket in plan:
         if exporter.pack(bucket, buffer):
@@ -88,7 +89,7 @@ def check_memory(exporter, dims):
     model = sum(t.numel() * t.element_size() for t in exporter.params.values())
     full_bytes = [m.numel * 4 for m in metas]
     with PeakMemory() as packing:
-        buffer = torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8)
+        buffer = torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=comm_device())
         for bucket in plan:
             exporter.pack(bucket, buffer)
         del buffer
