@@ -1,6 +1,6 @@
 """The exporter's delivery modes (local shards for engines of TP=k, sender buckets for the rollout
 pool) and the push's memory bound, on 2 gloo ranks without vLLM (tests/dist/scripts/export_modes.py).
-The engines that consume these streams run in tests/e2e/test_sync_engine_tp.py and
+The engines that consume these streams run in tests/e2e/test_sync_megatron.py and
 tests/e2e/test_rollout_server.py."""
 
 from __future__ import annotations
