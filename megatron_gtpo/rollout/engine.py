@@ -27,6 +27,7 @@ is what the trainer's temperature-scaled log-probs are compared with.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -38,6 +39,28 @@ from megatron_gtpo.types import Completion, Prompt
 _SEED_SPACE = 2**31 - 1
 _REQUIRED_LOGPROBS_MODE = "processed_logprobs"
 _PINNED: list = []  # engines whose shutdown would destroy a process group they did not create
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class ExpectedReloadMisses(logging.Filter):
+    """Drops vLLM's ``<Layer>: Failed to load weights`` warning, printed on every push, for the
+    layers a push never carries: rotary embeddings (a cos/sin cache computed at start-up, not a
+    checkpoint tensor) and the LM head of tied-embedding models (it shares ``embed_tokens``). The
+    warning stays for any other layer; a push that lacks a tensor the engine needs is refused
+    before any byte moves anyway (``sync/checks.py``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        layer = str(record.args[0])
+        return not (layer.endswith("RotaryEmbedding") or layer == "ParallelLMHead")
+
+
+def quiet_expected_reload_misses() -> None:
+    """Installs :class:`ExpectedReloadMisses` on vLLM's reload logger of this process (once)."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, ExpectedReloadMisses) for f in logger.filters):
+        logger.addFilter(ExpectedReloadMisses())
 
 
 def engine_kwargs(model_dir: str, vllm_kwargs: dict | None, seed: int) -> dict[str, Any]:
@@ -288,6 +311,7 @@ def reload_model(model: torch.nn.Module, model_config, weights: Iterable[tuple[s
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+    quiet_expected_reload_misses()  # here: this runs in whichever process holds the vLLM worker
     initialize_layerwise_reload(model)
     flagged = [(p, p.__dict__.get("tp_rank")) for m in model.modules() if isinstance(m, LinearBase)
                for p in m.parameters(recurse=False)] if sharded else []
