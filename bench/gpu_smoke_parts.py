@@ -236,7 +236,29 @@ class Smoke:
             raise SmokeFailure(f"export holds {counts['numel']} elements, the model {megatron_numel}; "
                                f"embedding equal: {embed_equal}")
         return {**counts, "gb_per_s": round(counts["bytes"] / seconds / 1e9, 3),
-                "checked_against_hf": checker is not None}
+                "checked_against_hf": checker is not None, **self._pack_memory()}
+
+    def _pack_memory(self) -> dict:
+        """The rollout pool's sender path (``Exporter.pack``) into one device buffer of 16 MiB
+        buckets: its peak extra memory must stay within one bucket plus the largest tensor."""
+        from megatron_gtpo.sync.export import Exporter
+        from megatron_gtpo.sync.memory import PeakMemory
+
+        exporter = Exporter(self.local.chunks, hf_config=self.hf, dims=self.dims)
+        plan = exporter.buckets(16 << 20)
+        largest = max(m.numel * torch.empty((), dtype=getattr(torch, m.dtype.removeprefix("torch."))).element_size()
+                      for b in plan for m in b.tensors)
+        with PeakMemory() as peak:
+            buffer = torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=self.device)
+            for bucket in plan:
+                exporter.pack(bucket, buffer)
+            del buffer
+        bound = max(b.nbytes for b in plan) + largest
+        if peak.extra_bytes > bound + (1 << 20):
+            raise SmokeFailure(f"packing {len(plan)} buckets peaked {peak.extra_bytes} bytes above the start, "
+                               f"over one bucket + the largest tensor = {bound}")
+        return {"pack_buckets": len(plan), "pack_peak_extra_mb": round(peak.extra_bytes / 2**20, 1),
+                "pack_bound_mb": round(bound / 2**20, 1)}
 
     def part_te_bf16(self) -> dict:
         return self._te_part(overrides=None)
