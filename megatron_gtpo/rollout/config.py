@@ -40,9 +40,15 @@ class RolloutConfig:
     seed: int = 0
     """Base sampling seed; each prompt of each step gets its own seed derived from it."""
 
+    offload_trainer: bool = False
+    """Colocated engines: move Megatron's gradient buffers and optimizer state to host memory while
+    the engines generate (back before the train step), so the KV cache can use that memory."""
+
     vllm: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for ``vllm.LLM`` (``dtype``, ``max_model_len``, ``gpu_memory_utilization``,
-    ``enable_sleep_mode``, ``kv_cache_memory_bytes`` ...), passed through unchanged."""
+    ``enable_sleep_mode``, ``kv_cache_memory_bytes`` ...), passed through unchanged, except that
+    colocated engines on GPU get ``gpu_memory_utilization`` from the memory plan and
+    ``enable_sleep_mode`` unless set here (megatron_gtpo.plan.memory)."""
 
     def __post_init__(self) -> None:
         require(self.n >= 1, "n", self.n, "an integer >= 1")

@@ -5,25 +5,23 @@ full completion list back (the TrainBatch contract: every rank holds the whole b
 own slice). How the work is spread depends on the transport:
 
 * colocated: **every rank is part of one engine**. vLLM joins the torchrun world at start-up, so
-  all ranks must build one (``external_launcher``). With the default engine TP=1 (CPU) each rank
+  all ranks must build one (``external_launcher``). With engines of TP=1 (the CPU default) each rank
   holds a full-model engine, and the trainer's TP peers, which would otherwise idle during
   generation, each sample a contiguous shard of the prompts; the shards are all-gathered. With
-  ``vllm.tensor_parallel_size=k`` (GPU, k = the trainer's TP) vLLM groups k consecutive ranks into
-  one engine, exactly like Megatron's TP groups; the k ranks of an engine submit the same shard and
-  only its first rank's copy is kept. Every prompt's seed is derived from the *whole* batch, so the
-  completions do not depend on the number of engines. The exporter hands every rank the full
-  tensors (``dst_ranks="all"``) and each rank loads its own engine (vLLM shards them itself).
-* separate: **global rank 0 owns the one engine process**; it generates everything and broadcasts
-  the completions. Only rank 0 receives full tensors from the exporter (``dst_ranks="first"``).
+  ``vllm.tensor_parallel_size=k`` vLLM groups k consecutive ranks into one engine, exactly like
+  Megatron's TP groups; the k ranks of an engine submit the same shard and only its first rank's
+  copy is kept. Every prompt's seed is derived from the *whole* batch, so the completions do not
+  depend on the number of engines.
+* separate: **global rank 0 holds the pool of rollout servers** (``sync.pool.RolloutPool``), which
+  spreads the prompts over the servers; rank 0 broadcasts the completions.
 
-A world of one rank needs no communication in either case.
+Completions travel as Python objects over the gloo control group (``parallel.control``), never over
+the default group, which is NCCL on GPU. A world of one rank needs no communication in either case.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch.distributed as dist
 
 from megatron_gtpo.parallel import control
 from megatron_gtpo.rollout.engine import call_seed, prompt_seeds
@@ -37,12 +35,11 @@ class RolloutGroup:
                  seed: int = 0, ranks_per_engine: int = 1):
         self.engine = engine
         """This rank's engine (None on ranks without one): a ``RolloutEngine``, or any object with
-        its ``sample``/``tokenizer``/``sleep``/``close`` API (``sync.separate.SeparateEngine``)."""
+        its ``sample``/``tokenizer``/``sleep``/``wake_up``/``close`` API (``sync.pool.RolloutPool``)."""
         self._shard, self._model_dir, self._seed, self._calls = shard, str(model_dir), seed, 0
         self._per_engine = ranks_per_engine
         self._tokenizer = None
-        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self._rank, self._world = (dist.get_rank(), dist.get_world_size()) if multi else (0, 1)
+        self._rank, self._world = control.world()
         if engine is None and not (self._world > 1 and not shard):
             raise ValueError("every rank needs an engine unless rank 0 generates for all (shard=False)")
         if self._world % ranks_per_engine:
@@ -85,9 +82,15 @@ class RolloutGroup:
         return [c for start, part in first_ranks for c in _relink(part, prompts, offset=start)]
 
     def sleep(self) -> None:
-        """Frees accelerator memory for training where the engine shares the trainer's devices."""
+        """After a rollout: frees the engine's accelerator memory for training (weights to host, KV
+        cache dropped) where the engine shares the trainer's devices."""
         if self.engine is not None:
             self.engine.sleep()
+
+    def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Re-allocates the engine's ``weights`` (before a push) or ``kv_cache`` (before generating)."""
+        if self.engine is not None:
+            self.engine.wake_up(tags)
 
     def close(self) -> None:
         if self.engine is not None:
