@@ -40,6 +40,13 @@ class RolloutConfig:
     seed: int = 0
     """Base sampling seed; each prompt of each step gets its own seed derived from it."""
 
+    request_seeds: bool | None = None
+    """Give every vLLM request its own seed (derived from ``seed``, the step and the prompt), so
+    completions do not depend on how prompts are spread over engines. vLLM's GPU sampler handles
+    seeded requests one by one in a Python loop, so on GPUs the default (None = auto) is off: the
+    engines then sample from their own generator, seeded with ``seed`` at start-up (reproducible for
+    a fixed layout, not across layouts). None: on without CUDA, off with CUDA."""
+
     offload_trainer: bool = False
     """Colocated engines: move Megatron's gradient buffers and optimizer state to host memory while
     the engines generate (back before the train step), so the KV cache can use that memory."""
@@ -64,6 +71,14 @@ class RolloutConfig:
         require(self.seed >= 0, "seed", self.seed, "an integer >= 0")
         require("model" not in self.vllm, "vllm.model", self.vllm.get("model"),
                 "unset: the model directory comes from the conversion step")
+
+    def seeded_requests(self) -> bool:
+        """``request_seeds`` with None resolved for this machine."""
+        if self.request_seeds is not None:
+            return self.request_seeds
+        import torch  # only here: the config module stays importable without torch
+
+        return not torch.cuda.is_available()
 
     def sampling(self) -> dict[str, Any]:
         """The keyword arguments of ``RolloutEngine.generate`` (everything but prompts and seed)."""

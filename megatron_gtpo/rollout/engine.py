@@ -103,8 +103,11 @@ def prompt_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
 class RolloutEngine:
     """One vLLM engine in this process, serving one version of the policy weights."""
 
-    def __init__(self, *, model_dir: str, vllm_kwargs: dict | None = None, seed: int = 0):
+    def __init__(self, *, model_dir: str, vllm_kwargs: dict | None = None, seed: int = 0,
+                 request_seeds: bool = True):
         kwargs = engine_kwargs(model_dir, vllm_kwargs, seed)
+        # False: requests carry no seed and vLLM samples them in one batch (rollout.request_seeds).
+        self._request_seeds = request_seeds
         # Keep the engine core in this process (see module docstring); read by vLLM at LLM().
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # vLLM's engine shutdown destroys the default process group; it may only do so when it
@@ -181,7 +184,9 @@ class RolloutEngine:
     def sample(self, prompts: Sequence[Prompt], *, seeds: Sequence[int], n: int, temperature: float,
                top_p: float, max_tokens: int, stop: list[str] | None = None) -> list[Completion]:
         """:meth:`generate` with one explicit seed per prompt (sample j of prompt i uses seeds[i] + j),
-        for callers that split one batch across engines and want the split not to matter."""
+        for callers that split one batch across engines and want the split not to matter. An engine
+        built with ``request_seeds=False`` ignores ``seeds`` (vLLM's batched sampler; see
+        ``rollout.request_seeds``)."""
         _check_sampling(prompts, seeds, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
         if stop and not self._has_tokenizer:
             raise ValueError("stop strings need detokenization; build the engine without skip_tokenizer_init")
@@ -192,7 +197,8 @@ class RolloutEngine:
         from vllm import SamplingParams
 
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                 stop=list(stop) if stop else None, seed=int(s), logprobs=0,
+                                 stop=list(stop) if stop else None, seed=int(s) if self._request_seeds else None,
+                                 logprobs=0,
                                  detokenize=self._has_tokenizer) for s in seeds]
         requests = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
         outputs = self._llm.generate(requests, params, use_tqdm=False)
