@@ -80,6 +80,9 @@ class RolloutBatch:
     """Wall time spent generating."""
     reward_s: float = 0.0
     """Wall time spent scoring."""
+    staleness: int = 0
+    """Most weight pushes between the policy that sampled a kept completion and the one the step
+    trains from: at most the ``rollout.staleness`` setting (megatron_gtpo/rollout/staleness.py)."""
     reward_errors: list = field(default_factory=list)
     """Distinct reward-function failures first seen during this step (``reward.failures.RewardError``,
     with traceback; rank 0 only): the reporter saves them as an artifact."""
