@@ -77,7 +77,9 @@ class RolloutBatch:
     reward_stats: dict[str, float] = field(default_factory=dict)
     """Scoring counters summed over the tries (num_samples, timeouts, errors, overlong)."""
     rollout_s: float = 0.0
-    """Wall time spent generating."""
+    """Wall time this step's collect spent in generate calls (submitting and waiting). One-step-off:
+    colocated engines generate the next step's batch in it too; a pool's background generation is
+    not in it (the push after the step waits for it)."""
     reward_s: float = 0.0
     """Wall time spent scoring."""
     staleness: int = 0
