@@ -26,7 +26,7 @@ from megatron_gtpo.parallel.control import barrier
 from megatron_gtpo.plan.recipe import plan_engine_memory
 from megatron_gtpo.reward.functions import OverlongPunishment
 from megatron_gtpo.reward.score import RewardScorer
-from megatron_gtpo.rollout.collector import DynamicSampling, RolloutCollector, Sampling, rollout_metrics
+from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, RolloutCollector, Sampling, rollout_metrics
 from megatron_gtpo.sync import ExportPlan, WeightSync, build_rollout
 from megatron_gtpo.sync.memory import Choreography, TrainerOffload
 from megatron_gtpo.tracking import Reporter, step_metrics
@@ -102,6 +102,7 @@ def _loop(cfg, parts: Parts) -> dict[str, float]:
             t2 = time.perf_counter()
             parts.memory.before_push()  # engine weights awake, KV cache still free
             sync = weight_sync.sync(learner.policy.chunks, version=step)
+            collector.pushed(step)
             parts.memory.after_push()  # trainer releases its step memory, then the KV cache comes back
             t3 = time.perf_counter()
             times = {"rollout": rollout.rollout_s, "reward": rollout.reward_s, "train": t2 - t1, "sync": t3 - t2,
@@ -173,8 +174,9 @@ def build(cfg, *, resume: bool | str) -> Parts:
     collector = RolloutCollector(
         engines, dataset, scorer, sampling=Sampling(**cfg.rollout.sampling()), seed=cfg.rollout.seed,
         dynamic=DynamicSampling(metric=spec.dynamic_sampling_metric, max_tries=spec.dynamic_sampling_max_tries)
-        if spec.dynamic_sampling else None, group_multiple=rows_unit // math.gcd(cfg.rollout.n, rows_unit))
-    checkpointer = Checkpointer(Path(cfg.output_dir) / "checkpoints", policy=policy, dataset=dataset,
+        if spec.dynamic_sampling else None, group_multiple=rows_unit // math.gcd(cfg.rollout.n, rows_unit),
+        off_policy=OffPolicy(staleness=cfg.rollout.staleness, last_step=cfg.train.steps))
+    checkpointer = Checkpointer(Path(cfg.output_dir) / "checkpoints", policy=policy, dataset=collector.cursor,
                                 every=cfg.train.checkpoint_every, keep_last=cfg.train.keep_last,
                                 total_steps=cfg.train.steps, preempt=preempt)
     start_step, run_id = checkpointer.restore(point) if point is not None else (0, None)
@@ -183,6 +185,7 @@ def build(cfg, *, resume: bool | str) -> Parts:
     reporter.start(to_dict(cfg))
     reporter.dataset(dataset.stats, step=start_step)
     weight_sync.sync(policy.chunks, version=start_step)
+    collector.pushed(start_step)
     memory = Choreography(engines, offload, colocated=cfg.sync.transport == "colocated")
     memory.after_push()  # as after every push: the trainer gives up its rollout-time memory
     tokenizer = engines.tokenizer
