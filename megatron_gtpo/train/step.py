@@ -304,7 +304,10 @@ def _shape_batch(inputs: StepInputs, prepared: PreparedBatch, mbs: list[MicroBat
     (``loss.py``), all-gathered over DP, shape the whole batch as the pre-pass did (the same values,
     the whole-batch metrics ``entropy/mean`` and ``gtpo/filtered_frac``, the input of D1/D2); the
     later updates take their rows already shaped."""
-    local = torch.cat([inputs.cache.mean_entropy[id(mb)] for mb in mbs])  # [local B], rows in order
+    # [local B] in row order: packed micro-batches hold rows out of order, so place each by index
+    rows = torch.cat([mb.rows for mb in mbs])
+    values = torch.cat([inputs.cache.mean_entropy[id(mb)] for mb in mbs])
+    local = values.new_empty(values.shape).index_copy_(0, (rows - rows.min()).to(values.device), values)
     mean_entropy = collectives.all_gather_rows(local, groups.dp).cpu()
     prepared = algo.shape_batch(inputs.spec, prepared, mean_entropy)
     return dataclasses.replace(inputs, prepared=_to_device(prepared, collectives.comm_device())), prepared
