@@ -129,7 +129,7 @@ class _ProbeState:
         policy = learner.policy
         policy.optimizer, policy.scheduler = build_optimizer(policy.chunks, vcfg.optim, total_steps=steps * spec.mu)
         learner.settings = StepSettings(spec=spec, micro_batch_size=vcfg.train.micro_batch_size,
-                                        temperature=vcfg.rollout.temperature)
+                                        temperature=vcfg.rollout.temperature, micro_batch_tokens=vcfg.token_budget)
         if spec.needs_reference and self.reference_policy is None:
             self.reference_policy = learner.reference or build_policy(vcfg.model, dims=learner.dims)
         learner.reference = self.reference_policy if spec.needs_reference else None

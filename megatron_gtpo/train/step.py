@@ -45,7 +45,9 @@ from megatron_gtpo.algo import AlgoSpec, PreparedBatch
 from megatron_gtpo.parallel import collectives
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.layout import pipeline_problem
-from megatron_gtpo.train.batching import MicroBatch, global_normalisers, local_rows, micro_batches
+from megatron_gtpo.train import model_input
+from megatron_gtpo.train.batching import (MicroBatch, global_normalisers, local_rows, micro_batch_count, micro_batches,
+                                          packed_micro_batches)
 from megatron_gtpo.train.diagnostics import adam_step, batch_bias, momentum_metrics
 from megatron_gtpo.train.loss import ZERO_WHEN_EMPTY, LogprobSettings, StepInputs, micro_batch_loss, split_extrema
 from megatron_gtpo.train.model import true_vocab_size
@@ -92,6 +94,9 @@ class StepSettings:
     """Run a separate no-grad forward over this rank's rows before the updates for pi_old (mu > 1)
     and GTPO's <H>_i, as the step did before issue 16. No algorithm needs it (the first update's
     forward gives the same values); kept as the reference of the one-pass step's tests and bench."""
+    micro_batch_tokens: int = 0
+    """> 0: packed micro-batches of at most this many tokens (``train.micro_batch_tokens``); 0: padded
+    micro-batches of ``micro_batch_size`` rows."""
 
 
 @dataclass(kw_only=True)
@@ -163,8 +168,7 @@ def run_schedule(model_chunks, mbs: list[MicroBatch], loss_for, *, forward_only:
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        output = model(mb.input_ids, mb.position_ids, None, **extra)  # None: causal mask (CPU shim on gloo)
-        return output, partial(loss_for, mb)
+        return model_input.forward(model, mb, **extra), partial(loss_for, mb)
 
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=[iter(mbs) for _ in model_chunks],
@@ -182,10 +186,18 @@ def logprob_settings(settings: StepSettings, dims: ParallelDims, groups: Groups,
 
 
 def rank_micro_batches(batch: Batch, settings: StepSettings, dims: ParallelDims) -> tuple[slice, list[MicroBatch]]:
-    """This DP rank's rows and their micro-batches (on the model's device)."""
-    rows = local_rows(batch.size, dp=dims.dp, dp_rank=dims.dp_rank, micro_batch_size=settings.micro_batch_size)
-    return rows, micro_batches(batch, rows, micro_batch_size=settings.micro_batch_size, common_length=dims.pp > 1,
-                               pad_to_multiple=settings.pad_to_multiple, device=collectives.comm_device())
+    """This DP rank's rows and their micro-batches (on the model's device): padded, or packed by
+    ``settings.micro_batch_tokens`` into as many micro-batches as the neediest DP rank requires."""
+    budget, device = settings.micro_batch_tokens, collectives.comm_device()
+    rows = local_rows(batch.size, dp=dims.dp, dp_rank=dims.dp_rank,
+                      micro_batch_size=1 if budget else settings.micro_batch_size)
+    if not budget:
+        return rows, micro_batches(batch, rows, micro_batch_size=settings.micro_batch_size,
+                                   common_length=dims.pp > 1, pad_to_multiple=settings.pad_to_multiple, device=device)
+    count = micro_batch_count(batch, dp=dims.dp, token_budget=budget,
+                              multiple=dims.pp if (dims.vpp and dims.pp > 1) else 1)
+    return rows, packed_micro_batches(batch, rows, token_budget=budget, count=count, common_length=dims.pp > 1,
+                                      pad_to_multiple=settings.pad_to_multiple, device=device)
 
 
 @torch.no_grad()
@@ -209,9 +221,9 @@ def forward_stats(model_chunks, batch: Batch, mbs: list[MicroBatch], settings: L
     store = run_schedule(model_chunks, mbs, loss_for, forward_only=True)
     if not store:
         return None
-    rows = torch.cat([mb.rows for mb in mbs])
-    entropy = torch.cat([out["entropy"] for out in store])
-    return ForwardStats(logp=torch.cat([out["logp"] for out in store]), entropy=entropy,
+    rows, order = torch.cat([mb.rows for mb in mbs]).sort()  # packing spreads the rows: back to row order
+    entropy = torch.cat([out["entropy"] for out in store])[order]
+    return ForwardStats(logp=torch.cat([out["logp"] for out in store])[order], entropy=entropy,
                         mean_entropy=algo.completion_mean_entropy(entropy, batch.mask[rows.cpu()].to(entropy.device)))
 
 
@@ -292,7 +304,10 @@ def _shape_batch(inputs: StepInputs, prepared: PreparedBatch, mbs: list[MicroBat
     (``loss.py``), all-gathered over DP, shape the whole batch as the pre-pass did (the same values,
     the whole-batch metrics ``entropy/mean`` and ``gtpo/filtered_frac``, the input of D1/D2); the
     later updates take their rows already shaped."""
-    local = torch.cat([inputs.cache.mean_entropy[id(mb)] for mb in mbs])  # [local B], rows in order
+    # [local B] in row order: packed micro-batches hold rows out of order, so place each by index
+    rows = torch.cat([mb.rows for mb in mbs])
+    values = torch.cat([inputs.cache.mean_entropy[id(mb)] for mb in mbs])
+    local = values.new_empty(values.shape).index_copy_(0, (rows - rows.min()).to(values.device), values)
     mean_entropy = collectives.all_gather_rows(local, groups.dp).cpu()
     prepared = algo.shape_batch(inputs.spec, prepared, mean_entropy)
     return dataclasses.replace(inputs, prepared=_to_device(prepared, collectives.comm_device())), prepared
