@@ -210,7 +210,7 @@ def build(cfg, *, resume: bool | str) -> Parts:
     reporter = Reporter(cfg.tracking, run_dir=Path(cfg.output_dir), rank=dims.rank, total_steps=cfg.train.steps,
                         run_id=run_id, resume_step=start_step if resume else None)
     reporter.start(to_dict(cfg))
-    reporter.dataset(dataset.stats, step=start_step)
+    reporter.dataset(dataset.stats, fresh=start_step == 0)
     weight_sync.sync(policy.chunks, version=start_step)
     collector.pushed(start_step)
     memory = Choreography(engines, offload, colocated=cfg.sync.transport == "colocated")
