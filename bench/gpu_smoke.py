@@ -9,17 +9,20 @@ Parts, in order; each reports its status, seconds and peak GPU memory:
   logprob     train/logprobs.py's fused log-prob/entropy on random bf16 logits, forward and backward,
               against an fp32 log_softmax reference (hard tolerance)
   local       a random Llama-shaped model on Megatron's local (pure PyTorch) layer spec, bf16, Megatron
-              DDP + Adam, ``--steps`` GTPO train steps on a synthetic batch (groups share a prompt,
-              completions share ``--shared-prefix`` tokens and end with EOS, so GTPO finds conflicts)
+              DDP + Adam, ``--steps`` GTPO train steps (train/step.py's train_step) on a synthetic
+              Batch made by train/batching.py's collate (groups share a prompt, completions share
+              ``--shared-prefix`` tokens and end with EOS, so GTPO finds conflicts)
   checkpoint  checkpoint.py: saved after step 1, loaded back after the last step; the weights must come
               back bit for bit, then the step is repeated and its loss compared with the original step 2
-  export      convert/export.py's streaming exporter: every HF tensor, checked against the HF model's
-              names and shapes (rollout/weights.py, when transformers imports) and the Megatron parameters
+  export      sync/export.py's streaming exporter: every HF tensor, checked against the HF model's
+              names and shapes (sync/checks.py, when transformers imports) and the Megatron parameters
   te_bf16     the Transformer Engine layer spec, bf16, loaded with the step-1 weights: |logp - logp_local|
-              over the completion tokens and |loss - loss_local| of one train step, same weights and batch
+              over the completion tokens (train/step.py's forward_stats) and |loss - loss_local| of one
+              train step, same weights and batch
   te_fp8      the same with FP8 (``--fp8-recipe``; needs compute capability >= 9.0)
   vllm        an in-process vLLM engine (dummy weights, no tokenizer) takes the exported weights through
-              sync/colocated.py; vLLM's greedy tokens are compared with Megatron's
+              sync/colocated.py's ColocatedSync.sync (export + checks + push, as the driver calls it);
+              vLLM's greedy tokens are compared with Megatron's
 
 Parts that cannot run here (no Transformer Engine, no vLLM, compute capability < 9.0) print one
 ``SKIP`` line each. The last line of stdout is one JSON object (also written to ``--json-out``);
@@ -47,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: megatron_gtpo, bench
 
 from bench.gpu_smoke_setup import (PARTS, TINY, SmokeConfig, absent_reason, hf_config,  # noqa: E402
-                                   param_count, synthetic_batch)
+                                   param_count, step_settings, synthetic_batch)
 from megatron_gtpo.utils.configuration import ConfigError  # noqa: E402
 
 
@@ -85,19 +88,20 @@ def parse_args(argv: list[str] | None) -> tuple[SmokeConfig, argparse.Namespace]
 
 def dry_run(cfg: SmokeConfig) -> dict:
     """Everything before the first CUDA call: Megatron's TransformerConfig, the algorithm and optimizer
-    configs, the synthetic batch, and which parts would run given the installed packages."""
-    from megatron_gtpo.algo import AlgoConfig
-    from megatron_gtpo.train.batching import completion_view
+    configs, the synthetic batch and its micro-batches, and which parts would run given the installed
+    packages."""
+    from megatron_gtpo.train.batching import micro_batches
     from megatron_gtpo.train.model import transformer_config_from_hf
     from megatron_gtpo.train.optim import OptimConfig
 
     hf = hf_config(cfg)
     config = transformer_config_from_hf(hf, tp=1, pp=1, vpp=None, dtype=torch.bfloat16,
                                         overrides={"init_method_std": cfg.init_std})
-    AlgoConfig(name="gtpo", entropy_threshold=777.0).loss_kwargs(max_completion_tokens=cfg.seq)
+    settings = step_settings(cfg)
     OptimConfig(optimizer={**OptimConfig().optimizer, "lr": cfg.lr})
     batch = synthetic_batch(cfg)
-    view = completion_view(batch)
+    mbs = micro_batches(batch, slice(None), micro_batch_size=settings.micro_batch_size, common_length=False,
+                        pad_to_multiple=settings.pad_to_multiple)
     plan = {part: absent_reason(part, cfg, dry=True) for part in PARTS}
     return {"dry": True, "would_run": [p for p, why in plan.items() if why is None],
             "would_skip": {p: why for p, why in plan.items() if why is not None},
@@ -106,9 +110,12 @@ def dry_run(cfg: SmokeConfig) -> dict:
             "megatron": {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
                          "ffn_hidden_size": config.ffn_hidden_size, "num_query_groups": config.num_query_groups,
                          "kv_channels": config.kv_channels},
-            "batch": {"rows": batch.input_ids.shape[0], "seq": batch.input_ids.shape[1],
-                      "groups": int(batch.group_ids.max()) + 1,
-                      "completion_tokens": int(view.lengths.sum()), "completion_width": view.width}}
+            "algo": {"name": settings.spec.name, "agg_mode": settings.spec.agg_mode, "mu": settings.spec.mu,
+                     "entropy_threshold": settings.spec.entropy_threshold},
+            "batch": {"rows": batch.size, "seq": int((batch.prompt_lengths + batch.lengths).max()),
+                      "groups": int(batch.group_ids.max()) + 1, "completion_tokens": int(batch.lengths.sum()),
+                      "completion_width": batch.token_ids.shape[1],
+                      "micro_batch_shapes": sorted({tuple(mb.input_ids.shape) for mb in mbs})}}
 
 
 def environment() -> dict:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_smoke_setup import (NEEDS, PARTS, Policy, SmokeConfig, absent_reason, build_policy, gtpo_train_step,
-                                   hf_config, param_count, synthetic_batch)
+from bench.gpu_smoke_setup import (NEEDS, PARTS, Policy, SmokeConfig, absent_reason, build_policy, greedy_tokens,
+                                   gtpo_train_step, hf_config, param_count, step_settings, synthetic_batch, token_stats)
 
 
 class SmokeFailure(RuntimeError):
@@ -36,8 +36,8 @@ def _timed(fn):
 
 
 def _masked_abs(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    """(max, mean) of |a - b| over ``mask``."""
-    diff = (a.float() - b.float()).abs()[mask.bool()]
+    """(max, mean) of |a - b| over ``mask`` (the Batch's mask lives on the CPU, the statistics on the device)."""
+    diff = (a.float() - b.float()).abs()[mask.bool().to(a.device)]
     return float(diff.max()), float(diff.mean())
 
 
@@ -47,12 +47,13 @@ class Smoke:
     def __init__(self, cfg: SmokeConfig, dims, workdir: Path):
         self.cfg, self.dims, self.workdir = cfg, dims, workdir
         self.hf = hf_config(cfg)
-        self.batch = synthetic_batch(cfg)
+        self.batch = synthetic_batch(cfg)  # the completion view; model inputs are [micro_batch, seq]
+        self.settings = step_settings(cfg)
         self.parts: dict[str, dict] = {}
         self.local: Policy | None = None
         self.losses: list[float] = []
         self.step1: dict = {}  # step-1 checkpoint dir, save time and weight snapshot (or the save error)
-        self.stats_local = None  # TokenStats of the local model at the step-1 weights
+        self.stats_local = None  # ForwardStats of the local model at the step-1 weights
 
     def run_all(self) -> None:
         for name in PARTS:
@@ -129,10 +130,10 @@ class Smoke:
         self.local = build_policy(cfg, self.hf, self.dims, use_te=False)
         steps = []
         for step in range(1, cfg.steps + 1):
-            metrics, seconds = _timed(lambda: gtpo_train_step(self.local, self.batch, dims=self.dims, cfg=cfg))
+            metrics, seconds = _timed(lambda: gtpo_train_step(self.local, self.batch, self.settings, self.dims))
             steps.append({"loss": metrics["loss"], "grad_norm": metrics["optim/grad_norm"], "s": seconds,
                           "update_ok": metrics["optim/update_ok"],
-                          "conflicts": metrics.get("batch/conflict_tokens_per_seq", float("nan"))})
+                          "conflicts": metrics["gtpo/conflict_tokens_per_completion"]})
             if step == 1:
                 self._save_step1()
         self.losses = [s["loss"] for s in steps]
@@ -143,7 +144,7 @@ class Smoke:
         step_s = [s["s"] for s in steps]
         return {"model_params": param_count(self.hf), "losses": self.losses,
                 "grad_norms": [s["grad_norm"] for s in steps], "step_s": [round(s, 4) for s in step_s],
-                "tokens_per_s": round(self.batch.input_ids.numel() / min(step_s[1:]), 1),
+                "tokens_per_s": round(self.batch.size * cfg.seq / min(step_s[1:]), 1),
                 "conflict_tokens_per_completion": steps[0]["conflicts"]}
 
     def _save_step1(self) -> None:
@@ -166,7 +167,6 @@ class Smoke:
         """Load the step-1 checkpoint after the last step: weights bit for bit, then step 2 again."""
         from megatron_gtpo.checkpoint import load_checkpoint
         from megatron_gtpo.train.model import unwrap
-        from megatron_gtpo.train.step import compute_logprobs
 
         if "error" in self.step1:
             raise SmokeFailure(f"save after step 1 failed: {self.step1['error']}")
@@ -182,10 +182,9 @@ class Smoke:
             raise SmokeFailure(f"reload of step 1 gave step {step}, extra_state {extra}, "
                                f"{len(differ)} parameters not restored (e.g. {differ[:3]})")
         del saved
-        self.stats_local = compute_logprobs(self.local.chunks, self.batch, dims=self.dims,
-                                            micro_batch_size=self.cfg.micro_batch)
-        metrics = gtpo_train_step(self.local, self.batch, dims=self.dims, cfg=self.cfg)
-        mask = self.batch.loss_mask.bool()
+        self.stats_local = token_stats(self.local.chunks, self.batch, self.settings, self.dims)
+        metrics = gtpo_train_step(self.local, self.batch, self.settings, self.dims)
+        mask = self.batch.mask.to(self.stats_local.logp.device)
         disk = sum(f.stat().st_size for f in Path(self.step1["dir"]).rglob("*") if f.is_file())
         return {"save_s": round(self.step1["save_s"], 3), "load_s": round(load_s, 3), "bytes_on_disk": disk,
                 "params_changed_since_save": changed, "params_restored_exactly": len(params),
@@ -203,13 +202,13 @@ class Smoke:
 
     def part_export(self) -> dict:
         """Streams every HF tensor; checks names/shapes against the HF model and sizes against Megatron."""
-        from megatron_gtpo.convert.export import export_hf_weights
+        from megatron_gtpo.sync.export import export_hf_weights
         from megatron_gtpo.train.model import unwrap
 
         params = dict(unwrap(self.local.chunks[0]).named_parameters())
         checker = None
         if importlib.util.find_spec("transformers"):
-            from megatron_gtpo.rollout.weights import PushChecker, WeightSpec
+            from megatron_gtpo.sync.checks import PushChecker, WeightSpec
 
             checker = PushChecker(WeightSpec.from_model_dir(self.hf_dir(), dtype=torch.bfloat16), version=1)
         counts = {"buckets": 0, "tensors": 0, "bytes": 0, "numel": 0}
@@ -251,22 +250,21 @@ class Smoke:
     def _te_part(self, *, overrides: dict | None) -> dict:
         """TE-spec model with the step-1 weights: log-probs and one step against the local model's."""
         from megatron_gtpo.checkpoint import load_model_weights
-        from megatron_gtpo.train.step import compute_logprobs
 
         policy = build_policy(self.cfg, self.hf, self.dims, use_te=True, overrides=overrides)
         try:
             load_model_weights(policy.chunks, self.step1["dir"])
             if overrides:  # first FP8 pass: delayed scaling has no amax history yet
-                compute_logprobs(policy.chunks, self.batch, dims=self.dims, micro_batch_size=self.cfg.micro_batch)
-            stats = compute_logprobs(policy.chunks, self.batch, dims=self.dims, micro_batch_size=self.cfg.micro_batch)
-            metrics, seconds = _timed(lambda: gtpo_train_step(policy, self.batch, dims=self.dims, cfg=self.cfg))
+                token_stats(policy.chunks, self.batch, self.settings, self.dims)
+            stats = token_stats(policy.chunks, self.batch, self.settings, self.dims)
+            metrics, seconds = _timed(lambda: gtpo_train_step(policy, self.batch, self.settings, self.dims))
         finally:
             del policy
             gc.collect()  # DDP hooks form reference cycles
             torch.cuda.empty_cache()
         if not math.isfinite(metrics["loss"]):
             raise SmokeFailure(f"non-finite loss {metrics['loss']}")
-        mask = self.batch.loss_mask
+        mask = self.batch.mask
         logp_max, logp_mean = _masked_abs(stats.logp, self.stats_local.logp, mask)
         _, ent_mean = _masked_abs(stats.entropy, self.stats_local.entropy, mask)
         return {"loss": metrics["loss"], "loss_local": self.losses[1],
@@ -276,32 +274,34 @@ class Smoke:
                 "step_s": round(seconds, 4)}
 
     def part_vllm(self) -> dict:
-        """Exported weights into an in-process vLLM engine, then greedy tokens against Megatron's."""
-        from megatron_gtpo.convert.export import export_hf_weights
+        """Exported weights into an in-process vLLM engine through the driver's weight-sync call
+        (``WeightSync.sync``: export + checks + push), then greedy tokens against Megatron's."""
         from megatron_gtpo.rollout import RolloutEngine
-        from megatron_gtpo.sync.colocated import ColocatedSync
-        from megatron_gtpo.train.step import greedy_generate
+        from megatron_gtpo.sync import ColocatedSync, ExportPlan
         from megatron_gtpo.types import Prompt
 
         engine = RolloutEngine(model_dir=str(self.hf_dir()), seed=self.cfg.seed, vllm_kwargs=self._vllm_kwargs())
         try:
-            sync = ColocatedSync(engine)
-            stats = sync.push(export_hf_weights(self.local.chunks, hf_config=self.hf, dims=self.dims,
-                                                dst_ranks=sync.dst_ranks), version=1)
-            prompts = [Prompt(uid=f"p{i}", token_ids=self.batch.input_ids[i * self.cfg.group, :8].tolist())
+            sync = ColocatedSync(engine, ExportPlan(hf_config=self.hf, dims=self.dims, bucket_bytes=64 << 20))
+            push = sync.sync(self.local.chunks, version=1)
+            itemsize = torch.empty((), dtype=engine.dtype).element_size()
+            prompts = [Prompt(uid=f"p{i}", token_ids=self.batch.prompt_ids[i * self.cfg.group, :8].tolist())
                        for i in range(2)]
             got = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=16)
         finally:
             engine.close()
-        if [c.weight_version for c in got] != [1, 1]:
-            raise SmokeFailure(f"engine serves weight versions {[c.weight_version for c in got]}, expected 1")
-        want = greedy_generate(self.local.chunks, [p.token_ids for p in prompts], 16, self.dims,
-                               eos_id=self.hf["eos_token_id"], vocab_size=self.cfg.vocab)
+        push_bytes, want_bytes = round(push["sync/gigabytes"] * 1e9), itemsize * param_count(self.hf)
+        if push["sync/version"] != 1 or [c.weight_version for c in got] != [1, 1] or push_bytes != want_bytes:
+            raise SmokeFailure(f"push reports version {push['sync/version']} and {push_bytes} bytes (the model "
+                               f"has {want_bytes} in the engine dtype), the engine serves "
+                               f"{[c.weight_version for c in got]}; expected version 1 everywhere and every byte")
+        want = greedy_tokens(self.local.chunks, [p.token_ids for p in prompts], 16, self.dims,
+                             eos_id=self.hf["eos_token_id"], vocab_size=self.cfg.vocab)
         agree = [next((i for i, (a, b) in enumerate(zip(c.token_ids, w)) if a != b), min(len(c.token_ids), len(w)))
                  for c, w in zip(got, want)]
-        return {"push_s": round(stats.seconds, 3), "push_gb": round(stats.num_bytes / 1e9, 3),
-                "tensors": stats.num_tensors, "greedy_tokens_agreeing": agree,
-                "greedy_vllm": [c.token_ids for c in got], "greedy_megatron": want}
+        return {"push_s": round(push["sync/seconds"], 3), "push_bytes": push_bytes,
+                "greedy_tokens_agreeing": agree, "greedy_vllm": [c.token_ids for c in got],
+                "greedy_megatron": want}
 
     def _vllm_kwargs(self) -> dict:
         """A small engine next to the trainer: dummy weights (the push brings the real ones), no

@@ -1,5 +1,6 @@
 """Building blocks of ``bench/gpu_smoke.py``: the smoke's config, model config, synthetic batch,
-policy builder, the one train-step call, and which parts can run on this machine.
+policy builder, the calls into the package's train-step API (one GTPO step, the no-grad
+log-prob pass, greedy decoding), and which parts can run on this machine.
 
 Everything here runs on a CPU too (``gpu_smoke.py --dry`` uses it in CI); nothing touches CUDA
 before ``build_policy``.
@@ -21,6 +22,8 @@ NEEDS = {"checkpoint": ("local",), "export": ("local",), "te_bf16": ("checkpoint
 TINY = dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=512, seq=64, rows=8, micro_batch=4, steps=2,
             shared_prefix=4)
 """``--tiny``: a model and batch small enough for 2 CPU cores (the CPU check of this script)."""
+PAD_ID, EOS_ID = 0, 2
+"""Special token ids of the synthetic model (``hf_config``); data tokens are drawn from 3 .. vocab - 1."""
 
 
 @dataclass(kw_only=True)
@@ -75,7 +78,7 @@ class SmokeConfig:
         require(self.rows % self.group == 0, "rows", self.rows, f"a multiple of group={self.group}")
         require(self.rows % self.micro_batch == 0, "rows", self.rows, f"a multiple of micro_batch={self.micro_batch}")
         require(self.steps >= 2, "steps", self.steps, "an integer >= 2 (step 1 is saved, step 2 is compared)")
-        shortest = (self.seq - self.seq // 8) // 4  # see synthetic_batch
+        shortest = self.completion_width // 4  # see synthetic_batch
         require(0 <= self.shared_prefix < shortest, "shared_prefix", self.shared_prefix,
                 f"0 .. {shortest - 1} (below the shortest completion, (seq - seq // 8) // 4)")
         require(self.vocab >= 8, "vocab", self.vocab, "an integer >= 8")
@@ -83,6 +86,16 @@ class SmokeConfig:
         require(self.device in ("cuda", "cpu"), "device", self.device, "cuda or cpu")
         unknown = sorted(set(self.skip) - set(PARTS))
         require(not unknown, "skip", ",".join(unknown), f"names from {', '.join(PARTS)}")
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length of every row: an eighth of ``seq``."""
+        return self.seq // 8
+
+    @property
+    def completion_width(self) -> int:
+        """Longest completion (the first row of each micro-batch): prompt + completion fill ``seq``."""
+        return self.seq - self.prompt_tokens
 
 
 def hf_config(cfg: SmokeConfig) -> dict:
@@ -92,35 +105,38 @@ def hf_config(cfg: SmokeConfig) -> dict:
             "num_key_value_heads": cfg.kv_heads, "vocab_size": cfg.vocab, "max_position_embeddings": cfg.seq,
             "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+            "bos_token_id": 1, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
 
 
 def synthetic_batch(cfg: SmokeConfig):
-    """``rows`` sequences in groups of ``group``: one prompt per group, then completions of varied length
-    that share their first ``shared_prefix`` tokens within the group and end with EOS, so GTPO finds
-    conflict runs at both ends; rewards alternate 1/0 inside each group. The first row of every
-    micro-batch fills the whole sequence, so each micro-batch has length ``seq`` (FP8 needs multiples of 16)."""
-    from megatron_gtpo.types import TrainBatch
+    """The global ``Batch`` (completion view, built by the trainer's own ``collate`` from scored
+    groups): ``rows`` completions in groups of ``group``, one prompt of ``seq // 8`` tokens per group,
+    completions of varied length that share their first ``shared_prefix`` tokens within the group and
+    end with EOS, so GTPO finds conflict runs at both ends; rewards alternate 1/0 inside each group.
+    The first row of every micro-batch has the longest completion, so prompt + completion fill
+    ``seq`` and each micro-batch's model input is ``[micro_batch, seq]`` (FP8 needs multiples of 16)."""
+    from megatron_gtpo.train.batching import collate
+    from megatron_gtpo.types import Completion, Prompt, ScoredGroup
 
     g = torch.Generator().manual_seed(cfg.seed)
-    prompt, groups = cfg.seq // 8, cfg.rows // cfg.group
-    width = cfg.seq - prompt
-    prompts = torch.randint(3, cfg.vocab, (groups, prompt), generator=g)
+    groups, width = cfg.rows // cfg.group, cfg.completion_width
+    prompts = torch.randint(3, cfg.vocab, (groups, cfg.prompt_tokens), generator=g)
     completions = torch.randint(3, cfg.vocab, (cfg.rows, width), generator=g)
     completions[:, :cfg.shared_prefix] = torch.randint(3, cfg.vocab, (groups, width), generator=g).repeat_interleave(
         cfg.group, dim=0)[:, :cfg.shared_prefix]
     lengths = torch.randint(width // 4, width + 1, (cfg.rows,), generator=g)
     lengths[:: cfg.micro_batch] = width
-    completions[torch.arange(cfg.rows), lengths - 1] = 2  # EOS (hf_config's eos_token_id)
-    ids = torch.cat([prompts.repeat_interleave(cfg.group, dim=0), completions], dim=1)
-    cols = torch.arange(cfg.seq)
-    mask = (cols >= prompt) & (cols < (prompt + lengths)[:, None])
-    ids = torch.where(cols < (prompt + lengths)[:, None], ids, torch.zeros_like(ids))
+    completions[torch.arange(cfg.rows), lengths - 1] = EOS_ID
     rewards = (torch.arange(cfg.rows) % 2 == 0).float()
-    return TrainBatch(input_ids=ids, loss_mask=mask.float(), position_ids=cols.expand(cfg.rows, -1).clone(),
-                      group_ids=torch.arange(cfg.rows) // cfg.group, rewards=rewards,
-                      advantages=torch.zeros(cfg.rows), sampler_logprobs=torch.where(mask, -1.0, 0.0),
-                      pad_id=0, completion_start=torch.full((cfg.rows,), prompt))
+    scored = []
+    for gi in range(groups):
+        prompt = Prompt(uid=f"smoke-{gi}", token_ids=prompts[gi].tolist())
+        rows = range(gi * cfg.group, (gi + 1) * cfg.group)
+        outputs = [Completion(prompt_index=gi, prompt_token_ids=prompt.token_ids,
+                              token_ids=completions[r, :lengths[r]].tolist(), logprobs=[-1.0] * int(lengths[r]))
+                   for r in rows]
+        scored.append(ScoredGroup(prompt=prompt, completions=outputs, rewards=[float(rewards[r]) for r in rows]))
+    return collate(scored, pad_id=PAD_ID)
 
 
 def param_count(hf: dict) -> int:
@@ -157,18 +173,68 @@ def build_policy(cfg: SmokeConfig, hf: dict, dims, *, use_te: bool, overrides: d
     return Policy(chunks=chunks, optimizer=optimizer, scheduler=scheduler)
 
 
-def gtpo_train_step(policy: Policy, batch, *, dims, cfg: SmokeConfig) -> dict[str, float]:
-    """One GTPO optimizer step through the package's train-step API; the only call of it here, so a
-    change of that API is adapted in this function alone. Returns its metrics (``loss``, ``optim/*`` ...)."""
+def step_settings(cfg: SmokeConfig):
+    """``StepSettings`` of every train step and log-prob pass here: GTPO with the entropy filter
+    disabled (threshold 777: every row trains), temperature 1, micro-batch lengths padded to a
+    multiple of 64 on CUDA (never past the batch's longest row, ``seq``). Pure: no CUDA call."""
     from megatron_gtpo.algo import AlgoConfig
-    from megatron_gtpo.train.step import train_on_batch
+    from megatron_gtpo.train.step import StepSettings
 
-    algo = AlgoConfig(name="gtpo", entropy_threshold=777.0)  # 777 disables the entropy filter: every row trains
-    return train_on_batch(policy.chunks, policy.optimizer, policy.scheduler, batch, algo_name="gtpo",
-                          prepare_kwargs=algo.prepare_kwargs(),
-                          loss_kwargs=algo.loss_kwargs(max_completion_tokens=cfg.seq),
-                          micro_batch_size=cfg.micro_batch, mu=1, temperature=1.0, dims=dims,
-                          pad_to_multiple=64 if cfg.device == "cuda" else 1)
+    spec = AlgoConfig(name="gtpo", entropy_threshold=777.0).resolve(max_completion_tokens=cfg.completion_width)
+    return StepSettings(spec=spec, micro_batch_size=cfg.micro_batch, temperature=1.0,
+                        pad_to_multiple=64 if cfg.device == "cuda" else 1)
+
+
+def gtpo_train_step(policy: Policy, batch, settings, dims) -> dict[str, float]:
+    """One GTPO rollout step (``spec.mu`` = 1 optimizer step) through the package's train-step API.
+    Returns its metrics (``loss``, ``optim/*``, ``gtpo/*`` ...; names in megatron_gtpo/metrics.py)."""
+    from megatron_gtpo.train.step import train_step
+
+    return train_step(policy, batch, settings, dims)
+
+
+def token_stats(chunks: list, batch, settings, dims):
+    """The no-grad pass the train step uses for pi_old: ``ForwardStats`` (logp, entropy [B, T] in the
+    completion view, <H>_i [B]) of every row (world of 1: this rank holds the whole batch)."""
+    from megatron_gtpo.train.step import forward_stats, logprob_settings, process_groups, rank_micro_batches
+
+    rows, mbs = rank_micro_batches(batch, settings, dims)
+    stats = forward_stats(chunks, batch, mbs, logprob_settings(settings, dims, process_groups(), chunks))
+    if stats is None or stats.logp.shape != batch.token_ids.shape or rows != slice(0, batch.size):
+        raise RuntimeError(f"forward_stats of rows {rows} gave {None if stats is None else tuple(stats.logp.shape)}, "
+                           f"expected the whole batch {tuple(batch.token_ids.shape)} (the smoke is a world of 1)")
+    return stats
+
+
+@torch.no_grad()
+def greedy_tokens(chunks: list, prompts: list[list[int]], max_new_tokens: int, dims, *, eos_id: int,
+                  vocab_size: int) -> list[list[int]]:
+    """Greedy continuation of each prompt with full Megatron forwards through the forward-only
+    schedule (no KV cache, O(n^2)); one pipeline stage (the smoke's world of 1). Stops after EOS."""
+    from megatron_gtpo.parallel.collectives import comm_device
+    from megatron_gtpo.train.batching import MicroBatch
+    from megatron_gtpo.train.logprobs import vocab_parallel_argmax
+    from megatron_gtpo.train.step import process_groups, run_schedule
+
+    if dims.pp != 1:
+        raise ValueError(f"greedy_tokens runs one pipeline stage, got pp={dims.pp}")
+    tp_group, device, out = process_groups().tp, comm_device(), []
+
+    def next_token(mb, logits):
+        nxt = vocab_parallel_argmax(logits[:, -1], group=tp_group, vocab_start=dims.tp_rank * logits.shape[-1],
+                                    vocab_size=vocab_size)
+        return logits.new_zeros(()), {"next": nxt}
+
+    for prompt in prompts:
+        new: list[int] = []
+        while len(new) < max_new_tokens and new[-1:] != [eos_id]:
+            ids = torch.tensor([list(prompt) + new], dtype=torch.long, device=device)
+            one = torch.ones(1, dtype=torch.long, device=device)
+            mb = MicroBatch(rows=torch.zeros(1, dtype=torch.long), input_ids=ids, start=one, lengths=one, width=1,
+                            position_ids=torch.arange(ids.shape[1], device=device)[None, :])
+            new.append(int(run_schedule(chunks, [mb], next_token, forward_only=True)[0]["next"][0]))
+        out.append(new)
+    return out
 
 
 def absent_reason(part: str, cfg: SmokeConfig, *, dry: bool) -> str | None:

@@ -22,7 +22,7 @@ Every naive buffer is ``tokens x vocab``, so its ratio does not depend on the to
 measured at ``--naive-tokens`` (default 2048) so that two ranks of the naive path fit next to other
 jobs (at 8192 tokens it needs ~8 GB per rank). Time is
 the minimum over ``--reps`` rounds without the profiler, the paths interleaved in each round.
-The fused path's scratch is a fixed 32 MiB (``logprobs.CHUNK_ELEMENTS``), so its ratio is only
+The fused path's scratch is a fixed 32 MiB (``logprobs.CHUNK_ELEMENTS["cpu"]``), so its ratio is only
 small for realistic shards; at toy sizes it exceeds 1. The output ends with one JSON line per TP size.
 """
 
@@ -69,10 +69,10 @@ def peak_extra_bytes(fn) -> tuple[int, int]:
 def _paths(group, tp_rank: int, shard: int):
     from megatron.core import tensor_parallel
 
-    from megatron_gtpo.train.logprobs import vocab_parallel_logprob_entropy
+    from megatron_gtpo.train.logprobs import VocabShard, vocab_parallel_logprob_entropy
 
     def fused(logits, target, entropy_grad=True):
-        lp, h = vocab_parallel_logprob_entropy(logits, target, group=group, vocab_start=tp_rank * shard,
+        lp, h = vocab_parallel_logprob_entropy(logits, target, shard=VocabShard(group, tp_rank * shard),
                                                inplace_backward=True)  # as the train step calls it
         (lp.sum() + (h.sum() if entropy_grad else 0.0)).backward()
 

@@ -39,7 +39,7 @@ from megatron_gtpo.checkpoint_files import (CHECKPOINTS, HASH, CheckpointError, 
                                             write_manifest)
 from megatron_gtpo.convert.offline import checkpoint_model_dir
 from megatron_gtpo.parallel.dims import current_dims
-from megatron_gtpo.parallel.objects import all_gather_object, any_rank, broadcast_object
+from megatron_gtpo.parallel.control import all_gather_object, any_rank, barrier, broadcast_object
 from megatron_gtpo.train.model import unwrap
 from megatron_gtpo.utils.runtime import PreemptionFlag
 
@@ -174,12 +174,12 @@ def save_checkpoint(root: str | Path, *, step: int, model_chunks: list[torch.nn.
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crashed save
         tmp.mkdir()
-    dist.barrier()
+    barrier()
     state = _full_state(model_chunks, optimizer, is_loading=False)
     # Plain values: written once, to common.pt.
     state.update(step=step, extra_state=extra_state, layout=_layout(model_chunks))
     dist_checkpointing.save(state, str(tmp))
-    dist.barrier()
+    barrier()
     records, cost = _hash_written(tmp, rank)
     if rank == 0:
         write_manifest(tmp, step, records)
@@ -188,7 +188,7 @@ def save_checkpoint(root: str | Path, *, step: int, model_chunks: list[torch.nn.
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint: step %d committed: %d files, %.1f MB, %s in %.2fs on %d rank(s) (slowest rank)",
                  step, len(records), cost[0] / 1e6, HASH, cost[1], dist.get_world_size())
-    dist.barrier()
+    barrier()
     return final
 
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
+from megatron_gtpo.utils.atomic import write_text_atomic
+
 log = logging.getLogger("megatron_gtpo")
 
 CHECKPOINTS = "checkpoints"
@@ -293,8 +295,6 @@ def clean_stale(root: str | Path) -> list[Path]:
 
 def mark_preempted(run_dir: str | Path, step: int) -> None:
     """Writes ``<run dir>/PREEMPTED`` (the step whose checkpoint was saved before exiting)."""
-    from megatron_gtpo.utils.atomic import write_text_atomic
-
     write_text_atomic(Path(run_dir) / PREEMPTED, f"{step}\n")
 
 

@@ -35,6 +35,31 @@ ROWS: list[tuple[tuple[str, ...], str]] = [
     (("mismatch/logprob_abs_mean", "mismatch/logprob_abs_max", "mismatch/kl_k3"),
      "train-inference mismatch: \\|log-prob(vLLM) - log-prob(Megatron)\\| over sampled tokens, and k3 "
      "KL(engine \\|\\| trainer)"),
+    (("mismatch/is_weight_mean", "mismatch/is_weight_max", "mismatch/is_ratio_min", "mismatch/is_ratio_max",
+      "mismatch/is_cut_frac"),
+     "with `algo.mismatch_correction` tis/mis: spread of the per-token weights w and of r = pi_old / pi_engine; "
+     "share of tokens whose weight was truncated (tis, r > C) or masked to 0 (mis, r outside [C_low, C])"),
+    (("bias/prefix_wagg_common", "bias/prefix_wagg_common_sum", "bias/prefix_common_len"),
+     "D1 (spec 6 Prop. 1): net weight W_agg = sum_i omega_i A_i that the loss puts on the longest prefix shared "
+     "by a whole group (per token, and summed over its positions; x number of groups, so per prompt), mean over "
+     "groups with both signs; its length. 0 for Dr. GRPO and DAPO, sum_i A_i/(G\\|o_i\\|) for GRPO, > 0 for GTPO"),
+    (("bias/prefix_wagg_abs_mean", "bias/prefix_mixed_nodes_per_group", "bias/prefix_wagg_len_corr"),
+     "D1 on every prefix-trie node shared by completions of both signs: mean \\|W_agg\\|, nodes per group; "
+     "correlation over groups of W_agg(common prefix) with mean\\|o\\|(A>0) - mean\\|o\\|(A<0) (absent when undefined)"),
+    (("bias/conflict_beyond_prefix_frac", "bias/conflict_true_prefix_per_seq", "bias/conflict_fwd_excess_per_seq"),
+     "D1 vs GTPO's position-matched conflicts (spec 5.3): share of conflict tokens outside a prefix truly shared "
+     "with an opposite-sign completion; that prefix's length; forward-run tokens beyond it, per completion"),
+    (("bias/surrogate_adv_term", "bias/surrogate_entropy_term", "bias/surrogate_kl_term", "bias/surrogate_is_term",
+      "bias/surrogate_cov", "bias/surrogate_loss_gap"),
+     "D2 (spec 6 Prop. 4) at the first update: sum_i A_i Omega_i, GTPO's gamma <H> part, the KL part, the part "
+     "due to mismatch weights (only with a correction), within-group Cov(A, Omega); `loss` minus "
+     "-(adv - entropy) - KL - is (~0: the loss is this statistic, not a progress measure)"),
+    (("bias/clip_overshoot_rate",),
+     "D4 (spec 6 Prop. 3; mu >= 3): of the tokens in the advantage-favoured clipped region at inner update k, "
+     "the share whose \\|log rho\\| still grows by update k+1 (0 when none is clipped)"),
+    (("bias/adam_step_ratio", "bias/adam_step_ratio_momentum"),
+     "D4 (mu > 1): Adam update norm of the last inner update over the first's, and Adam's momentum-only "
+     "prediction C_{T,k} (about (beta1/sqrt(beta2))^(k+1)); near the prediction = momentum-driven updates"),
     (("sync/seconds", "sync/gb_per_s", "sync/gigabytes", "sync/version"), "weight push into the engines"),
     (("time/rollout_s", "time/reward_s", "time/train_s", "time/sync_s", "time/step_s"),
      "wall time per stage and per step"),

@@ -1,4 +1,6 @@
-"""Render MLflow runs to PNG: reward, accuracy, entropy, conflict share and step-time curves.
+"""Render MLflow runs to PNG: reward, accuracy, entropy, conflict share, step time, the hidden-
+objective-bias diagnostics D1/D2/D4 and the train-inference mismatch (README "Reading the bias
+diagnostics"); ``plot_probe`` draws the reward-scale probe's report (D3).
 
 Several runs (e.g. GRPO vs GTPO) share one figure, one line per run. A run is given as a run
 directory (its ``mlflow.db`` and ``run_id`` file are read) or as ``RUN_ID`` with ``--tracking-uri``.
@@ -11,13 +13,19 @@ import os
 from pathlib import Path
 
 PANELS = [
-    ("reward/mean", "mean reward"),
-    ("reward/accuracy", "accuracy"),
-    ("entropy/mean", "mean token entropy (nats)"),
-    ("gtpo/conflict_tokens_per_completion", "conflict tokens / completion"),
-    ("gtpo/lambda_zero_share", "share of tokens with lambda = 0"),
-    ("time/step_s", "step time (s)"),
+    (("reward/mean",), "mean reward"),
+    (("reward/accuracy",), "accuracy"),
+    (("entropy/mean",), "mean token entropy (nats)"),
+    (("gtpo/conflict_tokens_per_completion",), "conflict tokens / completion"),
+    (("gtpo/lambda_zero_share",), "share of tokens with lambda = 0"),
+    (("time/step_s",), "step time (s)"),
+    (("bias/prefix_wagg_common", "bias/prefix_wagg_abs_mean"), "D1: W_agg on shared prefixes"),
+    (("loss", "bias/surrogate_adv_term", "bias/surrogate_loss_gap"), "D2: loss = -sum A Omega + ... (gap ~ 0)"),
+    (("mismatch/logprob_abs_mean", "mismatch/kl_k3", "mismatch/is_cut_frac"), "train-inference mismatch"),
+    (("clip/high_frac", "clip/low_frac", "bias/clip_overshoot_rate"), "D4: clipped share, overshoot (mu > 1)"),
+    (("bias/adam_step_ratio", "bias/adam_step_ratio_momentum"), "D4: Adam step ratio vs momentum-only"),
 ]
+"""(metric names, title) per panel; a run lacking every name of a panel leaves it empty."""
 
 
 def _resolve(run: str, tracking_uri: str | None) -> tuple[str, str, str]:
@@ -55,25 +63,66 @@ def plot_runs(runs: list[str], output: str | os.PathLike, tracking_uri: str | No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    fig, axes = plt.subplots(3, 4, figsize=(20, 12))
+    names = [key for keys, _ in PANELS for key in keys]
     drawn = 0
     for run in runs:
         uri, run_id, label = _resolve(run, tracking_uri)
-        history = fetch_history(uri, run_id, [k for k, _ in PANELS])
-        for ax, (key, title) in zip(axes.flat, PANELS):
-            if key in history:
-                steps, values = zip(*history[key])
-                ax.plot(steps, values, marker="o", markersize=3, label=label)
-                drawn += 1
+        history = fetch_history(uri, run_id, names)
+        for ax, (keys, title) in zip(axes.flat, PANELS):
+            for key in keys:
+                if key in history:
+                    steps, values = zip(*history[key])
+                    name = label if len(keys) == 1 else f"{label} {key}"
+                    ax.plot(steps, values, marker="o", markersize=3, label=name)
+                    drawn += 1
             ax.set_title(title)
             ax.set_xlabel("step")
+    for ax in axes.flat[len(PANELS):]:
+        ax.axis("off")
     if drawn == 0:
-        raise SystemExit(f"none of the metrics {[k for k, _ in PANELS]} were found in {runs}")
+        raise SystemExit(f"none of the metrics {names} were found in {runs}")
     for ax in axes.flat:
         if ax.lines:
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
+    return _save(fig, output)
+
+
+def plot_probe(report: dict, output: str | os.PathLike) -> Path:
+    """The reward-scale probe's report (``megatron-gtpo probe reward-scale``) as one PNG: reward
+    curves (divided by phi) and, per run, the cosine and norm ratio of its parameter change to the
+    reference phi's, and the share of Adam second moments near eps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    labels = [f"{r['variant']} phi={r['phi']:g}" for r in runs]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    for run, label in zip(runs, labels):
+        axes[0].plot(range(1, len(run["reward_mean"]) + 1), run["reward_mean"], marker="o", markersize=3, label=label)
+    axes[0].xaxis.get_major_locator().set_params(integer=True)
+    axes[0].set_title("reward / phi")
+    axes[0].set_xlabel("step")
+    axes[0].legend(fontsize=7)
+    for ax, key, title in ((axes[1], "cosine_vs_reference", f"cosine of dtheta to phi={report['reference_phi']:g}"),
+                           (axes[2], "delta_norm_ratio", "||dtheta|| / reference ||dtheta||"),
+                           (axes[3], "small_v_frac", "share with sqrt(v_hat) < 10 adam_eps")):
+        ax.bar(range(len(runs)), [r[key] if r[key] is not None else float("nan") for r in runs])
+        ax.set_xticks(range(len(runs)), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_title(title)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, output)
+
+
+def _save(fig, output) -> Path:
+    import matplotlib.pyplot as plt
+
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_suffix(".tmp.png")

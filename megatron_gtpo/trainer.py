@@ -22,7 +22,7 @@ from pathlib import Path
 from megatron_gtpo.checkpoint import Checkpointer, prepare_resume
 from megatron_gtpo.data.dataset import build_dataset
 from megatron_gtpo.parallel.dims import init_distributed
-from megatron_gtpo.parallel.objects import barrier
+from megatron_gtpo.parallel.control import barrier
 from megatron_gtpo.reward.functions import OverlongPunishment
 from megatron_gtpo.reward.score import RewardScorer
 from megatron_gtpo.rollout.collector import DynamicSampling, RolloutCollector, Sampling, rollout_metrics
@@ -73,6 +73,17 @@ def run(cfg, *, resume: bool | str = False) -> dict[str, float]:
     ``resume``: True/"require" (``--resume``), "auto" (``--resume=auto``) or False (see
     ``checkpoint.prepare_resume``)."""
     parts = build(cfg, resume=resume)
+    try:
+        metrics = _loop(cfg, parts)
+    except BaseException as err:  # the MLflow run ends FAILED with the reason; the error goes on
+        parts.reporter.finish("FAILED", reason=repr(err)[:500])
+        raise
+    close(parts, status="KILLED" if parts.checkpointer.preempt.set else "FINISHED")
+    return metrics
+
+
+def _loop(cfg, parts: Parts) -> dict[str, float]:
+    """Steps ``start_step + 1 .. train.steps`` (or up to a preemption); the last step's metrics."""
     learner, collector, weight_sync, checkpointer, reporter = (
         parts.learner, parts.collector, parts.weight_sync, parts.checkpointer, parts.reporter)
     tc, metrics = cfg.train, {}
@@ -95,9 +106,10 @@ def run(cfg, *, resume: bool | str = False) -> dict[str, float]:
             reporter.step(step, metrics, rollout)
         if tc.eval_every and step % tc.eval_every == 0:
             metrics.update(_evaluate(parts, step, seed=tc.seed))
-        if checkpointer.after_step(step, run_id=reporter.run_id):
+        stop = checkpointer.after_step(step, run_id=reporter.run_id)
+        reporter.commit(checkpointer.last_saved)  # steps up to the last checkpoint are final in MLflow
+        if stop:
             break
-    _close(parts, status="KILLED" if checkpointer.preempt.set else "FINISHED")
     return metrics
 
 
@@ -121,7 +133,8 @@ def build(cfg, *, resume: bool | str) -> Parts:
     """Builds every part in an order that fails fast: groups, the checkpoint to resume (verified),
     policy, engines, data, reward, tracking; then pushes the (restored) weights into the engines."""
     preempt = PreemptionFlag()  # first: a preemption signal during start-up must not kill the job
-    dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, seed=cfg.train.seed)
+    dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, seed=cfg.train.seed,
+                            timeout_s=cfg.parallel.timeout_s)
     setup_logging(dims.rank)
     point = prepare_resume(cfg.output_dir, resume)  # before the expensive parts: a bad resume fails in seconds
     spec = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
@@ -129,7 +142,7 @@ def build(cfg, *, resume: bool | str) -> Parts:
     log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
     learner = Learner.build(cfg.model, cfg.optim, settings=settings, dims=dims, rollout_steps=cfg.train.steps)
     policy = learner.policy
-    rollout_cfg = cfg.rollout
+    rollout_cfg = cfg.rollout.with_fp32_head() if cfg.model.lm_head_fp32 else cfg.rollout
     if not policy.has_hf_weights:  # Megatron checkpoint: the engine starts empty, the first push fills it
         rollout_cfg = dataclasses.replace(rollout_cfg, vllm={"load_format": "dummy", **rollout_cfg.vllm})
     log.info("starting %s rollout engine(s)", cfg.sync.transport)
@@ -139,9 +152,7 @@ def build(cfg, *, resume: bool | str) -> Parts:
     scorer = None
     with signals_blocked():  # reward worker processes must not die of a preemption signal
         if dims.rank == 0:
-            overlong = OverlongPunishment(max_tokens=spec.overlong_max_tokens, cache_tokens=spec.overlong_buffer_len,
-                                          factor=spec.overlong_penalty_factor) if spec.overlong_buffer_len else None
-            scorer = RewardScorer(cfg.reward, overlong=overlong)
+            scorer = RewardScorer(cfg.reward, overlong=overlong_punishment(spec))
     start_checkpoint_helpers()
     rows_unit = dims.dp * cfg.train.micro_batch_size
     collector = RolloutCollector(
@@ -153,7 +164,7 @@ def build(cfg, *, resume: bool | str) -> Parts:
                                 total_steps=cfg.train.steps, preempt=preempt)
     start_step, run_id = checkpointer.restore(point) if point is not None else (0, None)
     reporter = Reporter(cfg.tracking, run_dir=Path(cfg.output_dir), rank=dims.rank, total_steps=cfg.train.steps,
-                        run_id=run_id)
+                        run_id=run_id, resume_step=start_step if resume else None)
     reporter.start(to_dict(cfg))
     reporter.dataset(dataset.stats, step=start_step)
     weight_sync.sync(policy.chunks, version=start_step)
@@ -163,6 +174,14 @@ def build(cfg, *, resume: bool | str) -> Parts:
     log.info("ready: %d prompts, starting at step %d of %d", len(dataset), start_step, cfg.train.steps)
     return Parts(learner=learner, collector=collector, weight_sync=weight_sync, checkpointer=checkpointer,
                  reporter=reporter, scorer=scorer, held_out=held_out, pad_id=int(pad_id), start_step=start_step)
+
+
+def overlong_punishment(spec) -> OverlongPunishment | None:
+    """DAPO's soft overlong punishment of an AlgoSpec (None when its buffer is 0)."""
+    if not spec.overlong_buffer_len:
+        return None
+    return OverlongPunishment(max_tokens=spec.overlong_max_tokens, cache_tokens=spec.overlong_buffer_len,
+                              factor=spec.overlong_penalty_factor)
 
 
 def _held_out_prompts(cfg, tokenizer) -> list:
@@ -178,7 +197,7 @@ def _evaluate(parts: Parts, step: int, *, seed: int) -> dict[str, float]:
     return out
 
 
-def _close(parts: Parts, *, status: str) -> None:
+def close(parts: Parts, *, status: str) -> None:
     """Finishes the MLflow run and stops scorers and engines. The process groups stay up: vLLM's
     own exit hook tears down the groups it joined, and would fail on an already destroyed world."""
     parts.reporter.finish(status)

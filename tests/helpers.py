@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_gtpo.parallel.strict import ENV as STRICT_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -19,11 +21,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment of a launched run: this checkout on the path and strict device groups on (a
+    host tensor or object collective on a device group raises as NCCL would; parallel/strict.py)
+    unless the caller's environment says otherwise."""
+    return {**os.environ, "PYTHONPATH": str(REPO), STRICT_ENV: os.environ.get(STRICT_ENV, "1"), **extra}
+
+
 def kill_tree(pid: int, sig: int = 9) -> None:
     """Sends ``sig`` (SIGKILL) to ``pid`` and every descendant at once, as a crash or outage would.
 
     ``os.killpg`` on the launcher's group is not enough: torchrun starts each rank in a new
     session (its own process group), so the ranks would survive the kill and keep training.
+    ``pid`` is the caller's ``Popen`` child and is not reaped here: its ``wait()`` keeps the
+    return code (-9), which a reaping wait would turn into 0.
     """
     import psutil
 
@@ -37,7 +48,7 @@ def kill_tree(pid: int, sig: int = 9) -> None:
             proc.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=60)
+    psutil.wait_procs(procs[1:], timeout=60)
     try:
         os.killpg(pid, sig)  # whatever the group started and the tree walk missed
     except (ProcessLookupError, PermissionError):
@@ -75,11 +86,13 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600,
     rank printed with the prefix ``RESULT `` (the scripts' way of reporting checks).
 
     Raises AssertionError with the combined output when the launch fails, so a failing rank's
-    traceback appears in the pytest report.
+    traceback appears in the pytest report. Strict device groups (megatron_gtpo/parallel/strict.py)
+    are on unless ``env`` or the caller's environment sets the variable to 0: host data on a group
+    that would be NCCL on a GPU raises here as it would there.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", str(script), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = child_env(OMP_NUM_THREADS="1", **(env or {}))
     proc = run_group(cmd, timeout=timeout, env=full_env, cwd=REPO)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"torchrun {script} (nproc={nproc}) failed rc={proc.returncode}:\n{out[-8000:]}"

@@ -10,23 +10,36 @@ No torch.distributed, no megatron, no config objects in this package: the functi
     for micro-batch rows idx:                                     # any DP rank / micro-batch split
         loss, metrics = compute_loss(spec, TokenInputs(logp=..., mask=..., old_logp=..., ref_logp=...),
                                      prepared.rows(idx), num_tokens=global_tokens, num_seqs=global_seqs)
+
+Diagnostics of the hidden objective biases (spec 6, D1-D4) live in ``diagnostics.py`` (omega, D2-D4)
+and ``prefix.py`` (D1); train-inference mismatch weights in ``importance.py``.
 """
 
 from megatron_gtpo.algo.advantage import (completion_mean_entropy, entropy_filter, group_advantages, group_index,
                                           shape_advantages)
-from megatron_gtpo.algo.aggregate import AGG_MODES, aggregate
+from megatron_gtpo.algo.aggregate import AGG_MODES, aggregate, aggregation_weights
 from megatron_gtpo.algo.config import AlgoConfig
 from megatron_gtpo.algo.conflict import ConflictRuns, conflict_runs, conflict_weights
+from megatron_gtpo.algo.diagnostics import (ClipOvershoot, SurrogateDecomposition, adam_update_sq_norm, clip_overshoot,
+                                            favoured_clip_mask, kl_penalty, momentum_step_ratio,
+                                            momentum_step_ratio_limit, small_second_moment_counts,
+                                            surrogate_decomposition, token_omega)
 from megatron_gtpo.algo.filters import dapo_group_filter
+from megatron_gtpo.algo.importance import MISMATCH_MODES, mismatch_weights
 from megatron_gtpo.algo.kl import entropy_from_logits, kl_k3
 from megatron_gtpo.algo.losses import TokenInputs, compute_loss, validate_loss_inputs
+from megatron_gtpo.algo.prefix import SharedPrefixes, prefix_bias, prefix_bias_metrics, shared_prefixes
 from megatron_gtpo.algo.prepare import PreparedBatch, gtpo_seq_scale, prepare_batch
 from megatron_gtpo.algo.registry import LOSSES, Algorithm
 from megatron_gtpo.algo.spec import AlgoSpec
 
 __all__ = [
-    "AGG_MODES", "LOSSES", "Algorithm", "AlgoConfig", "AlgoSpec", "ConflictRuns", "PreparedBatch", "TokenInputs",
-    "aggregate", "completion_mean_entropy", "compute_loss", "conflict_runs", "conflict_weights", "dapo_group_filter",
-    "entropy_filter", "entropy_from_logits", "group_advantages", "group_index", "gtpo_seq_scale", "kl_k3",
-    "prepare_batch", "shape_advantages", "validate_loss_inputs",
+    "AGG_MODES", "LOSSES", "MISMATCH_MODES", "Algorithm", "AlgoConfig", "AlgoSpec", "ClipOvershoot", "ConflictRuns",
+    "PreparedBatch", "SharedPrefixes", "SurrogateDecomposition", "TokenInputs", "adam_update_sq_norm", "aggregate",
+    "aggregation_weights", "clip_overshoot", "completion_mean_entropy", "compute_loss", "conflict_runs",
+    "conflict_weights", "dapo_group_filter", "entropy_filter", "entropy_from_logits", "favoured_clip_mask",
+    "group_advantages", "group_index", "gtpo_seq_scale", "kl_k3", "kl_penalty", "mismatch_weights",
+    "momentum_step_ratio", "momentum_step_ratio_limit", "prefix_bias", "prefix_bias_metrics", "prepare_batch",
+    "shape_advantages", "shared_prefixes", "small_second_moment_counts", "surrogate_decomposition", "token_omega",
+    "validate_loss_inputs",
 ]

@@ -46,20 +46,49 @@ def aggregate(per_token_loss: Tensor, mask: Tensor, *, mode: str, num_tokens: fl
         mask = as_mask(mask)
     masked = torch.where(mask, per_token_loss, torch.zeros((), dtype=per_token_loss.dtype,
                                                            device=per_token_loss.device))
+    row_div, denom = _divisors(mask, mode=mode, num_tokens=num_tokens, num_seqs=num_seqs, constant=constant)
+    if row_div is None:
+        return masked.sum() / denom
+    return (masked.sum(dim=1) / row_div).sum() / denom
+
+
+def aggregation_weights(mask: Tensor, *, mode: str, num_tokens: float | Tensor | None = None,
+                        num_seqs: float | Tensor | None = None, constant: float | None = None,
+                        dtype: torch.dtype = torch.float64) -> Tensor:
+    """Per-token weight ``w`` [B, T] of ``aggregate``: ``aggregate(x, mask, ...) == sum_{i,t} w_{i,t} x_{i,t}``
+    (up to rounding), 0 outside ``mask``. Same arguments as ``aggregate``; both take the
+    normalisers from ``_divisors``, so the weights cannot drift from the loss:
+
+    * token-mean: ``1 / num_tokens``; seq-mean-token-mean: ``1 / (|o_i| num_seqs)``;
+    * seq-mean-token-sum: ``1 / num_seqs``; seq-mean-token-sum-norm: ``1 / (num_seqs L)``.
+
+    Used by the diagnostics (``algo/diagnostics.py``): the algorithm's own token weights omega.
+    """
+    mask = as_mask(mask)
+    row_div, denom = _divisors(mask, mode=mode, num_tokens=num_tokens, num_seqs=num_seqs, constant=constant)
+    row = torch.ones(mask.shape[0], dtype=dtype, device=mask.device) / torch.as_tensor(denom, dtype=dtype,
+                                                                                        device=mask.device)
+    if row_div is not None:
+        row = row / row_div.to(dtype)
+    return torch.where(mask, row[:, None], torch.zeros((), dtype=dtype, device=mask.device))
+
+
+def _divisors(mask: Tensor, *, mode: str, num_tokens, num_seqs, constant) -> tuple[Tensor | None, float | Tensor]:
+    """The one place that maps a mode to its normalisers: ``(row_div [B] or None, denom)``; the
+    aggregate is ``sum_i (sum_t x_{i,t} / row_div_i) / denom`` (``row_div`` None: ``sum x / denom``)."""
     if mode == "token-mean":
-        return masked.sum() / _normaliser(num_tokens, mask.sum)
+        return None, _normaliser(num_tokens, mask.sum)
     seqs = _normaliser(num_seqs, lambda: mask.shape[0])
     if mode == "seq-mean-token-mean":
-        per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-        return per_seq.sum() / seqs
+        return mask.sum(dim=1).clamp(min=1), seqs
     if mode == "seq-mean-token-sum":
-        return masked.sum() / seqs
+        return None, seqs
     if mode != "seq-mean-token-sum-norm":
         raise ValueError(f"mode={mode!r} must be one of {AGG_MODES}")
     if constant is None or not (0 < float(constant) < float("inf")):
         raise ValueError(f"constant={constant!r}: mode 'seq-mean-token-sum-norm' (Dr. GRPO) needs the "
                          "constant L > 0, the max completion length (rollout max_tokens)")
-    return masked.sum() / (seqs * float(constant))
+    return None, seqs * float(constant)
 
 
 def _normaliser(value, local):

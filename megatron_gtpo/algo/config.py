@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from megatron_gtpo.algo.aggregate import AGG_MODES
+from megatron_gtpo.algo.importance import MISMATCH_MODES
 from megatron_gtpo.algo.registry import LOSSES
 from megatron_gtpo.algo.spec import AlgoSpec
 from megatron_gtpo.utils.configuration import require
@@ -78,6 +79,35 @@ class AlgoConfig:
     """GTPO per-completion normaliser: code = (1/|o_i|) / max(1, n_i) summed over completions (official
     code, spec 5.8), paper = 1/(G |o_i|) (README objective, spec 5.1); both averaged over prompts."""
 
+    gtpo_prompt_reduction: Literal["mean", "sum"] = "mean"
+    """GTPO with several prompts per step: mean = average the per-prompt objectives (the project's
+    choice: the gradient scale does not grow with prompts_per_step), sum = sum over all completions of
+    all prompts, as the official code's step loss ``sum_i L_i`` (spec 5.8; the code trains one prompt
+    per step, where both are equal). configs/gtpo.yaml sets sum."""
+
+    entropy_logits: Literal["sampling", "raw"] = "sampling"
+    """Distribution of GTPO's entropy statistic <H>_i (filter delta and shift gamma): sampling = the
+    rollout's sampling temperature (the project's choice, the distribution the tokens came from), raw
+    = the model's raw logits at temperature 1, as the official code computes it (TRL 0.15.2's
+    per-token log-probs do not divide by the temperature; spec 5.5, 5.10). Equal at temperature 1;
+    at 0.9 raw entropies are higher, so more completions are filtered at threshold 0.7.
+    configs/gtpo.yaml sets raw."""
+
+    mismatch_correction: Literal["none", "tis", "mis"] = "none"
+    """Train-inference mismatch correction per token with r = pi_old / pi_sampler (the engine's
+    log-probs of the sampled tokens): none (paper-exact: spec 5.7 and the GTPO code have none), tis =
+    truncated importance sampling min(r, C) (Yao et al. 2025; TRL's vllm_importance_sampling_cap), mis =
+    masked importance sampling, r inside [C_low, C] and 0 outside (IcePop; verl rollout_is mask). The
+    weight multiplies each token's advantage next to lambda (algo/importance.py)."""
+
+    mismatch_cap: float = 2.0
+    """C of the mismatch correction (> 1): the truncation cap (tis) or the upper mask bound (mis). Not
+    from the spec (the papers of spec 0 have no correction); 2.0 as TRL's vllm_importance_sampling_cap."""
+
+    mismatch_cap_low: float | None = None
+    """Lower mask bound C_low of mis (in [0, 1)); None = 1 / mismatch_cap (two-sided as IcePop),
+    0 = one-sided. Unused by tis. Not from the spec (see mismatch_correction)."""
+
     dynamic_sampling: bool | None = None
     """DAPO dynamic sampling: drop groups whose filter metric is all equal and refill the batch by
     over-sampling (spec 4.2). None = True for dapo, False otherwise."""
@@ -129,6 +159,16 @@ class AlgoConfig:
                 "a finite number >= 0")
         require(self.gtpo_normalization in ("code", "paper"), "gtpo_normalization", self.gtpo_normalization,
                 "'code' or 'paper'")
+        require(self.gtpo_prompt_reduction in ("mean", "sum"), "gtpo_prompt_reduction", self.gtpo_prompt_reduction,
+                "'mean' or 'sum'")
+        require(self.entropy_logits in ("sampling", "raw"), "entropy_logits", self.entropy_logits,
+                "'sampling' or 'raw'")
+        require(self.mismatch_correction in MISMATCH_MODES, "mismatch_correction", self.mismatch_correction,
+                f"one of {MISMATCH_MODES}")
+        require(_finite(self.mismatch_cap) and self.mismatch_cap > 1, "mismatch_cap", self.mismatch_cap,
+                "a finite number > 1 (2.0 is common)")
+        require(self.mismatch_cap_low is None or (_finite(self.mismatch_cap_low) and 0 <= self.mismatch_cap_low < 1),
+                "mismatch_cap_low", self.mismatch_cap_low, "null (= 1 / mismatch_cap) or a number in [0, 1)")
         require(self.dynamic_sampling is None or isinstance(self.dynamic_sampling, bool), "dynamic_sampling",
                 self.dynamic_sampling, "true, false or null")
         require(self.dynamic_sampling_metric in ("accuracy", "reward"), "dynamic_sampling_metric",
@@ -162,6 +202,9 @@ class AlgoConfig:
             kl_beta=pick(self.kl_beta, default.kl_beta), mu=self.mu, conflict_weight=self.conflict_weight,
             conflict_overlap=self.conflict_overlap, pad_id=self.pad_id, entropy_threshold=self.entropy_threshold,
             entropy_gamma=self.entropy_gamma, gtpo_normalization=self.gtpo_normalization,
+            gtpo_prompt_reduction=self.gtpo_prompt_reduction, entropy_logits=self.entropy_logits,
+            mismatch_correction=self.mismatch_correction, mismatch_cap=self.mismatch_cap,
+            mismatch_cap_low=self.mismatch_cap_low,
             dynamic_sampling=pick(self.dynamic_sampling, default.dynamic_sampling),
             dynamic_sampling_metric=self.dynamic_sampling_metric,
             dynamic_sampling_max_tries=self.dynamic_sampling_max_tries,

@@ -3,9 +3,12 @@
 Per token, with ``rho = exp(logp - old_logp)`` (``exp(logp - logp.detach())`` when ``old_logp`` is
 None, i.e. mu = 1: value 1, gradient of log pi, clipping inactive)::
 
-    x_{i,t} = seq_scale_i * ( lambda_{i,t} * max(-rho A_i, -clip(rho, 1-eps_low, 1+eps_high) A_i)
+    x_{i,t} = seq_scale_i * ( lambda_{i,t} w_{i,t} * max(-rho A_i, -clip(rho, 1-eps_low, 1+eps_high) A_i)
                               + kl_beta * k3(ref_logp, logp) )
     loss    = aggregate(x, mask, mode=agg_mode, num_tokens, num_seqs, constant)       # = -J
+
+``w`` (``TokenInputs.is_weights``, absent = 1) are the optional train-inference mismatch weights
+(``importance.py``, ``algo.mismatch_correction``); like lambda they multiply the advantage, not the KL.
 
 ``lambda`` (GTPO token weights, >= 0) multiplies the advantage, so ``lambda * min(rho A, clip A) =
 min(rho lambda A, clip lambda A)``: S4's casting of GTPO with ``alpha = delta lambda / (G |o_i|)``.
@@ -49,6 +52,9 @@ class TokenInputs:
     """pi_old log-probs when mu > 1; None: the ratio is exp(logp - logp.detach())."""
     ref_logp: Tensor | None = None  # [B, T]
     """Reference-model log-probs for the KL term (kl_beta > 0)."""
+    is_weights: Tensor | None = None  # [B, T] float >= 0, detached
+    """Train-inference mismatch weights (``importance.mismatch_weights``) multiplying each token's
+    advantage next to lambda; None: no correction (the loss is then bit-identical to the plain one)."""
 
 
 def compute_loss(spec: AlgoSpec, tokens: TokenInputs, prepared: PreparedBatch, *,
@@ -73,6 +79,8 @@ def compute_loss(spec: AlgoSpec, tokens: TokenInputs, prepared: PreparedBatch, *
     adv = prepared.advantages.to(logp.dtype)[:, None].expand_as(lp)
     if prepared.token_weights is not None:
         adv = adv * prepared.token_weights[:, :lp.shape[1]].to(logp.dtype)
+    if tokens.is_weights is not None:
+        adv = adv * tokens.is_weights.detach().to(logp.dtype)
     clipped = ratio.clamp(1.0 - spec.clip_low, 1.0 + spec.clip_high)
     per_token = torch.maximum(-ratio * adv, -clipped * adv)
     kl = None
@@ -88,15 +96,21 @@ def compute_loss(spec: AlgoSpec, tokens: TokenInputs, prepared: PreparedBatch, *
 
 
 def validate_loss_inputs(spec: AlgoSpec, prepared: PreparedBatch, *, mask: Tensor, old_logp: Tensor | None = None,
-                         ref_logp: Tensor | None = None) -> None:
+                         ref_logp: Tensor | None = None, sampler_logp: Tensor | None = None) -> None:
     """Checks the loss inputs of a set of rows once per step (shapes, masks, finiteness, what the
     algorithm needs), so bad input fails with a message naming the argument instead of a NaN loss.
 
-    ``mask``/``old_logp``/``ref_logp`` [B, T] and ``prepared`` hold the same B rows.
+    ``mask``/``old_logp``/``ref_logp``/``sampler_logp`` [B, T] and ``prepared`` hold the same B rows;
+    the engine's ``sampler_logp`` is checked only when a mismatch correction uses it.
     """
     mask = as_mask(mask)
     shape = tuple(mask.shape)
-    for name, value in (("old_logp", old_logp), ("ref_logp", ref_logp)):
+    if spec.mismatch_correction == "none":
+        sampler_logp = None
+    elif sampler_logp is None:
+        raise ValueError(f"mismatch_correction={spec.mismatch_correction!r} needs sampler_logp (the engine's "
+                         "log-probs of the sampled tokens)")
+    for name, value in (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampler_logp", sampler_logp)):
         if value is not None:
             check_float(value, name=name)
             check_shape(value, shape, name=name, what="[B, T], like mask")

@@ -34,6 +34,7 @@ from megatron_gtpo.algo.spec import AlgoSpec
 Tensor = torch.Tensor
 
 NORMALIZATIONS = ("code", "paper")
+REDUCTIONS = ("mean", "sum")
 
 
 @dataclass
@@ -93,21 +94,27 @@ def prepare_batch(spec: AlgoSpec, *, token_ids: Tensor, mask: Tensor, rewards: T
                                      overlap=spec.conflict_overlap, pad_id=spec.pad_id, return_runs=True)
         delta = entropy_filter(mean_entropy, threshold=spec.entropy_threshold).to(adv.dtype)
         shaped = shape_advantages(adv, delta=delta, mean_entropy=mean_entropy, gamma=spec.entropy_gamma)
-        scale = gtpo_seq_scale(group_ids, runs, normalization=spec.gtpo_normalization).to(adv.dtype)
+        scale = gtpo_seq_scale(group_ids, runs, normalization=spec.gtpo_normalization,
+                               reduction=spec.gtpo_prompt_reduction).to(adv.dtype)
         prepared = PreparedBatch(advantages=shaped, raw_advantages=adv, token_weights=lam, seq_scale=scale,
                                  delta=delta, runs=runs)
     prepared.metrics = _prepare_metrics(prepared, mask, mean_entropy)
     return prepared
 
 
-def gtpo_seq_scale(group_ids: Tensor, runs: ConflictRuns, *, normalization: str) -> Tensor:
+def gtpo_seq_scale(group_ids: Tensor, runs: ConflictRuns, *, normalization: str, reduction: str = "mean") -> Tensor:
     """GTPO per-completion scale [B] float32 for ``seq-mean-token-mean`` over ``num_seqs = B``
-    (module docstring): ``B / (num_groups * G_i)`` (paper) or ``B / (num_groups * max(1, n_i))`` (code)."""
+    (module docstring): ``B / (num_groups * G_i)`` (paper) or ``B / (num_groups * max(1, n_i))`` (code);
+    ``reduction="sum"`` leaves out ``num_groups`` (the sum over prompts)."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r} must be one of {NORMALIZATIONS}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} must be one of {REDUCTIONS}")
     index, sizes = group_index(group_ids)
     batch, num_groups = index.numel(), sizes.numel()
     per_seq = sizes[index] if normalization == "paper" else runs.n.clamp(min=1)
+    if reduction == "sum":
+        return batch / per_seq.to(torch.float32)
     return batch / (num_groups * per_seq.to(torch.float32))
 
 

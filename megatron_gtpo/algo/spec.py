@@ -48,6 +48,16 @@ class AlgoSpec:
     """GTPO shift: A~_i = delta_i (A_i - gamma <H>_i)."""
     gtpo_normalization: str = "code"
     """GTPO per-completion normaliser: code (1/max(1, n_i)) or paper (1/G)."""
+    gtpo_prompt_reduction: str = "mean"
+    """GTPO over several prompts: mean (average the per-prompt objectives) or sum (the code's sum_i L_i)."""
+    entropy_logits: str = "sampling"
+    """GTPO's <H>_i at the sampling temperature (sampling) or on the raw logits at temperature 1 (raw)."""
+    mismatch_correction: str = "none"
+    """Train-inference mismatch weights: none, tis (min(r, C)) or mis (r inside [C_low, C], else 0)."""
+    mismatch_cap: float = 2.0
+    """C of the mismatch correction."""
+    mismatch_cap_low: float | None = None
+    """C_low of mis (None: 1 / C)."""
     entropy_prob_floor: float = 1e-6
     """Probability floor inside the log of GTPO's <H>_i statistic (the reference code's clamp)."""
     dynamic_sampling: bool = False
@@ -72,6 +82,10 @@ class AlgoSpec:
     def needs_mean_entropy(self) -> bool:
         """GTPO's filter and shift need <H>_i of pi_old before the advantages can be shaped."""
         return self.conflict_aware
+
+    def entropy_temperature(self, sampling_temperature: float) -> float:
+        """Temperature of GTPO's <H>_i statistic: 1 (raw logits, the official code) or the sampling one."""
+        return 1.0 if self.entropy_logits == "raw" else sampling_temperature
 
     @property
     def needs_reference(self) -> bool:

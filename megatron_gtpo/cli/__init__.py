@@ -1,4 +1,4 @@
-"""The ``megatron-gtpo`` command: train, demo, eval, convert, dry-run, config.
+"""The ``megatron-gtpo`` command: train, demo, probe, eval, convert, dry-run, config.
 
 Each subcommand parses its own arguments (``megatron-gtpo SUBCOMMAND --help``); heavy imports
 (torch, Megatron, vLLM) happen only inside the subcommand that needs them.
@@ -12,6 +12,7 @@ import sys
 SUBCOMMANDS = {
     "train": ("megatron_gtpo.cli.train", "train a policy from a YAML recipe (launches torchrun ranks)"),
     "demo": ("megatron_gtpo.cli.demo", "short GTPO run on CPU with SmolLM2-135M-Instruct, then plots"),
+    "probe": ("megatron_gtpo.cli.probe", "reward-scale probe: short runs at reward x phi from one start (spec 6 D3)"),
     "eval": ("megatron_gtpo.cli.eval", "pass@k / maj@k / mean@k on GSM8K, MATH-500, AIME, AMC, MMLU-STEM"),
     "convert": ("megatron_gtpo.cli.convert", "convert checkpoints between Hugging Face and Megatron-Core"),
     "dry-run": ("megatron_gtpo.cli.dry_run", "validate a recipe and print the parallel layout and memory"),

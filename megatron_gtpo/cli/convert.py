@@ -26,6 +26,7 @@ from pathlib import Path
 
 from megatron_gtpo.convert.offline import hf_to_megatron, megatron_to_hf
 from megatron_gtpo.utils.configuration import ConfigError
+from megatron_gtpo.models.config import VOCAB_DIVISIBLE_BY
 
 EXIT_BAD_INPUT = 2
 
@@ -43,8 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "(validated; Megatron reshards at load, so any layout can load it)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (validated, recorded)")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per PP rank (validated)")
-    from megatron_gtpo.models.config import VOCAB_DIVISIBLE_BY
-
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=VOCAB_DIVISIBLE_BY, metavar="N",
                         help="--to megatron: pad the vocabulary (embedding, output layer) with zero rows to a "
                         "multiple of N x --tp, as Megatron-LM does (default %(default)s); --to hf strips the padding")

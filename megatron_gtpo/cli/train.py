@@ -83,20 +83,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     world = cfg.parallel.world_size
     if world == 1:  # in this process, as one rank would
-        from megatron_gtpo.cli import worker
+        import megatron_gtpo.cli.worker as worker
 
         return worker.main([str(resolved)] + (["--resume"] if args.resume == "require" else
                                               ["--resume=auto"] if args.resume == "auto" else []))
     return launch_torchrun(resolved, world, resume=args.resume)
 
 
-def launch_torchrun(resolved_config: Path, world: int, *, resume: str) -> int:
-    """Starts ``world`` local ranks with torchrun (gloo on CPU, NCCL on GPU) and waits for them.
+def launch_torchrun(resolved_config: Path, world: int, *, resume: str, module: str = "megatron_gtpo.cli.worker",
+                    extra: tuple[str, ...] = ()) -> int:
+    """Starts ``world`` local ranks of ``python -m module CONFIG [extra]`` with torchrun (gloo on CPU,
+    NCCL on GPU) and waits for them.
 
     Multi-node jobs are launched by slurm/train.sbatch, which runs torchrun on every node itself.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_port",
-           os.environ.get("MASTER_PORT", str(_free_port())), "-m", "megatron_gtpo.cli.worker", str(resolved_config)]
+           os.environ.get("MASTER_PORT", str(_free_port())), "-m", module, str(resolved_config), *extra]
     if resume == "require":
         cmd.append("--resume")
     elif resume == "auto":

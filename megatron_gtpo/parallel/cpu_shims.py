@@ -16,8 +16,13 @@ from torch.overrides import TorchFunctionMode
 
 _INSTALLED = False
 
+ACCELERATOR = torch.device("cpu")
+"""What ``torch.cuda.current_device()`` and ``collectives.comm_device()`` return on a CPU build: a
+CPU device like any other, but one fixed object, so strict mode (strict.py) can tell by identity
+that a tensor placed on it stands for a device tensor."""
 
-def _is_cuda_device(device) -> bool:
+
+def is_cuda_device(device) -> bool:
     """True for ``"cuda"``, ``"cuda:0"``, ``torch.device("cuda")`` and bare ints (cuda:<i>)."""
     if isinstance(device, torch.device):
         return device.type == "cuda"
@@ -42,11 +47,11 @@ class CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+        if "device" in kwargs and is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+        if func is torch.Tensor.to and len(args) > 1 and is_cuda_device(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
         return func(*args, **kwargs)
 
@@ -86,7 +91,7 @@ class _NullStream(_NullEvent):
 def _install_torch_cuda_stubs() -> None:
     """``torch.cuda.current_device`` -> cpu (RoPE buffers, global memory buffer, TP gathers);
     ``synchronize`` and streams become no-ops (batched p2p, checkpoint D2H copies, DDP)."""
-    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.current_device = lambda: ACCELERATOR
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: _NullStream()
     torch.cuda.default_stream = lambda *a, **k: _NullStream()
@@ -149,18 +154,21 @@ def install_rng_tracker(seed: int) -> None:
     )
 
 
-def install() -> bool:
+def install(*, device_mode: bool = True) -> bool:
     """Installs the process-wide shims (idempotent). Returns True when they were needed.
 
     Call after ``torch.distributed.init_process_group`` and before building Megatron models; then
     call :func:`install_rng_tracker` after ``parallel_state.initialize_model_parallel``.
+    ``device_mode=False`` leaves the device redirect to strict mode's own torch-function mode
+    (``strict.install``, a subclass of :class:`CudaToCpuMode`).
     """
     global _INSTALLED
     if torch.cuda.is_available():
         return False
     if not _INSTALLED:
         _install_torch_cuda_stubs()
-        CudaToCpuMode().__enter__()  # stays active for the life of the process
+        if device_mode:
+            CudaToCpuMode().__enter__()  # stays active for the life of the process
         _install_causal_mask()
         _INSTALLED = True
     return True

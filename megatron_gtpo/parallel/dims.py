@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_gtpo.parallel import cpu_shims
+from megatron_gtpo.parallel import control, cpu_shims, strict
 from megatron_gtpo.utils.configuration import require
 
 
@@ -30,10 +30,15 @@ class ParallelConfig:
     """Virtual pipeline chunks per PP rank (interleaved 1F1B); None = no interleaving. Needs pp > 1."""
     dp: int = 1
     """Data-parallel size. torchrun launches tp * pp * dp ranks."""
+    timeout_s: float = 1800
+    """Seconds a collective may wait for its peers before it fails instead of hanging: applies to
+    the default group, the gloo control group and Megatron's groups. Raise it when a rank can
+    legitimately be busy alone for longer (e.g. rank 0 scoring or saving between collectives)."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        require(self.timeout_s > 0, "timeout_s", self.timeout_s, "a number of seconds > 0")
         require(self.vpp is None or (self.vpp >= 2 and self.pp >= 2), "vpp", self.vpp,
                 "null, or an integer >= 2 together with pp >= 2")
 
@@ -72,12 +77,15 @@ class ParallelDims:
 
 
 def init_distributed(*, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234,
-                     timeout_s: int = 600) -> ParallelDims:
-    """Initialises the default group (gloo on CPU, NCCL on GPU), Megatron's model-parallel groups,
-    the CPU shims and the RNG tracker. Works single-process too (world of 1, no torchrun needed).
+                     timeout_s: float = ParallelConfig.timeout_s) -> ParallelDims:
+    """Initialises the default group (gloo on CPU, NCCL on GPU), the CPU shims (and strict mode,
+    see strict.py), the gloo control group, Megatron's model-parallel groups with the control
+    plane's twins of the DP and PP groups, and the RNG tracker; every group gets ``timeout_s``
+    (``parallel.timeout_s``). Works single-process too (world of 1, no torchrun needed).
     """
     from megatron.core import parallel_state as ps
 
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -86,18 +94,24 @@ def init_distributed(*, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=timeout)
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}; "
                          f"launch a multiple of {tp * pp} ranks or change parallel.tp/parallel.pp")
-    on_cpu = cpu_shims.install()
+    strict_mode = strict.requested() or strict.active()
+    on_cpu = cpu_shims.install(device_mode=not strict_mode)
+    if on_cpu and strict_mode:
+        strict.install()  # before any group: strict mode classifies groups as they are made
+    control.init(timeout=timeout)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp,
+            distributed_timeout_minutes=timeout_s / 60,
         )
+        control.add_twins([ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()])
     if on_cpu:
         cpu_shims.install_rng_tracker(seed)
     else:
@@ -125,13 +139,15 @@ def current_dims(vpp: int | None = None) -> ParallelDims:
 
 
 def destroy() -> None:
-    """Tears down Megatron's groups and the default group (tests that re-initialise call this)."""
+    """Tears down Megatron's groups, the control plane and the default group (tests that
+    re-initialise call this)."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    control.reset()
 
 
 def _free_port() -> int:

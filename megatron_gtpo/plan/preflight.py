@@ -19,6 +19,7 @@ from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.models.resolve import resolve_model
 from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
 from megatron_gtpo.reward.functions import resolve_reward
+from megatron_gtpo.tracking import check_tracking_uri, resolve_uri
 from megatron_gtpo.train.model import transformer_config_from_hf
 from megatron_gtpo.utils.configuration import ConfigError
 
@@ -26,6 +27,8 @@ from megatron_gtpo.utils.configuration import ConfigError
 def preflight(cfg) -> str:
     """Validates everything that can be checked without starting a rank; returns a summary."""
     check_output_dir(cfg.output_dir)
+    tc = cfg.tracking  # early: a tracking server that does not answer fails in seconds, not after engine start
+    tracking = check_tracking_uri(resolve_uri(tc.uri, cfg.output_dir), tc.request_timeout_s) if tc.enabled else "off"
     check_vllm_kwargs(cfg.rollout.vllm)
     par = cfg.parallel
     model_dir = resolve_model(cfg.model.path)
@@ -41,7 +44,8 @@ def preflight(cfg) -> str:
         resolve_reward(cfg.reward.fn)
     except (ImportError, AttributeError, ValueError) as err:
         raise ConfigError(f"reward.fn={cfg.reward.fn!r}: {err}") from None
-    return _summary(cfg, model_dir=model_dir, hf_config=hf_config, context=context, stats=stats)
+    return _summary(cfg, model_dir=model_dir, hf_config=hf_config, context=context, stats=stats) + \
+        f"\ntracking   {tracking}"
 
 
 def check_output_dir(output_dir: str) -> None:

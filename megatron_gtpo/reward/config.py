@@ -18,6 +18,11 @@ class RewardConfig:
     ``gtpo`` the paper's 10+10 scheme, ``dapo`` +1/-1) or a dotted import path of a user function
     ``fn(completion, gold, task) -> float | RewardOutput`` (``my_pkg.rewards.fn``)."""
 
+    scale: float = 1.0
+    """Factor phi on every reward (the function's value plus DAPO's overlong term), applied where the
+    rewards are produced (``score_groups``). Spec 6 Prop. 2: under AdamW training is largely
+    insensitive to phi; ``megatron-gtpo probe reward-scale`` measures it. Logged rewards are scaled too."""
+
     num_workers: int = 2
     """Scoring worker processes (>= 1 recommended): a reward that hangs in C code is killed, and one
     that ends its process (os._exit, segfault) stops the run with RewardFunctionCrashed instead of
@@ -43,6 +48,8 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.fn.strip()), "fn", self.fn, "a built-in reward name or a dotted import path")
+        require(isinstance(self.scale, (int, float)) and math.isfinite(self.scale) and self.scale > 0, "scale",
+                self.scale, "a finite number > 0 (1 = the reward function's own values)")
         require(self.num_workers >= 0, "num_workers", self.num_workers, "an integer >= 0")
         require(math.isfinite(self.timeout_s) and self.timeout_s > 0, "timeout_s", self.timeout_s,
                 "a number of seconds > 0")

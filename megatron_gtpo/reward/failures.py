@@ -14,18 +14,37 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from megatron_gtpo.reward.pool import STATUS_OK, SampleScore
 
-if TYPE_CHECKING:
-    from megatron_gtpo.reward.score import ScoringStats
 
 log = logging.getLogger(__name__)
 
 MAX_DISTINCT_ERRORS = 50
 """Distinct failures logged with a traceback; beyond that (messages that embed the sample) they are
 only counted, so a run cannot flood its log."""
+
+
+@dataclass(kw_only=True)
+class ScoringStats:
+    """Counters of one scoring call (log them: a rising timeout count means adversarial outputs)."""
+
+    num_samples: int = 0
+    """Completions scored."""
+    num_timeouts: int = 0
+    """Completions that hit the per-sample time limit (scored 0)."""
+    num_errors: int = 0
+    """Completions whose reward function raised or whose worker died (scored 0)."""
+    num_overlong: int = 0
+    """Completions that received a non-zero overlong punishment."""
+    seconds: float = 0.0
+    """Wall-clock time of the call."""
+
+    def metrics(self, prefix: str = "reward/") -> dict[str, float]:
+        """Flat metric names -> values for StepMetrics / MLflow."""
+        return {f"{prefix}num_samples": float(self.num_samples), f"{prefix}timeouts": float(self.num_timeouts),
+                f"{prefix}errors": float(self.num_errors), f"{prefix}overlong": float(self.num_overlong),
+                f"{prefix}seconds": self.seconds}
 
 
 class RewardFunctionFailing(RuntimeError):

@@ -33,6 +33,9 @@ from multiprocessing.connection import Connection, wait
 
 from tqdm import tqdm
 
+from megatron_gtpo.reward.functions import as_output
+from megatron_gtpo.reward.verify import _judge_cached, _mv_parse
+
 STATUS_OK, STATUS_TIMEOUT, STATUS_ERROR = "ok", "timeout", "error"
 MAX_WORKER_DEATHS = 2
 """Worker deaths one sample may cause before its reward function is declared fatal (the first
@@ -89,8 +92,6 @@ def score_one(fn, text: str, gold: str, task: str, timeout_s: float | None, with
     """Runs reward ``fn`` on one sample, under a SIGALRM time limit when ``timeout_s`` is set (only
     valid in a process's main thread); ``with_answer`` also extracts the canonical answer (maj@k
     needs it, training does not). Never raises for a bad sample."""
-    from megatron_gtpo.reward.functions import as_output
-    from megatron_gtpo.reward.verify import _judge_cached
 
     try:
         if timeout_s:
@@ -130,8 +131,6 @@ def _worker_main(conn: Connection, fn_path: str, timeout_s: float) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _IGNORED_SIGNALS)  # blocked by _Worker until now
     try:
         fn = load_callable(fn_path)
-        from megatron_gtpo.reward.verify import _mv_parse
-
         _mv_parse("1")  # warm math-verify (sympy import) before the first deadline starts
         install_alarm()
     except BaseException:
@@ -249,8 +248,6 @@ class ScoringPool:
 
     def _ensure_workers(self) -> None:
         if self._ctx.get_start_method() == "fork" and len(self._workers) < self.num_workers:
-            from megatron_gtpo.reward.verify import _mv_parse
-
             _mv_parse("1")  # forked workers then inherit a warm math-verify instead of importing it each
         while len(self._workers) < self.num_workers:
             self._workers.append(_Worker(self._ctx, self.fn_path, self.timeout_s))

@@ -16,32 +16,10 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_gtpo.reward.config import RewardConfig
-from megatron_gtpo.reward.failures import ErrorLog, FailureMonitor, RewardError
+from megatron_gtpo.reward.failures import ErrorLog, FailureMonitor, RewardError, ScoringStats
 from megatron_gtpo.reward.functions import OverlongPunishment, resolve_reward, reward_path
 from megatron_gtpo.reward.pool import STATUS_ERROR, STATUS_TIMEOUT, SampleScore, ScoringPool
 from megatron_gtpo.types import Completion, Prompt, ScoredGroup
-
-
-@dataclass(kw_only=True)
-class ScoringStats:
-    """Counters of one scoring call (log them: a rising timeout count means adversarial outputs)."""
-
-    num_samples: int = 0
-    """Completions scored."""
-    num_timeouts: int = 0
-    """Completions that hit the per-sample time limit (scored 0)."""
-    num_errors: int = 0
-    """Completions whose reward function raised or whose worker died (scored 0)."""
-    num_overlong: int = 0
-    """Completions that received a non-zero overlong punishment."""
-    seconds: float = 0.0
-    """Wall-clock time of the call."""
-
-    def metrics(self, prefix: str = "reward/") -> dict[str, float]:
-        """Flat metric names -> values for StepMetrics / MLflow."""
-        return {f"{prefix}num_samples": float(self.num_samples), f"{prefix}timeouts": float(self.num_timeouts),
-                f"{prefix}errors": float(self.num_errors), f"{prefix}overlong": float(self.num_overlong),
-                f"{prefix}seconds": self.seconds}
 
 
 @dataclass(kw_only=True)
@@ -123,7 +101,7 @@ def score_groups(prompts: list[Prompt], completions: list[Completion], *, scorer
     this call). Returns one ScoredGroup per prompt (an empty group when a prompt got no
     completion). A timeout or error scores 0 (plus the overlong term) and is counted in ``stats``;
     the scorer's FailureMonitor then warns about, or stops (RewardFunctionFailing), a batch whose
-    rewards mostly or all failed.
+    rewards mostly or all failed. Every reward is multiplied by ``RewardConfig.scale`` (1 by default).
     """
     if (scorer is None) == (config is None):
         raise ValueError("score_groups needs exactly one of scorer= (reused across steps) or config=")
@@ -143,7 +121,7 @@ def score_groups(prompts: list[Prompt], completions: list[Completion], *, scorer
         if scorer.overlong is not None:
             penalty = scorer.overlong(len(completion.token_ids))
             stats.num_overlong += penalty != 0.0
-        rewards.append(score.reward + penalty)
+        rewards.append((score.reward + penalty) * scorer.config.scale)
     groups = [ScoredGroup(prompt=prompts[p], completions=[completions[i] for i in idx],
                           rewards=[rewards[i] for i in idx], correct=[scores[i].correct for i in idx])
               for p, idx in enumerate(index_groups)]

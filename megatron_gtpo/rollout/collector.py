@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_gtpo import algo
-from megatron_gtpo.parallel.objects import broadcast_object
+from megatron_gtpo.parallel.control import broadcast_object
 from megatron_gtpo.reward.failures import RewardFunctionFailing
 from megatron_gtpo.reward.pool import RewardFunctionCrashed
 from megatron_gtpo.reward.score import RewardScorer, group_indices, score_groups

@@ -6,6 +6,7 @@ vLLM's own engine settings are not mirrored here: ``vllm`` is handed to ``vllm.L
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,3 +63,10 @@ class RolloutConfig:
         """The keyword arguments of ``RolloutEngine.generate`` (everything but prompts and seed)."""
         return {"n": self.n, "temperature": self.temperature, "top_p": self.top_p,
                 "max_tokens": self.max_tokens, "stop": list(self.stop) or None}
+
+    def with_fp32_head(self) -> RolloutConfig:
+        """This config with vLLM's lm_head in fp32 (``hf_overrides: {head_dtype: float32}``, vLLM 0.32's
+        ``ModelConfig.head_dtype``), merged into any ``hf_overrides`` the recipe sets; ``model.lm_head_fp32``."""
+        overrides = dict(self.vllm.get("hf_overrides") or {})
+        overrides.setdefault("head_dtype", "float32")
+        return dataclasses.replace(self, vllm={**self.vllm, "hf_overrides": overrides})

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from megatron_gtpo.parallel import control
 from megatron_gtpo.rollout.engine import call_seed, prompt_seeds
 from megatron_gtpo.types import Completion, Prompt
 
@@ -71,17 +72,15 @@ class RolloutGroup:
             return self.engine.sample(prompts, seeds=seeds, **sampling)
         if self._shard:
             return self._sharded(prompts, seeds, sampling)
-        box = [self.engine.sample(prompts, seeds=seeds, **sampling) if self._rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return _relink(box[0], prompts, offset=0)
+        mine = self.engine.sample(prompts, seeds=seeds, **sampling) if self._rank == 0 else None
+        return _relink(control.broadcast_object(mine, src=0), prompts, offset=0)
 
     def _sharded(self, prompts: Sequence[Prompt], seeds: list[int], sampling: dict) -> list[Completion]:
         engines, index = self._world // self._per_engine, self._rank // self._per_engine
         per_engine = -(-len(prompts) // engines)
         lo, hi = min(index * per_engine, len(prompts)), min((index + 1) * per_engine, len(prompts))
         mine = self.engine.sample(prompts[lo:hi], seeds=seeds[lo:hi], **sampling) if hi > lo else []
-        shards: list = [None] * self._world
-        dist.all_gather_object(shards, (lo, mine))
+        shards = control.all_gather_object((lo, mine))
         first_ranks = shards[::self._per_engine]  # the other ranks of an engine hold the same shard
         return [c for start, part in first_ranks for c in _relink(part, prompts, offset=start)]
 

@@ -25,8 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
+from megatron_gtpo.parallel import control
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.sync.checks import Bucket, WeightPushError
 from megatron_gtpo.sync.export import export_hf_weights
@@ -103,10 +102,7 @@ def agree(error: BaseException | None, stats: SyncStats | None = None) -> SyncSt
     """Makes every rank of the job reach the same outcome: raises WeightPushError everywhere if
     any rank failed, else returns the first stats any rank passed (ranks without an engine pass
     none). A no-op outside a multi-rank world."""
-    outcomes = [(None if error is None else f"{type(error).__name__}: {error}", stats)]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        outcomes = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, (None if error is None else f"{type(error).__name__}: {error}", stats))
+    outcomes = control.all_gather_object((None if error is None else f"{type(error).__name__}: {error}", stats))
     failures = [(rank, msg) for rank, (msg, _) in enumerate(outcomes) if msg]
     if failures:
         if isinstance(error, WeightPushError):

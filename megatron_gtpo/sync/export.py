@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.convert import mapping as mp
+from megatron_gtpo.parallel import control
+from megatron_gtpo.parallel.collectives import comm_device
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.models.hf_config import architecture_of, tied_embeddings
 from megatron_gtpo.train.model import layer_offset, unwrap
@@ -69,13 +71,9 @@ def _global_shape(pm: mp.ParamMap, local_shape: tuple[int, ...], tp: int) -> tup
 
 def _plan(params: dict, *, family: str, dims: ParallelDims, pp_group) -> list[tuple]:
     """Every parameter of the whole pipeline as ``(key, owner pp rank, local shape, dtype)`` in HF
-    order; one small all_gather_object over the pipeline group."""
+    order; one small all_gather_object among the pipeline stages (control plane)."""
     mine = [(key, tuple(param.shape), str(param.dtype)) for key, (_, param) in params.items()]
-    gathered = [None] * dims.pp
-    if dims.pp > 1:
-        dist.all_gather_object(gathered, mine, group=pp_group)
-    else:
-        gathered = [mine]
+    gathered = control.all_gather_object(mine, over=pp_group) if dims.pp > 1 else [mine]
     plan = [(key, owner, shape, dtype) for owner, entries in enumerate(gathered) for key, shape, dtype in entries]
     return sorted(plan, key=lambda entry: _hf_order(entry[0], family))
 
@@ -104,8 +102,7 @@ def _materialise(pm: mp.ParamMap, entry: tuple, params: dict, *, dims: ParallelD
 
     def empty() -> torch.Tensor:
         dtype = getattr(torch, dtype_name.removeprefix("torch."))
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        return torch.empty(_global_shape(pm, local_shape, dims.tp), dtype=dtype, device=device)
+        return torch.empty(_global_shape(pm, local_shape, dims.tp), dtype=dtype, device=comm_device())
 
     if to_all:
         if dims.pp > 1:

@@ -58,7 +58,8 @@ def build_policy(model: ModelConfig, *, dims: ParallelDims, optim: OptimConfig |
     model_dir = resolve_model(model.path)
     hf_config = read_hf_config(model_dir)
     chunks = build_model(hf_config, dims=dims, dtype=DTYPES[model.dtype], overrides=model.megatron,
-                         weights_loaded=True, vocab_divisible_by=model.make_vocab_size_divisible_by)
+                         weights_loaded=True, vocab_divisible_by=model.make_vocab_size_divisible_by,
+                         lm_head_fp32=model.lm_head_fp32)
     hf = has_hf_weights(model_dir)
     if hf:
         load_hf_weights(chunks, hf_dir=model_dir, hf_config=hf_config, dims=dims)

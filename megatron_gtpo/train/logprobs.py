@@ -37,15 +37,42 @@ filter (no-grad use only; it costs one more chunk pass and all-reduce).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-CHUNK_ELEMENTS = 1 << 22
-"""Default chunk size in logits elements (rows = CHUNK_ELEMENTS // (V/TP), at least 1): two fp32
-scratch buffers of 16 MiB each, whatever the token count (85 rows at V/TP = 49152). Small enough
-that the passes over one chunk hit the CPU cache (on CPU, 64-128 rows measured 1.5-2x faster than
-256), large enough that per-chunk Python overhead stays negligible."""
+CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
+"""Default chunk size in logits elements per device type (rows = elements // (V/TP), at least 1).
+CPU: two fp32 scratch buffers of 16 MiB each, whatever the token count (85 rows at V/TP = 49152),
+small enough that the passes over one chunk hit the CPU cache (64-128 rows measured 1.5-2x faster
+than 256), large enough that per-chunk Python overhead stays negligible. CUDA: 256 MiB buffers
+(1365 rows at V/TP = 49152), so each chunk's kernels fill the GPU and launches do not dominate."""
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Where this rank's logit columns sit in the (possibly padded) vocabulary."""
+
+    group: object = None
+    """The tensor-parallel process group (None or size 1: no communication)."""
+    start: int = 0
+    """Global id of this shard's first column (``tp_rank * V/TP``)."""
+    vocab_size: int | None = None
+    """True vocabulary size; columns at global ids >= it are padding and excluded (None: none)."""
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """The resolved options of one fused pass (handed to the autograd function as one argument)."""
+
+    group: object
+    vocab_start: int
+    n_valid: int
+    temperature: float
+    chunk_tokens: int
+    floor: float
+    inplace: bool
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -88,8 +115,9 @@ class VocabParallelLogProbEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, n_valid, temperature, chunk_tokens,
-                entropy_prob_floor, inplace_backward):
+    def forward(ctx, logits, target, opts: _Pass):
+        group, vocab_start, n_valid, temperature = opts.group, opts.vocab_start, opts.n_valid, opts.temperature
+        chunk_tokens, entropy_prob_floor, inplace_backward = opts.chunk_tokens, opts.floor, opts.inplace
         cdtype = _compute_dtype(logits.dtype)
         n = logits.shape[0]
         # max_v (z / T) = max_v z / T for T > 0: one read pass, no buffer.
@@ -133,7 +161,7 @@ class VocabParallelLogProbEntropy(torch.autograd.Function):
             raise RuntimeError("entropy_prob_floor > 0 gives a no-grad statistic; use the exact "
                                "entropy (entropy_prob_floor=0) for an entropy bonus")
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 9
+            return None, None, None
         n, n_valid, cdtype = logits.shape[0], ctx.n_valid, lse.dtype
         # In place: each chunk's logits are copied into scratch before its gradient rows overwrite
         # them, so the gradient can reuse the logits' storage (no second logits-sized buffer).
@@ -159,7 +187,7 @@ class VocabParallelLogProbEntropy(torch.autograd.Function):
                 torch.addcmul(neg_a[rows, None], logp_all, -g_h[rows, None], out=logp_all)
                 torch.mul(logp_all, p, out=out)
             out.scatter_add_(1, local_t[rows, None], hit[rows, None].to(out.dtype))
-        return grad, None, None, None, None, None, None, None, None
+        return grad, None, None
 
 
 def _floor_correction(logits, lse, scratch: _Scratch, group, n_valid, temperature, chunk_tokens, floor):
@@ -177,8 +205,7 @@ def _floor_correction(logits, lse, scratch: _Scratch, group, n_valid, temperatur
     return corr
 
 
-def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, *, group=None,
-                                   vocab_start: int = 0, vocab_size: int | None = None,
+def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, *, shard: VocabShard = VocabShard(),
                                    temperature: float = 1.0, chunk_tokens: int | None = None,
                                    entropy_prob_floor: float = 0.0,
                                    inplace_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,12 +214,10 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, *
     Args:
         logits: ``[..., V/TP]`` this rank's vocabulary shard (any float dtype; not modified).
         target: ``[...]`` global token ids.
-        group: the tensor-parallel process group (None or size 1: no communication).
-        vocab_start: global id of this shard's first column (``tp_rank * V/TP``).
-        vocab_size: true vocabulary size; columns at global ids >= it are padding and excluded.
+        shard: the TP group, this shard's first global id and the true vocabulary size.
         temperature: the sampling temperature of the rollout engine (> 0).
-        chunk_tokens: rows processed at a time (None: ``CHUNK_ELEMENTS // (V/TP)``); extra memory is
-            two ``chunk x V/TP`` fp32 buffers, independent of the number of tokens.
+        chunk_tokens: rows processed at a time (None: ``CHUNK_ELEMENTS[device] // (V/TP)``); extra
+            memory is two ``chunk x V/TP`` fp32 buffers, independent of the number of tokens.
         entropy_prob_floor: 0 for the exact entropy; e.g. 1e-6 for the GTPO reference's clamped
             ``<H>`` (then the entropy output must not receive a gradient).
         inplace_backward: write the gradient into the logits' own storage (as Megatron's
@@ -205,18 +230,18 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, *
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    shard = logits.shape[-1]
+    width, vocab_size = logits.shape[-1], shard.vocab_size
     if vocab_size is not None and vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    n_valid = shard if vocab_size is None else max(0, min(shard, vocab_size - vocab_start))
+    n_valid = width if vocab_size is None else max(0, min(width, vocab_size - shard.start))
     if chunk_tokens is None:
-        chunk_tokens = max(1, CHUNK_ELEMENTS // max(n_valid, 1))
+        budget = CHUNK_ELEMENTS["cuda" if logits.is_cuda else "cpu"]
+        chunk_tokens = max(1, budget // max(n_valid, 1))
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    flat = logits.reshape(-1, shard)
-    out = VocabParallelLogProbEntropy.apply(flat, target.reshape(-1), group, vocab_start, n_valid,
-                                            float(temperature), int(chunk_tokens), float(entropy_prob_floor),
-                                            bool(inplace_backward))
+    opts = _Pass(group=shard.group, vocab_start=shard.start, n_valid=n_valid, temperature=float(temperature),
+                 chunk_tokens=int(chunk_tokens), floor=float(entropy_prob_floor), inplace=bool(inplace_backward))
+    out = VocabParallelLogProbEntropy.apply(logits.reshape(-1, width), target.reshape(-1), opts)
     return out[0].view(target.shape), out[1].view(target.shape)
 
 

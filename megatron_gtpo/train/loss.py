@@ -14,18 +14,24 @@ micro-batch. Here that function:
 
 Metrics leave as ``name -> tensor([sum, count])`` so that they can be summed over micro-batches and
 DP ranks (``parallel/collectives.py``); min/max metrics travel separately.
+
+Per micro-batch, also: the train-inference mismatch weights (``algo.mismatch_correction``; at
+mu = 1 from this forward's detached log-probs, at mu > 1 once from pi_old at the first update and
+kept for the others), the parts of the D2 surrogate decomposition only the loss sees (its KL
+part and the share due to the mismatch weights, first update) and, at mu > 1, the D4 overshoot
+counts: each row's detached log-ratio of inner step k is kept and compared at step k + 1.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megatron_gtpo import algo
 from megatron_gtpo.algo import AlgoSpec, PreparedBatch
 from megatron_gtpo.train.batching import MicroBatch
-from megatron_gtpo.train.logprobs import shifted_token_logprobs
+from megatron_gtpo.train.logprobs import VocabShard, shifted_token_logprobs
 
 Tensor = torch.Tensor
 
@@ -46,12 +52,29 @@ class LogprobSettings:
     """Rows per chunk of the fused log-prob/entropy pass (None: automatic; see logprobs.py)."""
 
     def token_stats(self, logits: Tensor, input_ids: Tensor, *, entropy_prob_floor: float = 0.0,
-                    inplace_backward: bool = False):
-        """``(logp, entropy)`` ``[mb, s]`` aligned with the predicted tokens (column 0 is 0)."""
-        return shifted_token_logprobs(
-            logits, input_ids, group=self.tp_group, vocab_start=self.tp_rank * logits.shape[-1],
-            vocab_size=self.vocab_size, temperature=self.temperature, chunk_tokens=self.chunk_tokens,
-            entropy_prob_floor=entropy_prob_floor, inplace_backward=inplace_backward)
+                    inplace_backward: bool = False, temperature: float | None = None):
+        """``(logp, entropy)`` ``[mb, s]`` aligned with the predicted tokens (column 0 is 0), at the
+        sampling temperature unless ``temperature`` is given (GTPO's raw-logit entropy)."""
+        shard = VocabShard(group=self.tp_group, start=self.tp_rank * logits.shape[-1], vocab_size=self.vocab_size)
+        return shifted_token_logprobs(logits, input_ids, shard=shard,
+                                      temperature=self.temperature if temperature is None else temperature,
+                                      chunk_tokens=self.chunk_tokens, entropy_prob_floor=entropy_prob_floor,
+                                      inplace_backward=inplace_backward)
+
+
+@dataclass
+class RowCache:
+    """Tensors of one step kept from one inner update to the next, keyed by micro-batch (``id(mb)``:
+    the step reuses the same MicroBatch objects for every update)."""
+
+    is_weights: dict[int, Tensor] = field(default_factory=dict)
+    """mu > 1: the mismatch weights of the first update ([mb, width]), reused by the others."""
+    log_ratio: dict[int, Tensor] = field(default_factory=dict)
+    """mu > 1: detached ``logp - old_logp`` [mb, width] of the previous update (D4 overshoot)."""
+
+
+ZERO_WHEN_EMPTY = ("bias/clip_overshoot_rate",)
+"""Rate metrics whose denominator may be empty in a step (no favoured-clipped token): logged as 0."""
 
 
 @dataclass(kw_only=True)
@@ -75,12 +98,16 @@ class StepInputs:
     ref_logp: Tensor | None  # [local B, T]
     """Reference-model log-probs of this rank's rows for the KL term, or None."""
     sampler_logp: Tensor | None  # [B, T]
-    """Rollout engine log-probs, for the train-inference mismatch metric (first update only)."""
+    """Rollout engine log-probs: the train-inference mismatch metrics and weights (first update)."""
     scale: float
     """Megatron rescale factor from ``megatron_loss_scale``."""
     metric_weight: float
     """1 / (micro-batches x DP ranks): summing this over all micro-batches gives 1, so a summed
     metric (the loss) survives the (sum, count) reduction unchanged."""
+    update: int = 0
+    """Index of the inner update (0 .. mu-1) this loss belongs to."""
+    cache: RowCache = field(default_factory=lambda: RowCache())
+    """Per-micro-batch tensors kept across the mu updates of one step (shared by ``replace`` copies)."""
 
     def local_rows(self, tensor: Tensor | None, rows: Tensor, width: int) -> Tensor | None:
         """``tensor[rows - local.start, :width]`` for a tensor that holds only this rank's rows."""
@@ -94,19 +121,80 @@ def micro_batch_loss(inputs: StepInputs, settings: LogprobSettings, mb: MicroBat
     logp_seq, ent_seq = settings.token_stats(logits, mb.input_ids, inplace_backward=True)
     rows, width = mb.rows, mb.width
     mask = inputs.mask[rows, :width]
-    tokens = algo.TokenInputs(logp=mb.take(logp_seq), mask=mask,
-                              old_logp=inputs.local_rows(inputs.old_logp, rows, width),
-                              ref_logp=inputs.local_rows(inputs.ref_logp, rows, width))
-    loss, metrics = algo.compute_loss(inputs.spec, tokens, inputs.prepared.rows(rows), num_tokens=inputs.num_tokens,
+    prepared = inputs.prepared.rows(rows)
+    logp, old_logp = mb.take(logp_seq), inputs.local_rows(inputs.old_logp, rows, width)
+    pairs: dict[str, Tensor] = {}
+    tokens = algo.TokenInputs(logp=logp, mask=mask, old_logp=old_logp,
+                              ref_logp=inputs.local_rows(inputs.ref_logp, rows, width),
+                              is_weights=_mismatch_weights(inputs, mb, logp, old_logp, mask, pairs))
+    loss, metrics = algo.compute_loss(inputs.spec, tokens, prepared, num_tokens=inputs.num_tokens,
                                       num_seqs=inputs.num_seqs)
-    pairs = _metric_pairs(metrics, mask)
+    pairs.update(_metric_pairs(metrics, mask))
     pairs["loss"] = torch.stack([loss.detach().double(), _f64(inputs.metric_weight, loss.device)])
     if not inputs.spec.needs_mean_entropy:  # GTPO's <H>_i pre-pass reports entropy/mean itself
         mean_h = algo.completion_mean_entropy(mb.take(ent_seq.detach()), mask)
         pairs["entropy/mean"] = torch.stack([mean_h.sum().double(), _f64(mask.shape[0], mask.device)])
-    if inputs.sampler_logp is not None:
+    if inputs.update == 0 and inputs.sampler_logp is not None:
         pairs.update(_mismatch_pairs(tokens.logp.detach(), inputs.sampler_logp[rows, :width], mask))
+    if inputs.update == 0:
+        pairs.update(_surrogate_pairs(inputs, tokens, prepared))
+    elif old_logp is not None:
+        pairs.update(_overshoot_pairs(inputs, mb, tokens, prepared))
     return loss * inputs.scale, pairs
+
+
+@torch.no_grad()
+def _mismatch_weights(inputs: StepInputs, mb: MicroBatch, logp: Tensor, old_logp: Tensor | None, mask: Tensor,
+                      pairs: dict[str, Tensor]) -> Tensor | None:
+    """The mismatch weights of this micro-batch (None without a correction); their spread metrics
+    go into ``pairs`` at the first update. pi_old is ``old_logp`` (mu > 1) or this forward (mu = 1)."""
+    spec = inputs.spec
+    if spec.mismatch_correction == "none":
+        return None
+    if inputs.update > 0:
+        return inputs.cache.is_weights[id(mb)]
+    rows, width = mb.rows, mb.width
+    train_logp = old_logp if old_logp is not None else logp.detach()
+    weights, metrics = algo.mismatch_weights(spec, train_logp, inputs.sampler_logp[rows, :width], mask)
+    pairs.update(_metric_pairs(metrics, mask))
+    if spec.mu > 1:
+        inputs.cache.is_weights[id(mb)] = weights
+    return weights
+
+
+@torch.no_grad()
+def _surrogate_pairs(inputs: StepInputs, tokens, prepared: PreparedBatch) -> dict[str, Tensor]:
+    """D2 parts only the loss sees (first update; summed over micro-batches and DP like the loss):
+    the KL part ``kl_beta * aggregate(seq_scale k3)`` and the share of the loss due to the mismatch
+    weights, ``sum_i A_i sum_t omega_{i,t} (1 - w_{i,t})`` (``train/diagnostics.py`` adds them up)."""
+    spec, mask, out = inputs.spec, tokens.mask, {}
+    norms = {"num_tokens": inputs.num_tokens, "num_seqs": inputs.num_seqs}
+    weight = _f64(inputs.metric_weight, mask.device)
+    if tokens.ref_logp is not None and spec.kl_beta > 0:
+        zero = torch.zeros((), dtype=tokens.logp.dtype, device=mask.device)
+        kl = algo.kl_k3(torch.where(mask, tokens.logp.detach(), zero), torch.where(mask, tokens.ref_logp, zero))
+        out["bias/surrogate_kl_term"] = torch.stack([algo.kl_penalty(spec, kl, mask, prepared, **norms), weight])
+    if tokens.is_weights is not None:
+        plain = algo.token_omega(spec, mask, prepared, **norms)
+        weighted = algo.token_omega(spec, mask, prepared, is_weights=tokens.is_weights, **norms)
+        term = ((plain - weighted) * prepared.advantages.double()[:, None]).sum()
+        out["bias/surrogate_is_term"] = torch.stack([term, weight])
+    return out
+
+
+@torch.no_grad()
+def _overshoot_pairs(inputs: StepInputs, mb: MicroBatch, tokens, prepared: PreparedBatch) -> dict[str, Tensor]:
+    """D4 at inner update k >= 1: of the tokens in the advantage-favoured clipped region at update
+    k - 1 (>= 1: at update 0 the ratio is 1), the share whose |log rho| grew by update k."""
+    zero = torch.zeros((), dtype=tokens.logp.dtype, device=tokens.mask.device)
+    log_ratio = torch.where(tokens.mask, tokens.logp.detach() - tokens.old_logp, zero)
+    previous = inputs.cache.log_ratio.pop(id(mb), None)
+    if inputs.update < inputs.spec.mu - 1:
+        inputs.cache.log_ratio[id(mb)] = log_ratio
+    if previous is None:
+        return {}
+    counts = algo.clip_overshoot(inputs.spec, previous, log_ratio, prepared, tokens.mask, is_weights=tokens.is_weights)
+    return {"bias/clip_overshoot_rate": torch.stack([counts.overshoot, counts.favoured]).double()}
 
 
 def _metric_pairs(metrics: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:

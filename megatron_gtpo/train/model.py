@@ -55,6 +55,7 @@ from megatron_gtpo.models.config import VOCAB_DIVISIBLE_BY
 from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, architecture_of, head_dim_of, num_kv_heads_of,
                                             rope_settings, tied_embeddings)
 from megatron_gtpo.models.shape import shape_from_hf_config
+from megatron_gtpo.parallel import strict
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.layout import model_split_problems
 from megatron_gtpo.utils.configuration import ConfigError
@@ -210,7 +211,7 @@ def _resolve_use_te(use_te: bool | None) -> bool:
 
 def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = torch.float32,
                 overrides: dict | None = None, use_te: bool | None = None, weights_loaded: bool = False,
-                vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> list[torch.nn.Module]:
+                vocab_divisible_by: int = VOCAB_DIVISIBLE_BY, lm_head_fp32: bool = False) -> list[torch.nn.Module]:
     """One ``GPTModel`` per virtual pipeline stage of this rank (a list of one without VPP).
 
     Requires ``parallel.dims.init_distributed`` first. Weights are random (Megatron's CPU init,
@@ -219,7 +220,8 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
     checkpoint. bf16/fp16 chunks are wrapped in ``Float16Module`` (fp32 inputs are cast; the train
     step asks it for bf16 logits, which the fused log-prob pass upcasts chunk by chunk). The
     vocabulary is padded to ``padded_vocab_size(vocab_size, tp, vocab_divisible_by)`` rows; each
-    chunk records the true size for :func:`true_vocab_size`.
+    chunk records the true size for :func:`true_vocab_size`. ``lm_head_fp32``: the output layer's
+    matmul runs in fp32 (``fp32_output_layer``), so the logits are fp32 even then.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -246,12 +248,32 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
         )
         _apply_llama3_rope(model, rope)
         model.true_vocab_size = vocab  # GPTModel.vocab_size is the padded row count
-        if torch.cuda.is_available():
+        if lm_head_fp32 and model.post_process and (config.bf16 or config.fp16):
+            fp32_output_layer(model.output_layer)
+        if torch.cuda.is_available() or strict.active():  # strict mode takes the GPU path: all on the device
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:
             model = Float16Module(config, model)
         chunks.append(model)
     return chunks
+
+
+def fp32_output_layer(layer) -> None:
+    """Makes a ``ColumnParallelLinear`` output layer multiply in fp32: hidden states and weight
+    (its own, or the tied embedding passed in) are upcast, so the logits are fp32 products of the
+    bf16 values instead of bf16-rounded ones. Megatron-Core 0.16.1 has no option for this (the
+    ``fp32_output`` of ``Float16Module`` only casts the finished bf16 logits). The weight's fp32
+    copy is a differentiable cast, so its gradient reaches the bf16 parameter through autograd;
+    the fused wgrad accumulation (which writes to ``weight.main_grad`` directly) is turned off for
+    this one layer, and Megatron's DDP hook adds ``param.grad`` to the main grad instead."""
+    layer.gradient_accumulation_fusion = False
+    forward = layer.forward
+
+    def forward_fp32(input_, weight=None, runtime_gather_output=None):
+        weight = layer.weight if weight is None else weight
+        return forward(input_.float(), weight=weight.float(), runtime_gather_output=runtime_gather_output)
+
+    layer.forward = forward_fp32
 
 
 def _apply_llama3_rope(model, rope: dict) -> None:

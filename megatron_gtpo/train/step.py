@@ -7,11 +7,13 @@ Dataflow of :func:`train_step` (every rank holds the whole Batch; rows are split
     if GTPO or mu > 1:  no-grad forward (forward_stats)     -> pi_old logp [local B, T] (stays here),
                                                                <H>_i [local B] (all-gathered: [B])
     last stage: algo.prepare_batch(spec, whole batch, <H>)   -> A / A~, lambda, seq scales   (once)
+                D1 shared-prefix weights, D2 decomposition (train/diagnostics.py)   (once, CPU)
     repeat mu times:
         Megatron forward_backward_func(loss_func = loss.micro_batch_loss)   # TP/PP/VPP, DDP reduce
         optimizer.step() (grad clip inside), scheduler.step()
+        mu > 1: the Adam update norm from the optimizer state (D4)
     metrics: (sum, count) pairs summed over micro-batches and DP on the last stage, then handed to
-             every rank
+             every rank; D2's gap needs the first update's loss
 
 Only the last pipeline stage computes losses, so only it prepares the batch and holds per-token
 inputs. GTPO's ``<H>_i`` is the mean entropy of pi_old (before the first update) with the reference
@@ -22,6 +24,7 @@ between updates, like the advantages.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -33,7 +36,8 @@ from megatron_gtpo.parallel import collectives
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.layout import pipeline_problem
 from megatron_gtpo.train.batching import MicroBatch, global_normalisers, local_rows, micro_batches
-from megatron_gtpo.train.loss import LogprobSettings, StepInputs, micro_batch_loss, split_extrema
+from megatron_gtpo.train.diagnostics import BatchBias, adam_step, batch_bias, momentum_metrics
+from megatron_gtpo.train.loss import ZERO_WHEN_EMPTY, LogprobSettings, StepInputs, micro_batch_loss, split_extrema
 from megatron_gtpo.train.model import true_vocab_size
 from megatron_gtpo.train.optim import current_lr, zero_grads
 from megatron_gtpo.types import Batch
@@ -172,13 +176,19 @@ def rank_micro_batches(batch: Batch, settings: StepSettings, dims: ParallelDims)
 
 @torch.no_grad()
 def forward_stats(model_chunks, batch: Batch, mbs: list[MicroBatch], settings: LogprobSettings, *,
-                  entropy_prob_floor: float = 0.0) -> ForwardStats | None:
+                  entropy_prob_floor: float = 0.0, entropy_temperature: float | None = None) -> ForwardStats | None:
     """No-grad forward of this rank's micro-batches: per-token log-probs and <H>_i of its rows in
-    the global batch's completion width. Returns None on all but the last pipeline stage."""
+    the global batch's completion width. Returns None on all but the last pipeline stage.
+    ``entropy_temperature``: the entropies' temperature when it differs from the sampling one
+    (GTPO's raw-logit statistic, one more pass over the logits)."""
     width = batch.token_ids.shape[1]
+    other = entropy_temperature is not None and entropy_temperature != settings.temperature
 
     def loss_for(mb, logits):
         logp, ent = settings.token_stats(logits, mb.input_ids, entropy_prob_floor=entropy_prob_floor)
+        if other:
+            _, ent = settings.token_stats(logits, mb.input_ids, entropy_prob_floor=entropy_prob_floor,
+                                          temperature=entropy_temperature)
         view = dataclasses.replace(mb, width=width)  # the global width: rows line up with the Batch
         return logits.new_zeros(()), {"logp": view.take(logp.float()), "entropy": view.take(ent.float())}
 
@@ -198,8 +208,8 @@ def train_step(policy, batch: Batch, settings: StepSettings, dims: ParallelDims,
 
     ``ref_logp`` [local B, T]: the reference model's log-probs of this rank's rows (last stage),
     when ``kl_beta > 0``. Metric names are the logged ones (``megatron_gtpo.metrics``); values are
-    means over the mu updates except ``mismatch/*`` (first update), ``optim/lr`` (last) and
-    ``optim/grad_norm_max``.
+    means over the mu updates except ``mismatch/*`` and D2's ``bias/surrogate_*`` (first update),
+    ``optim/lr`` (last) and ``optim/grad_norm_max``.
     """
     spec, groups = settings.spec, process_groups()
     rows, mbs = rank_micro_batches(batch, settings, dims)
@@ -207,25 +217,32 @@ def train_step(policy, batch: Batch, settings: StepSettings, dims: ParallelDims,
     lp_settings = logprob_settings(settings, dims, groups, policy.chunks)
     stats = None
     if spec.needs_old_logp or spec.needs_mean_entropy:  # pi_old and/or GTPO's <H>_i: forward first
-        stats = forward_stats(policy.chunks, batch, mbs, lp_settings, entropy_prob_floor=spec.entropy_prob_floor)
-    inputs = None
+        stats = forward_stats(policy.chunks, batch, mbs, lp_settings, entropy_prob_floor=spec.entropy_prob_floor,
+                              entropy_temperature=spec.entropy_temperature(settings.temperature))
+    inputs = bias = None
     if dims.is_last_stage:
-        inputs = _step_inputs(batch, settings, dims, groups, rows=rows, stats=stats, ref_logp=ref_logp,
-                              num_microbatches=len(mbs))
-    per_update = []
+        inputs, bias = _step_inputs(batch, settings, dims, groups, rows=rows, stats=stats, ref_logp=ref_logp,
+                                    num_microbatches=len(mbs))
+    per_update, adam = [], []
     for update in range(spec.mu):
-        step_inputs = inputs if (update == 0 or inputs is None) else dataclasses.replace(inputs, sampler_logp=None)
+        step_inputs = None if inputs is None else dataclasses.replace(inputs, update=update)
         per_update.append(_update(policy, mbs, step_inputs, lp_settings, dims, groups))
+        if spec.mu > 1:  # D4: every rank takes part in the reduction over the optimizer's shards
+            adam.append(adam_step(policy.optimizer))
     result = None
     if dims.is_last_stage:
         result = _merge_updates(per_update)
         result.update({k: float(v) for k, v in inputs.prepared.metrics.items()})
+        result.update(bias.metrics(per_update[0]))
+        result.update(momentum_metrics(adam))
     return collectives.broadcast_from_last_stage(result, pp_group=groups.pp, last_stage_rank=groups.last_stage_rank)
 
 
 def _step_inputs(batch: Batch, settings: StepSettings, dims: ParallelDims, groups: Groups, *, rows: slice,
-                 stats: ForwardStats | None, ref_logp: Tensor | None, num_microbatches: int) -> StepInputs:
-    """Prepares the whole global batch once (last stage) and places the loss inputs on the device."""
+                 stats: ForwardStats | None, ref_logp: Tensor | None,
+                 num_microbatches: int) -> tuple[StepInputs, BatchBias]:
+    """Prepares the whole global batch once (last stage), computes its D1/D2 diagnostics and places
+    the loss inputs on the device."""
     device = collectives.comm_device()
     mean_entropy = None
     if settings.spec.needs_mean_entropy:
@@ -235,14 +252,17 @@ def _step_inputs(batch: Batch, settings: StepSettings, dims: ParallelDims, group
     old_logp = stats.logp.to(device) if settings.spec.needs_old_logp else None
     algo.validate_loss_inputs(settings.spec, prepared.rows(torch.arange(batch.size)[rows]), mask=batch.mask[rows],
                               old_logp=None if old_logp is None else old_logp.cpu(),
-                              ref_logp=None if ref_logp is None else ref_logp.cpu())
+                              ref_logp=None if ref_logp is None else ref_logp.cpu(),
+                              sampler_logp=batch.sampler_logprobs[rows])
     num_tokens, num_seqs = global_normalisers(batch)
-    return StepInputs(spec=settings.spec, prepared=_to_device(prepared, device), mask=batch.mask.to(device),
-                      num_tokens=num_tokens, num_seqs=num_seqs, local=rows, old_logp=old_logp,
-                      ref_logp=None if ref_logp is None else ref_logp.to(device),
-                      sampler_logp=batch.sampler_logprobs.to(device),
-                      scale=megatron_loss_scale(num_microbatches=num_microbatches, dp_size=dims.dp),
-                      metric_weight=1.0 / (num_microbatches * dims.dp))
+    bias = batch_bias(settings.spec, batch, prepared, num_tokens=num_tokens, num_seqs=num_seqs)
+    inputs = StepInputs(spec=settings.spec, prepared=_to_device(prepared, device), mask=batch.mask.to(device),
+                        num_tokens=num_tokens, num_seqs=num_seqs, local=rows, old_logp=old_logp,
+                        ref_logp=None if ref_logp is None else ref_logp.to(device),
+                        sampler_logp=batch.sampler_logprobs.to(device),
+                        scale=megatron_loss_scale(num_microbatches=num_microbatches, dp_size=dims.dp),
+                        metric_weight=1.0 / (num_microbatches * dims.dp))
+    return inputs, bias
 
 
 def _update(policy, mbs, inputs: StepInputs | None, lp_settings, dims, groups) -> dict[str, float] | None:
@@ -256,6 +276,7 @@ def _update(policy, mbs, inputs: StepInputs | None, lp_settings, dims, groups) -
     if not dims.is_last_stage:
         return None
     metrics = _reduce_metrics(store, groups)
+    metrics.update({name: 0.0 for name in ZERO_WHEN_EMPTY if math.isnan(metrics.get(name, 0.0))})
     metrics.update({"optim/grad_norm": float("nan") if grad_norm is None else float(grad_norm),
                     "optim/update_ok": float(bool(update_ok)), "optim/lr": current_lr(policy.optimizer)})
     return metrics
@@ -287,9 +308,10 @@ def _reduce_metrics(store: list[dict], groups: Groups) -> dict[str, float]:
 
 
 def _merge_updates(per_update: list[dict[str, float]]) -> dict[str, float]:
-    """Means over the mu updates, except first-update-only, last and max entries (see train_step)."""
+    """Means over the mu updates that logged each name (D4's overshoot only from the third on),
+    except first-update-only, last and max entries (see train_step)."""
     out = {}
-    for name in per_update[0]:
+    for name in dict.fromkeys(name for m in per_update for name in m):
         values = [m[name] for m in per_update if name in m]
         out[name] = values[-1] if name == "optim/lr" else sum(values) / len(values)
     for name in per_update[0]:

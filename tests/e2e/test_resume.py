@@ -11,7 +11,6 @@ Every CLI runs in its own process group, killed as a group on timeout.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import time
@@ -21,7 +20,7 @@ import pytest
 
 from megatron_gtpo.checkpoint_files import step_dir, verify
 from tests.e2e.test_train import CLI, history
-from tests.helpers import REPO, kill_tree
+from tests.helpers import REPO, child_env, kill_tree
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +30,7 @@ SAVING = "checkpoint: saving step {} into "  # logged by save_checkpoint right b
 
 
 def start(out: Path, *args: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     with open(log, "w") as handle:
         return subprocess.Popen([*CLI, "--output-dir", str(out), "--steps", str(STEPS), *RECIPE, *args],
                                 stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)

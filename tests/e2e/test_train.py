@@ -7,7 +7,6 @@ killed with SIGKILL mid-step resumes and reproduces the uninterrupted run's loss
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, kill_tree, run_group
+from tests.helpers import REPO, child_env, kill_tree, run_group
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +33,7 @@ DOCUMENTED = ["reward/mean", "reward/std", "reward/accuracy", "completion/length
 
 
 def train(out: Path, *args: str, steps: int, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     proc = run_group([*CLI, "--output-dir", str(out), "--steps", str(steps), *args], timeout=timeout, env=env,
                      cwd=REPO)
     (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
@@ -125,11 +124,12 @@ def test_drgrpo_two_steps(tmp_path):
 
 
 def test_dapo_dynamic_sampling_refills_all_equal_groups(tmp_path):
-    """A scripted reward gives every completion of some prompts the same reward: DAPO drops those
-    groups and draws new prompts until the batch is full again (the refill loop runs)."""
+    """A scripted reward makes every completion of some prompts wrong: DAPO drops those groups (its
+    accuracy filter, Eq. 11) and draws new prompts until the batch is full again (the refill loop
+    runs), with the overlong punishment on."""
     out = tmp_path / "dapo"
     train(out, "algo.name=dapo", "algo.overlong_buffer_len=8", "algo.dynamic_sampling_max_tries=6",
-          "algo.dynamic_sampling_metric=reward", "reward.fn=tests.e2e.dapo_reward.half_constant_reward", steps=3)
+          "algo.dynamic_sampling_metric=accuracy", "reward.fn=tests.e2e.dapo_reward.half_constant_reward", steps=3)
     tries = [v for _, v in history(out, "rollout/tries")]
     dropped = [v for _, v in history(out, "rollout/dropped_groups")]
     assert [v for _, v in history(out, "rollout/groups")] == [2.0, 2.0, 2.0]  # always refilled to full
@@ -141,7 +141,7 @@ def test_kill9_then_resume_matches_uninterrupted(gtpo_run, tmp_path):
     """SIGKILL in the middle of step 3 (checkpoint after step 2), then --resume: the run finishes,
     keeps its MLflow run, and steps 3-4 have the uninterrupted run's losses (fp32, same seeds)."""
     out = tmp_path / "killed"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     args = [*CLI, "--output-dir", str(out), "--steps", "4", *LEARN[:-1], "train.checkpoint_every=2"]
     log = open(tmp_path / "killed.log", "w")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)

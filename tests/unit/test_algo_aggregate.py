@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gtpo.algo import AGG_MODES, LOSSES, TokenInputs, aggregate, compute_loss, prepare_batch
+from megatron_gtpo.algo import (AGG_MODES, LOSSES, TokenInputs, aggregate, aggregation_weights, compute_loss,
+                                prepare_batch)
 from tests.algo_helpers import spec_of
 
 
@@ -71,3 +72,23 @@ def test_micro_batches_with_global_normalisers_sum_to_whole_batch(algo, agg_mode
     # the test can fail: with local normalisers the sum is not the whole-batch loss
     local = sum(run(rows, {})[0] for rows in chunks)
     assert local.item() != pytest.approx(whole.item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_aggregation_weights_reproduce_aggregate(mode):
+    """``aggregation_weights`` (the diagnostics' omega) gives the same scalar as ``aggregate``, with local
+    and with global normalisers, and is 0 outside the mask."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 7, generator=gen, dtype=torch.float64)
+    mask = torch.arange(7)[None, :] < torch.tensor([7, 3, 0, 5, 1])[:, None]
+    for normalisers in ({}, {"num_tokens": 40, "num_seqs": 9}, {"num_tokens": torch.tensor(33.0),
+                                                                 "num_seqs": torch.tensor(6.0)}):
+        w = aggregation_weights(mask, mode=mode, constant=8, **normalisers)
+        assert torch.all(w[~mask] == 0)
+        expected = aggregate(x, mask, mode=mode, constant=8, **normalisers)
+        assert (w * x).sum().item() == pytest.approx(expected.item(), rel=1e-12, abs=1e-15)
+    # by hand, local normalisers: 16 masked tokens, 5 rows, row lengths 7 3 0 5 1
+    w = aggregation_weights(mask, mode=mode, constant=8)
+    hand = {"token-mean": 1 / 16, "seq-mean-token-mean": 1 / (5 * 3), "seq-mean-token-sum": 1 / 5,
+            "seq-mean-token-sum-norm": 1 / (5 * 8)}[mode]
+    assert w[1, 0].item() == pytest.approx(hand)

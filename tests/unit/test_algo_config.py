@@ -34,6 +34,11 @@ def test_defaults_follow_the_spec():
     assert AlgoConfig(name="grpo", kl_beta=0.0).resolve(max_completion_tokens=8).kl_beta == 0.0
     gtpo = AlgoConfig().resolve(max_completion_tokens=8)
     assert gtpo.conflict_aware and gtpo.needs_mean_entropy and not gtpo.needs_reference
+    # the project's behaviour stays the field default; configs/gtpo.yaml pins the code-exact values
+    assert (gtpo.gtpo_prompt_reduction, gtpo.entropy_logits, gtpo.mismatch_correction) == ("mean", "sampling", "none")
+    assert gtpo.entropy_temperature(0.9) == 0.9
+    raw = AlgoConfig(entropy_logits="raw", mismatch_correction="mis", mismatch_cap=3.0).resolve(max_completion_tokens=8)
+    assert raw.entropy_temperature(0.9) == 1.0 and (raw.mismatch_correction, raw.mismatch_cap) == ("mis", 3.0)
     assert (gtpo.overlong_buffer_len, gtpo.overlong_max_tokens) == (0, 0)
 
 
@@ -57,6 +62,11 @@ def test_resolve_fills_every_spec_field_from_config_or_registry(name):
     ({"entropy_threshold": 0.0}, "entropy_threshold=0.0"),
     ({"entropy_gamma": float("nan")}, "entropy_gamma=nan"),
     ({"gtpo_normalization": "both"}, "gtpo_normalization='both'"),
+    ({"gtpo_prompt_reduction": "max"}, "gtpo_prompt_reduction='max'"),
+    ({"entropy_logits": "logits"}, "entropy_logits='logits'"),
+    ({"mismatch_correction": "is"}, "mismatch_correction='is'"),
+    ({"mismatch_cap": 0.5}, "mismatch_cap=0.5"),
+    ({"mismatch_cap_low": 1.0}, "mismatch_cap_low=1.0"),
     ({"dynamic_sampling_max_tries": 0}, "dynamic_sampling_max_tries=0"),
     ({"overlong_buffer_len": -1}, "overlong_buffer_len=-1"),
     ({"drgrpo_constant": 0}, "drgrpo_constant=0"),

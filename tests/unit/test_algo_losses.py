@@ -266,3 +266,21 @@ def test_gtpo_prepare_requires_entropy():
         prepare_batch(spec_of("gtpo"), token_ids=ids, mask=mask, rewards=REWARDS1, group_ids=GROUP1)
     with pytest.raises(ValueError, match="rewards has shape"):
         prepare_batch(spec_of("grpo"), token_ids=ids, mask=mask, rewards=torch.ones(3), group_ids=GROUP1[:3])
+
+
+@pytest.mark.parametrize("normalization", ["code", "paper"])
+def test_gtpo_prompt_reduction_sum_is_the_code_step_loss(normalization):
+    """gtpo_prompt_reduction: mean averages the per-prompt objectives, sum adds them (the code's
+    sum_i L_i over every completion of the step, spec 5.8): with 3 prompts the gradient is 3x; with
+    one prompt both equal the reference code exactly."""
+    ids, mask, rewards, gids, mean_h = random_batch(seed=4)
+    grads = {}
+    for reduction in ("mean", "sum"):
+        grads[reduction] = coefficients("gtpo", ids, mask, rewards, gids, mean_entropy=mean_h,
+                                        gtpo_normalization=normalization, gtpo_prompt_reduction=reduction)[0]
+    assert grads["mean"].abs().sum() > 0
+    assert torch.allclose(grads["sum"], 3 * grads["mean"], rtol=1e-6, atol=1e-12)
+    one = gids == gids[0]
+    single = [coefficients("gtpo", ids[one], mask[one], rewards[one], gids[one], mean_entropy=mean_h[one],
+                           gtpo_normalization=normalization, gtpo_prompt_reduction=r)[0] for r in ("mean", "sum")]
+    assert torch.equal(single[0], single[1])

@@ -12,7 +12,7 @@ from megatron_gtpo.config import RunConfig, dump_resolved, load_config
 from megatron_gtpo.utils.configuration import ConfigError, apply_overrides, describe, field_docs
 from tests.helpers import REPO
 
-RECIPES = ["gtpo", "grpo", "drgrpo", "dapo", "tiny", "demo"]
+RECIPES = ["gtpo", "grpo", "drgrpo", "dapo", "tiny", "demo", "grpo_gtpo_paper"]
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -38,6 +38,24 @@ def test_recipes_carry_the_spec_defaults():
     assert (dapo.clip_low, dapo.clip_high, dapo.agg_mode, dapo.dynamic_sampling) == (0.2, 0.28, "token-mean", True)
     drgrpo = spec_of_recipe("drgrpo")
     assert (drgrpo.std_scale, drgrpo.agg_mode, drgrpo.constant) == (False, "seq-mean-token-sum-norm", 1500.0)
+    # the code-exact GTPO choices (spec 5.5, 5.8); tiny.yaml keeps the averaged prompts of its stored values
+    assert (gtpo.gtpo_prompt_reduction, gtpo.entropy_logits, gtpo.mismatch_correction) == ("sum", "raw", "none")
+    assert spec_of_recipe("tiny").gtpo_prompt_reduction == "mean"
+
+
+def test_gtpo_paper_grpo_recipe():
+    """configs/grpo_gtpo_paper.yaml: the GRPO baseline of the GTPO paper (spec 2, 5.10), not DeepSeekMath's."""
+    cfg = load_config(REPO / "configs" / "grpo_gtpo_paper.yaml")
+    spec = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
+    assert (spec.name, spec.std_scale, spec.adv_eps, spec.agg_mode, spec.mu) == ("grpo", True, 1e-4,
+                                                                                 "seq-mean-token-mean", 1)
+    assert spec.kl_beta in (0.0, 1e-6) and not spec.needs_reference
+    assert (cfg.rollout.n, cfg.rollout.max_tokens, cfg.rollout.temperature) == (8, 1500, 0.9)
+    assert cfg.train.prompts_per_step == 1
+    opt = cfg.optim.optimizer
+    assert (opt["lr"], opt["clip_grad"], opt["weight_decay"]) == (1e-6, 0.1, 0.1)
+    assert cfg.optim.scheduler["lr_decay_style"] == "cosine"
+    assert load_config(REPO / "configs" / "grpo_gtpo_paper.yaml", ["algo.kl_beta=1e-6"]).algo.kl_beta == 1e-6
 
 
 def test_overrides_are_typed_and_nested():

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu_smoke_setup import PARTS, TINY, SmokeConfig, absent_reason, hf_config, param_count, synthetic_batch
+from bench.gpu_smoke_setup import (PARTS, TINY, SmokeConfig, absent_reason, hf_config, param_count, step_settings,
+                                   synthetic_batch)
 from megatron_gtpo.utils.configuration import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,6 +47,9 @@ def test_dry_prints_the_plan_and_exits_0(tmp_path):
                                   "num_query_groups": 4, "kv_channels": 64}
     assert result["model_params"] == param_count(hf_config(SmokeConfig()))
     assert result["batch"]["rows"] == 32 and result["batch"]["seq"] == 1024 and result["batch"]["groups"] == 8
+    assert result["batch"]["completion_width"] == 1024 - 128
+    assert result["batch"]["micro_batch_shapes"] == [[4, 1024]]  # every model input is [micro_batch, seq]
+    assert result["algo"] == {"name": "gtpo", "agg_mode": "seq-mean-token-mean", "mu": 1, "entropy_threshold": 777.0}
 
 
 def test_bad_arguments_exit_2_naming_the_field(capsys):
@@ -99,28 +103,34 @@ def test_absent_reason_skip_and_missing_packages():
     assert "needs CUDA" in absent_reason("te_bf16", SmokeConfig(device="cpu"), dry=False)
 
 
-def test_synthetic_batch_has_groups_conflicts_and_full_length_micro_batches():
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_synthetic_batch_has_groups_conflicts_and_full_length_micro_batches(device):
     from megatron_gtpo import algo
-    from megatron_gtpo.algo import AlgoConfig
-    from megatron_gtpo.train.batching import completion_view, micro_batches
+    from megatron_gtpo.train.batching import micro_batches
 
-    cfg = SmokeConfig(**TINY)
+    cfg = SmokeConfig(**TINY, device=device)
+    settings = step_settings(cfg)
+    assert settings.pad_to_multiple == (64 if device == "cuda" else 1)
     batch = synthetic_batch(cfg)
-    view = completion_view(batch)
-    prompt = cfg.seq // 8
+    assert (batch.prompt_lengths == cfg.seq // 8).all() and batch.token_ids.shape == (cfg.rows, cfg.seq - cfg.seq // 8)
     for g in range(cfg.rows // cfg.group):
-        rows = batch.input_ids[g * cfg.group:(g + 1) * cfg.group]
-        assert (rows[:, :prompt] == rows[0, :prompt]).all()  # one prompt per group
-        assert set(batch.rewards[g * cfg.group:(g + 1) * cfg.group].tolist()) == {0.0, 1.0}
-    last = view.token_ids.gather(1, (view.lengths - 1)[:, None])[:, 0]
+        rows = slice(g * cfg.group, (g + 1) * cfg.group)
+        assert (batch.prompt_ids[rows] == batch.prompt_ids[rows][0]).all()  # one prompt per group
+        assert (batch.group_ids[rows] == g).all()
+        assert set(batch.rewards[rows].tolist()) == {0.0, 1.0}
+    last = batch.token_ids.gather(1, (batch.lengths - 1)[:, None])[:, 0]
     assert (last == hf_config(cfg)["eos_token_id"]).all()
-    # every micro-batch is cut to the full sequence (FP8 needs multiples of 16)
-    mbs = micro_batches(batch, view, slice(None), micro_batch_size=cfg.micro_batch, common_length=False)
-    assert {mb.input_ids.shape[1] for mb in mbs} == {cfg.seq}
-    prepared = algo.prepare_batch("gtpo", token_ids=view.token_ids, mask=view.mask, rewards=batch.rewards,
-                                  group_ids=batch.group_ids, mean_entropy=torch.zeros(cfg.rows),
-                                  **AlgoConfig(name="gtpo", entropy_threshold=777.0).prepare_kwargs())
+    assert (batch.token_ids[~batch.mask] == batch.pad_id).all()
+    assert (batch.sampler_logprobs[batch.mask] == -1.0).all() and (batch.sampler_logprobs[~batch.mask] == 0).all()
+    # every micro-batch's model input is cut to the full sequence (FP8 needs multiples of 16)
+    mbs = micro_batches(batch, slice(None), micro_batch_size=cfg.micro_batch, common_length=False,
+                        pad_to_multiple=settings.pad_to_multiple)
+    assert len(mbs) == cfg.rows // cfg.micro_batch
+    assert {tuple(mb.input_ids.shape) for mb in mbs} == {(cfg.micro_batch, cfg.seq)}
+    prepared = algo.prepare_batch(settings.spec, token_ids=batch.token_ids, mask=batch.mask, rewards=batch.rewards,
+                                  group_ids=batch.group_ids, mean_entropy=torch.full((cfg.rows,), 10.0))
     assert (prepared.runs.fwd >= cfg.shared_prefix).all() and (prepared.runs.bwd >= 1).all()
+    assert (prepared.delta == 1).all()  # threshold 777: even <H>_i = 10 nats passes the entropy filter
 
 
 @pytest.mark.parametrize("sizes", [TINY, {}])

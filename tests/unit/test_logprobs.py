@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.logprob_entropy import peak_extra_bytes
-from megatron_gtpo.train.logprobs import (shifted_token_logprobs, vocab_parallel_argmax,
+from megatron_gtpo.train.logprobs import (VocabShard, shifted_token_logprobs, vocab_parallel_argmax,
                                           vocab_parallel_logprob_entropy)
 
 
@@ -45,7 +45,7 @@ def test_float64_values_and_grads_match_dense(n, v, temperature, chunk, pad, sca
     logits = scale * torch.randn(n, v, generator=g, dtype=torch.float64)
     target = torch.randint(0, vocab, (n,), generator=g)
     w_lp, w_h = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
-    lp, h, gx = grads(lambda x, t: vocab_parallel_logprob_entropy(x, t, vocab_size=vocab, temperature=temperature,
+    lp, h, gx = grads(lambda x, t: vocab_parallel_logprob_entropy(x, t, shard=VocabShard(vocab_size=vocab), temperature=temperature,
                                                                   chunk_tokens=chunk), logits, target, w_lp, w_h)
     ref_fn = lambda x, t: dense(x, t, temperature=temperature, vocab_size=vocab)  # noqa: E731
     rlp, rh, rgx = grads(ref_fn, logits, target, w_lp, w_h)
@@ -201,7 +201,7 @@ def test_padding_columns_are_ignored_whatever_their_logits(pad_logit):
     for floor in (0.0, 1e-6):
         x_pad = torch.cat([real, pad], dim=1).requires_grad_(True)
         x_real = real.clone().requires_grad_(True)
-        lp, h = vocab_parallel_logprob_entropy(x_pad, target, vocab_size=true_v, temperature=0.7,
+        lp, h = vocab_parallel_logprob_entropy(x_pad, target, shard=VocabShard(vocab_size=true_v), temperature=0.7,
                                                entropy_prob_floor=floor)
         lp0, h0 = vocab_parallel_logprob_entropy(x_real, target, temperature=0.7, entropy_prob_floor=floor)
         assert torch.equal(lp, lp0) and torch.equal(h, h0)

@@ -9,6 +9,7 @@ import pytest
 from megatron_gtpo.reward import RewardConfig, RewardScorer, ScoringPool, score_groups
 from megatron_gtpo.reward.functions import OverlongPunishment
 from megatron_gtpo.types import Completion, Prompt
+from megatron_gtpo.utils.configuration import ConfigError
 
 PLUGIN = "tests.unit.reward_plugins"
 
@@ -102,6 +103,22 @@ def test_score_groups_counts_failures_and_rejects_bad_input():
         score_groups(prompts, [], scorer=None, config=None)
     with pytest.raises(ValueError, match="reward.fn='not_a_reward'"):
         RewardScorer(RewardConfig(fn="not_a_reward"))
+
+
+def test_reward_scale_multiplies_every_reward_where_it_is_produced():
+    """reward.scale (the reward-scale probe's phi, spec 6 D3) scales the rule reward and the overlong
+    term alike; bad values name the field."""
+    prompts = [_prompt(0, "#### 4")]
+    completions = [_completion(0, "\\boxed{4}", 10), _completion(0, "\\boxed{5}", 100)]
+    rewards = {}
+    for scale in (1.0, 10.0):
+        with RewardScorer(RewardConfig(fn="dapo", num_workers=0, scale=scale),
+                          overlong=OverlongPunishment(max_tokens=100, cache_tokens=20)) as scorer:
+            rewards[scale] = score_groups(prompts, completions, scorer=scorer).groups[0].rewards
+    assert rewards[1.0] == [1.0, -2.0] and rewards[10.0] == [10.0, -20.0]
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ConfigError, match="scale"):
+            RewardConfig(scale=bad)
 
 
 def test_preemption_signal_during_worker_start_up_does_not_kill_it():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_gtpo.train.logprobs import vocab_parallel_argmax, vocab_parallel_logprob_entropy
+from megatron_gtpo.train.logprobs import VocabShard, vocab_parallel_argmax, vocab_parallel_logprob_entropy
 
 N_TOKENS, VOCAB = 29, 96
 
@@ -63,8 +63,8 @@ def check_vocab_parallel(tp: int) -> list[dict]:
         ref_lp, ref_h, ref_grad = _dense(logits, target, w_lp, w_h, temperature=temperature,
                                          vocab_size=vocab_size, floor=floor)
         local = logits[:, tp_rank * shard:(tp_rank + 1) * shard].to(dtype).clone().requires_grad_(True)
-        lp, h = vocab_parallel_logprob_entropy(local, target, group=group, vocab_start=tp_rank * shard,
-                                               vocab_size=vocab_size, temperature=temperature,
+        lp, h = vocab_parallel_logprob_entropy(local, target, shard=VocabShard(group, tp_rank * shard, vocab_size),
+                                               temperature=temperature,
                                                chunk_tokens=chunk, entropy_prob_floor=floor)
         loss = (w_lp.to(lp.dtype) * lp).sum() + (0.0 if floor else (w_h.to(h.dtype) * h).sum())
         loss.backward()

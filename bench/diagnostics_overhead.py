@@ -1,0 +1,54 @@
+"""Step-time overhead of the bias diagnostics: an A/B of ``train_step`` on the tiny-char model
+(configs/tiny.yaml's model; 8 completions, 120-token prompts) with the diagnostics (D1/D2 batch part,
+the D2 micro-batch parts, D4) and with them patched out, alternating in one process; median CPU time
+of this process over 10 steps each. Single rank (gloo world of 1).
+
+    .venv/bin/python bench/diagnostics_overhead.py gtpo        # or dapo_mu3 (mu = 3: D4 too)
+"""
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+from megatron_gtpo.algo import AlgoConfig  # noqa: E402
+from megatron_gtpo.models.hf_config import read_hf_config  # noqa: E402
+from megatron_gtpo.models.resolve import resolve_model  # noqa: E402
+from megatron_gtpo.parallel.dims import init_distributed  # noqa: E402
+from megatron_gtpo.train import model as M, step as S, loss as L  # noqa: E402
+from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp  # noqa: E402
+from tests.dist.scripts import _trainstep_common as C  # noqa: E402
+
+torch.set_num_threads(1)
+dims = init_distributed(tp=1, pp=1, seed=7)
+hf = read_hf_config(resolve_model("tiny-char"))
+chunks = wrap_ddp(M.build_model(hf, dims=dims), OptimConfig())
+opt, sched = build_optimizer(chunks, OptimConfig(optimizer={"optimizer": "adam", "lr": 1e-3}), total_steps=1000)
+policy = SimpleNamespace(chunks=chunks, optimizer=opt, scheduler=sched)
+g = torch.Generator().manual_seed(0)
+batch = C.make_batch(0, num_groups=2, group_size=4)
+# tiny.yaml geometry: prompts ~120 tokens, completions <= 24
+batch.prompt_ids = torch.randint(3, 128, (8, 120), generator=g); batch.prompt_lengths = torch.full((8,), 120)
+name = sys.argv[1] if len(sys.argv) > 1 else "gtpo"
+cfg = {"gtpo": AlgoConfig(name="gtpo", entropy_threshold=777.0, entropy_gamma=0.0),
+       "dapo_mu3": AlgoConfig(name="dapo", mu=3)}[name]
+settings = S.StepSettings(spec=cfg.resolve(max_completion_tokens=24), micro_batch_size=4, temperature=1.0)
+real = (S.batch_bias, L._surrogate_pairs, L._overshoot_pairs, S.adam_step, S.momentum_metrics)
+off = (lambda *a, **k: SimpleNamespace(metrics=lambda first: {}), lambda *a, **k: {}, lambda *a, **k: {},
+       lambda *a, **k: None, lambda *a, **k: {})
+
+def use(fns):
+    S.batch_bias, L._surrogate_pairs, L._overshoot_pairs, S.adam_step, S.momentum_metrics = fns
+
+times = {"on": [], "off": []}
+for i in range(24):
+    mode = "on" if i % 2 else "off"
+    use(real if mode == "on" else off)
+    t = time.process_time()
+    S.train_step(policy, batch, settings, dims)
+    if i >= 4:
+        times[mode].append(time.process_time() - t)
+on, offm = statistics.median(times["on"]), statistics.median(times["off"])
+print(f"{name}: train_step CPU median on {1e3*on:.1f} ms, off {1e3*offm:.1f} ms, overhead {1e3*(on-offm):.1f} ms ({100*(on/offm-1):.1f}%)")
