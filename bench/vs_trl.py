@@ -15,9 +15,12 @@
         with the ratios: trl_over_ours (TRL step / our GRPO step) and gtpo_over_grpo
 
 Phases: rollout (generation), reward, train (log-prob passes, loss, backward, optimizer), sync (weight
-push into vLLM; 0 for transformers generation), step (all of it). Peak RSS is the child's
-(``wait4``): both sides run everything in that one process (reward checking in-process, vLLM's
-engine core in-process). A variant that fails is reported with its error and left out of the ratios.
+push into vLLM; 0 for transformers generation), step (all of it); cpu: the process's CPU seconds per
+step, sampled when each step's record appears (steadier than wall time on a shared CPU: the ratios
+come for both). peak_rss_mb: the child's largest RSS sampled every 0.25 s until its last step;
+process_peak_rss_mb: ``wait4``'s peak of the whole process (ours includes the final checkpoint
+save). Both sides run everything in that one process (reward checking in-process, vLLM's engine
+core in-process). A variant that fails is reported with its error and left out of the ratios.
 
     .venv/bin/python bench/vs_trl.py                       # the full work: 8 prompts x 8, 128 tokens, 6 steps
     .venv/bin/python bench/vs_trl.py --quick               # 2 prompts x 4, 32 tokens, 3 steps
@@ -155,6 +158,8 @@ def summarise(variant: str, steps: list[dict], *, peak_rss_mb: float | None, wal
     row = {"variant": variant, "status": "ok", "steps_timed": [s["step"] for s in timed]}
     for phase in PHASES:
         row[f"median_{phase}"] = round(statistics.median(s.get(phase, 0.0) for s in timed), 3)
+    cpu = [s["cpu_s"] for s in timed if "cpu_s" in s]
+    row["median_cpu_s"] = round(statistics.median(cpu), 3) if cpu else None  # CPU seconds of the process per step
     row["step_s_each"] = [round(s["step_s"], 2) for s in timed]
     row["peak_rss_mb"] = None if peak_rss_mb is None else round(peak_rss_mb)
     row["process_wall_s"] = round(wall_s, 1)
@@ -166,12 +171,13 @@ def ratios(rows: list[dict]) -> dict:
     ok = {r["variant"]: r for r in rows if r.get("status") == "ok"}
 
     def ratio(a: str, b: str, key: str = "median_step_s"):
-        return round(ok[a][key] / ok[b][key], 3) if a in ok and b in ok and ok[b][key] else None
+        return round(ok[a][key] / ok[b][key], 3) if a in ok and b in ok and ok[a].get(key) and ok[b].get(key) else None
 
     out = {"bench": "vs_trl",
            "trl_over_ours": {v: ratio(v, "grpo") for v in ("trl_hf", "trl_vllm")},
+           "trl_over_ours_cpu": {v: ratio(v, "grpo", "median_cpu_s") for v in ("trl_hf", "trl_vllm")},
            "trl_over_ours_rss": {v: ratio(v, "grpo", "peak_rss_mb") for v in ("trl_hf", "trl_vllm")},
-           "gtpo_over_grpo": ratio("gtpo", "grpo")}
+           "gtpo_over_grpo": ratio("gtpo", "grpo"), "gtpo_over_grpo_cpu": ratio("gtpo", "grpo", "median_cpu_s")}
     speedups = [r for r in out["trl_over_ours"].values() if r is not None]
     out["goal_ours_1.5x_faster_than_trl"] = (min(speedups) >= GOAL_TRL_OVER_OURS) if speedups else None
     out["goal_gtpo_le_1.05x_grpo"] = (out["gtpo_over_grpo"] <= GOAL_GTPO_OVER_GRPO
@@ -193,11 +199,55 @@ def child_env(variant: str) -> dict[str, str]:
     return env
 
 
-def run_child(cmd: list[str], *, env: dict, log_path: Path, timeout_s: float) -> tuple[int, float, float, float]:
-    """Runs ``cmd`` with output to ``log_path``; ``(exit status, peak RSS in MB, wall s, CPU s)``.
-    The peak RSS is ``wait4``'s (the largest resident set of the child or of any descendant it
-    waited for); CPU s is user + system time of the child and those descendants."""
-    start = time.perf_counter()
+@dataclass
+class ChildResult:
+    """What one variant's process left behind."""
+
+    code: int
+    """Exit status (negative: killed by that signal)."""
+    peak_rss_mb: float
+    """``wait4``'s peak RSS: the largest resident set of the child or of any descendant it waited for."""
+    steps_rss_mb: float | None
+    """The largest RSS of the child sampled (every 0.25 s) until its last step was recorded."""
+    wall_s: float
+    """Wall seconds of the whole process (start-up included)."""
+    cpu_s: float
+    """User + system CPU seconds of the whole process (and the descendants it waited for)."""
+    cpu_at_step: dict[int, float]
+    """Step -> the child's CPU seconds when that step's record appeared (sampled every 0.25 s)."""
+
+
+def cpu_watcher(pid: int, steps_of, samples: dict, done: threading.Event, last_step: int) -> threading.Thread:
+    """A thread recording the child's CPU seconds whenever a new step record appears (the CPU time
+    of a step is then the difference to the previous step's, steadier than wall time on a CPU that
+    other jobs share; a step takes seconds, the records are polled every 0.25 s), and the largest
+    RSS seen until step ``last_step`` is recorded (``samples["rss_mb"]``: the training steps, not
+    what a process does after them, e.g. our final checkpoint save)."""
+    import psutil
+
+    def watch():
+        try:
+            proc = psutil.Process(pid)
+            while not done.wait(0.25):
+                if last_step not in samples:
+                    samples["rss_mb"] = max(samples.get("rss_mb", 0.0), proc.memory_info().rss / 2**20)
+                for s in steps_of():
+                    if s["step"] not in samples:
+                        times = proc.cpu_times()
+                        samples[s["step"]] = times.user + times.system
+        except (psutil.Error, OSError, ValueError):  # the child is gone, or a record half-written
+            pass
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def run_child(cmd: list[str], *, env: dict, log_path: Path, timeout_s: float, steps_of,
+              last_step: int = 0) -> ChildResult:
+    """Runs ``cmd`` with output to ``log_path`` (its first line is the command); ``steps_of()``
+    reads the step records the child has written so far."""
+    start, samples, done = time.perf_counter(), {}, threading.Event()
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
@@ -205,12 +255,24 @@ def run_child(cmd: list[str], *, env: dict, log_path: Path, timeout_s: float) ->
                                 start_new_session=True)
         timer = threading.Timer(timeout_s, lambda: os.killpg(proc.pid, 9))
         timer.start()
+        watcher = cpu_watcher(proc.pid, steps_of, samples, done, last_step)
         try:
             _, status, usage = os.wait4(proc.pid, 0)
         finally:
             timer.cancel()
+            done.set()
+            watcher.join()
         proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss / 1024, time.perf_counter() - start, usage.ru_utime + usage.ru_stime
+    steps_rss = samples.pop("rss_mb", None)
+    return ChildResult(code=proc.returncode, peak_rss_mb=usage.ru_maxrss / 1024, steps_rss_mb=steps_rss,
+                       wall_s=time.perf_counter() - start, cpu_s=usage.ru_utime + usage.ru_stime, cpu_at_step=samples)
+
+
+def with_cpu(steps: list[dict], cpu_at_step: dict[int, float]) -> list[dict]:
+    """``steps`` with ``cpu_s`` (the child's CPU seconds between the previous step's record and this
+    one's) where both samples exist."""
+    return [{**s, "cpu_s": cpu_at_step[s["step"]] - cpu_at_step[s["step"] - 1]}
+            if s["step"] in cpu_at_step and s["step"] - 1 in cpu_at_step else s for s in steps]
 
 
 def failure(variant: str, code: int, log_path: Path) -> str:
@@ -231,14 +293,16 @@ def run_variant(variant: str, work: Work, out_dir: Path, timeout_s: float) -> di
         from bench.trl_side import TRL_MISSING
 
         return {"variant": variant, "status": "skipped", "error": TRL_MISSING}
-    steps_path = vdir / "steps.jsonl"
+    steps_path, journal = vdir / "steps.jsonl", vdir / "tracking" / "journal.jsonl"
     cmd = trl_command(work, variant, steps_path) if variant.startswith("trl") else our_command(work, variant, vdir)
-    code, rss, wall, cpu = run_child(cmd, env=child_env(variant), log_path=log_path, timeout_s=timeout_s)
-    steps = read_steps(steps_path) if variant.startswith("trl") else \
-        (journal_steps(vdir / "tracking" / "journal.jsonl") if (vdir / "tracking" / "journal.jsonl").exists() else [])
-    if code != 0:
-        return {"variant": variant, "status": "failed", "error": failure(variant, code, log_path)}
-    return {**summarise(variant, steps, peak_rss_mb=rss, wall_s=wall), "process_cpu_s": round(cpu, 1)}
+    steps_of = (lambda: read_steps(steps_path)) if variant.startswith("trl") else \
+        (lambda: journal_steps(journal) if journal.exists() else [])
+    got = run_child(cmd, env=child_env(variant), log_path=log_path, timeout_s=timeout_s, steps_of=steps_of,
+                    last_step=work.steps)
+    if got.code != 0:
+        return {"variant": variant, "status": "failed", "error": failure(variant, got.code, log_path)}
+    row = summarise(variant, with_cpu(steps_of(), got.cpu_at_step), peak_rss_mb=got.steps_rss_mb, wall_s=got.wall_s)
+    return {**row, "process_peak_rss_mb": round(got.peak_rss_mb), "process_cpu_s": round(got.cpu_s, 1)}
 
 
 def trl_installed() -> bool:

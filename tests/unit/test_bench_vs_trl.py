@@ -177,3 +177,30 @@ def test_trl_config_does_the_shared_work(variant, tmp_path):
     assert trl_side.grpo_config(Work(trl_gradient_checkpointing=True), variant, str(tmp_path)).gradient_checkpointing
     if args.use_vllm:
         assert args.vllm_mode == "colocate"
+
+
+def test_cpu_per_step_is_the_difference_between_step_records():
+    steps = [step(1, 9.0), step(2, 4.0), step(3, 5.0), step(4, 6.0)]
+    got = vs_trl.with_cpu(steps, {1: 30.0, 2: 33.5, 3: 36.0})  # step 4's record was never sampled
+    assert [s.get("cpu_s") for s in got] == [None, 3.5, 2.5, None]
+    row = summarise("grpo", got, peak_rss_mb=1.0, wall_s=1.0)
+    assert row["median_cpu_s"] == 3.0  # steps 2 and 3 only
+    assert summarise("grpo", steps, peak_rss_mb=1.0, wall_s=1.0)["median_cpu_s"] is None
+
+
+def test_run_child_reports_exit_rss_and_cpu_at_each_step_record(tmp_path):
+    steps_path = tmp_path / "steps.jsonl"
+    script = ("import json, time\n"
+              "x = bytearray(200 * 2**20)\n"  # ~200 MB resident
+              f"out = open({str(steps_path)!r}, 'w')\n"
+              "for s in (1, 2):\n"
+              "    end = time.process_time() + 0.6\n"
+              "    while time.process_time() < end: pass\n"  # burn 0.6 s of CPU per step
+              "    out.write(json.dumps({'step': s}) + '\\n'); out.flush(); time.sleep(0.6)\n"
+              "raise SystemExit(3)\n")
+    got = vs_trl.run_child([sys.executable, "-c", script], env=dict(__import__("os").environ),
+                           log_path=tmp_path / "log.txt", timeout_s=120,
+                           steps_of=lambda: vs_trl.read_steps(steps_path), last_step=2)
+    assert got.code == 3 and got.peak_rss_mb > 190 and got.steps_rss_mb > 190 and got.cpu_s >= 1.2
+    assert sorted(got.cpu_at_step) == [1, 2] and 0.4 < got.cpu_at_step[2] - got.cpu_at_step[1] < 1.5
+    assert (tmp_path / "log.txt").read_text().startswith("$ ")
