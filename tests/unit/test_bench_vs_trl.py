@@ -95,12 +95,14 @@ def test_summarise_takes_medians_of_steps_2_on():
 
 
 def test_ratios_compare_trl_with_our_grpo_and_gtpo_with_grpo():
-    rows = [{"variant": "trl_hf", "status": "ok", "median_step_s": 30.0, "peak_rss_mb": 3000},
+    rows = [{"variant": "trl_hf", "status": "ok", "median_step_s": 30.0, "median_cpu_s": 12.0, "peak_rss_mb": 3000},
             {"variant": "trl_vllm", "status": "failed", "error": "boom"},
-            {"variant": "grpo", "status": "ok", "median_step_s": 10.0, "peak_rss_mb": 2000},
-            {"variant": "gtpo", "status": "ok", "median_step_s": 10.4, "peak_rss_mb": 2000}]
+            {"variant": "grpo", "status": "ok", "median_step_s": 10.0, "median_cpu_s": 10.0, "peak_rss_mb": 2000},
+            {"variant": "gtpo", "status": "ok", "median_step_s": 10.4, "median_cpu_s": None, "peak_rss_mb": 2000}]
     out = ratios(rows)
     assert out["trl_over_ours"] == {"trl_hf": 3.0, "trl_vllm": None}
+    assert out["trl_over_ours_cpu"]["trl_hf"] == 1.2 and out["goal_ours_1.5x_faster_than_trl_cpu"] is False
+    assert out["gtpo_over_grpo_cpu"] is None and out["goal_gtpo_le_1.05x_grpo_cpu"] is None  # not sampled
     assert out["trl_over_ours_rss"]["trl_hf"] == 1.5 and out["gtpo_over_grpo"] == 1.04
     assert out["goal_ours_1.5x_faster_than_trl"] is True and out["goal_gtpo_le_1.05x_grpo"] is True
     assert out["failed"] == {"trl_vllm": "boom"}
@@ -150,7 +152,7 @@ def test_a_failing_vllm_mode_says_what_it_means(monkeypatch):
     monkeypatch.setattr(vs_trl, "shared_prompts", lambda work, model_dir: [])
     monkeypatch.setattr(trl_side, "run_trl", fail)
     work = json.dumps(vs_trl.dataclasses.asdict(Work()))
-    with pytest.raises(RuntimeError, match=r"vLLM colocate mode could not run.*AttributeError"):
+    with pytest.raises(RuntimeError, match=r"vLLM colocate mode failed with the installed vLLM.*AttributeError"):
         vs_trl.child_main("trl_vllm", work, "/nowhere")
     with pytest.raises(AttributeError):  # the transformers-generation variant fails as itself
         vs_trl.child_main("trl_hf", work, "/nowhere")
