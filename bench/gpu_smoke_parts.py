@@ -201,34 +201,34 @@ class Smoke:
         return path
 
     def part_export(self) -> dict:
-        """Streams every HF tensor; checks names/shapes against the HF model and sizes against Megatron."""
-        from megatron_gtpo.sync.export import export_hf_weights
+        """Streams every HF tensor (``Exporter``, full mode: what a colocated engine of TP=1 gets);
+        checks the plan against the HF model's names and shapes, the stream against the plan, and
+        the sizes against Megatron."""
+        from megatron_gtpo.sync.export import Exporter
         from megatron_gtpo.train.model import unwrap
 
         params = dict(unwrap(self.local.chunks[0]).named_parameters())
-        checker = None
-        if importlib.util.find_spec("transformers"):
-            from megatron_gtpo.sync.checks import PushChecker, WeightSpec
+        exporter = Exporter(self.local.chunks, hf_config=self.hf, dims=self.dims)
+        metas = exporter.metas("full")
+        dtype = params["embedding.word_embeddings.weight"].dtype
+        checked = importlib.util.find_spec("transformers") is not None
+        if checked:
+            from megatron_gtpo.sync.checks import WeightSpec, check_plan
 
-            checker = PushChecker(WeightSpec.from_model_dir(self.hf_dir(), dtype=torch.bfloat16), version=1)
-        counts = {"buckets": 0, "tensors": 0, "bytes": 0, "numel": 0}
+            check_plan(WeightSpec.from_model_dir(self.hf_dir(), dtype=dtype), metas, version=1)
+        counts = {"tensors": 0, "bytes": 0, "numel": 0}
         embed_equal = None
 
         def drain():
             nonlocal embed_equal
-            buckets = export_hf_weights(self.local.chunks, hf_config=self.hf, dims=self.dims, bucket_bytes=64 << 20)
-            for bucket in buckets:
-                if checker is not None:
-                    checker.prepare(bucket)
-                counts["buckets"] += 1
-                for name, tensor in bucket:
-                    counts["tensors"] += 1
-                    counts["bytes"] += tensor.nbytes
-                    counts["numel"] += tensor.numel()
-                    if name == "model.embed_tokens.weight":
-                        embed_equal = torch.equal(tensor, params["embedding.word_embeddings.weight"])
-            if checker is not None:
-                checker.finish()
+            from megatron_gtpo.sync.checks import checked_stream
+
+            for name, tensor in checked_stream(exporter.tensors("full"), metas, dtype=dtype):
+                counts["tensors"] += 1
+                counts["bytes"] += tensor.nbytes
+                counts["numel"] += tensor.numel()
+                if name == "model.embed_tokens.weight":
+                    embed_equal = torch.equal(tensor, params["embedding.word_embeddings.weight"])
 
         _, seconds = _timed(drain)
         megatron_numel = sum(p.numel() for p in params.values())
@@ -236,7 +236,29 @@ class Smoke:
             raise SmokeFailure(f"export holds {counts['numel']} elements, the model {megatron_numel}; "
                                f"embedding equal: {embed_equal}")
         return {**counts, "gb_per_s": round(counts["bytes"] / seconds / 1e9, 3),
-                "checked_against_hf": checker is not None}
+                "checked_against_hf": checked, **self._pack_memory()}
+
+    def _pack_memory(self) -> dict:
+        """The rollout pool's sender path (``Exporter.pack``) into one device buffer of 16 MiB
+        buckets: its peak extra memory must stay within one bucket plus the largest tensor."""
+        from megatron_gtpo.sync.export import Exporter
+        from megatron_gtpo.sync.memory import PeakMemory
+
+        exporter = Exporter(self.local.chunks, hf_config=self.hf, dims=self.dims)
+        plan = exporter.buckets(16 << 20)
+        largest = max(m.numel * torch.empty((), dtype=getattr(torch, m.dtype.removeprefix("torch."))).element_size()
+                      for b in plan for m in b.tensors)
+        with PeakMemory() as peak:
+            buffer = torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=self.device)
+            for bucket in plan:
+                exporter.pack(bucket, buffer)
+            del buffer
+        bound = max(b.nbytes for b in plan) + largest
+        if peak.extra_bytes > bound + (1 << 20):
+            raise SmokeFailure(f"packing {len(plan)} buckets peaked {peak.extra_bytes} bytes above the start, "
+                               f"over one bucket + the largest tensor = {bound}")
+        return {"pack_buckets": len(plan), "pack_peak_extra_mb": round(peak.extra_bytes / 2**20, 1),
+                "pack_bound_mb": round(bound / 2**20, 1)}
 
     def part_te_bf16(self) -> dict:
         return self._te_part(overrides=None)

@@ -23,10 +23,12 @@ from megatron_gtpo.checkpoint import Checkpointer, prepare_resume
 from megatron_gtpo.data.dataset import build_dataset
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.parallel.control import barrier
+from megatron_gtpo.plan.recipe import plan_engine_memory
 from megatron_gtpo.reward.functions import OverlongPunishment
 from megatron_gtpo.reward.score import RewardScorer
-from megatron_gtpo.rollout.collector import DynamicSampling, RolloutCollector, Sampling, rollout_metrics
+from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, RolloutCollector, Sampling, rollout_metrics
 from megatron_gtpo.sync import ExportPlan, WeightSync, build_rollout
+from megatron_gtpo.sync.memory import Choreography, TrainerOffload
 from megatron_gtpo.tracking import Reporter, step_metrics
 from megatron_gtpo.train.batching import collate
 from megatron_gtpo.train.learner import Learner
@@ -94,10 +96,14 @@ def _loop(cfg, parts: Parts) -> dict[str, float]:
             reporter.skipped(step, rollout_metrics(rollout), rollout)
         else:
             batch = collate(rollout.groups, pad_id=parts.pad_id)
+            parts.memory.after_rollout()  # colocated engines sleep; the trainer gets the GPU memory back
             t1 = time.perf_counter()
             train = learner.step(batch)
             t2 = time.perf_counter()
+            parts.memory.before_push()  # engine weights awake, KV cache still free
             sync = weight_sync.sync(learner.policy.chunks, version=step)
+            collector.pushed(step)
+            parts.memory.after_push()  # trainer releases its step memory, then the KV cache comes back
             t3 = time.perf_counter()
             times = {"rollout": rollout.rollout_s, "reward": rollout.reward_s, "train": t2 - t1, "sync": t3 - t2,
                      "step": t3 - t0}
@@ -122,6 +128,8 @@ class Parts:
     weight_sync: WeightSync
     checkpointer: Checkpointer
     reporter: Reporter
+    memory: Choreography
+    """Sleep/wake of colocated engines and the trainer's offload around rollout and push."""
     scorer: RewardScorer | None
     held_out: list
     """Held-out prompts of the periodic evaluation (empty when it is off)."""
@@ -142,12 +150,20 @@ def build(cfg, *, resume: bool | str) -> Parts:
     log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
     learner = Learner.build(cfg.model, cfg.optim, settings=settings, dims=dims, rollout_steps=cfg.train.steps)
     policy = learner.policy
-    rollout_cfg = cfg.rollout.with_fp32_head() if cfg.model.lm_head_fp32 else cfg.rollout
+    rollout_cfg, budget = plan_engine_memory(cfg, model_dir=str(policy.model_dir), world=dims.world)
+    if cfg.model.lm_head_fp32:  # the engines sample from the same fp32 head as the trainer
+        rollout_cfg = rollout_cfg.with_fp32_head()
+    offload = TrainerOffload(policy.chunks, policy.optimizer) if cfg.rollout.offload_trainer else None
+    if offload is not None:  # engines start on the memory the trainer gives up while they generate
+        offload.offload()
     if not policy.has_hf_weights:  # Megatron checkpoint: the engine starts empty, the first push fills it
         rollout_cfg = dataclasses.replace(rollout_cfg, vllm={"load_format": "dummy", **rollout_cfg.vllm})
     log.info("starting %s rollout engine(s)", cfg.sync.transport)
-    export = ExportPlan(hf_config=policy.hf_config, dims=dims, bucket_bytes=cfg.sync.bucket_bytes)
-    engines, weight_sync = build_rollout(rollout_cfg, cfg.sync, model_dir=str(policy.model_dir), export=export)
+    export = ExportPlan(hf_config=policy.hf_config, dims=dims, bucket_bytes=cfg.sync.bucket_size)
+    engines, weight_sync = build_rollout(rollout_cfg, cfg.sync, model_dir=str(policy.model_dir), export=export,
+                                         budget=budget)
+    if offload is not None:
+        offload.reload()  # a checkpoint restore writes into the optimizer state
     dataset = build_dataset(cfg.data, tokenizer=engines.tokenizer, progress=dims.rank == 0)
     scorer = None
     with signals_blocked():  # reward worker processes must not die of a preemption signal
@@ -158,8 +174,9 @@ def build(cfg, *, resume: bool | str) -> Parts:
     collector = RolloutCollector(
         engines, dataset, scorer, sampling=Sampling(**cfg.rollout.sampling()), seed=cfg.rollout.seed,
         dynamic=DynamicSampling(metric=spec.dynamic_sampling_metric, max_tries=spec.dynamic_sampling_max_tries)
-        if spec.dynamic_sampling else None, group_multiple=rows_unit // math.gcd(cfg.rollout.n, rows_unit))
-    checkpointer = Checkpointer(Path(cfg.output_dir) / "checkpoints", policy=policy, dataset=dataset,
+        if spec.dynamic_sampling else None, group_multiple=rows_unit // math.gcd(cfg.rollout.n, rows_unit),
+        off_policy=OffPolicy(staleness=cfg.rollout.staleness, last_step=cfg.train.steps))
+    checkpointer = Checkpointer(Path(cfg.output_dir) / "checkpoints", policy=policy, dataset=collector.cursor,
                                 every=cfg.train.checkpoint_every, keep_last=cfg.train.keep_last,
                                 total_steps=cfg.train.steps, preempt=preempt)
     start_step, run_id = checkpointer.restore(point) if point is not None else (0, None)
@@ -168,12 +185,15 @@ def build(cfg, *, resume: bool | str) -> Parts:
     reporter.start(to_dict(cfg))
     reporter.dataset(dataset.stats, step=start_step)
     weight_sync.sync(policy.chunks, version=start_step)
+    collector.pushed(start_step)
+    memory = Choreography(engines, offload, colocated=cfg.sync.transport == "colocated")
+    memory.after_push()  # as after every push: the trainer gives up its rollout-time memory
     tokenizer = engines.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     held_out = _held_out_prompts(cfg, tokenizer) if cfg.train.eval_every else []
     log.info("ready: %d prompts, starting at step %d of %d", len(dataset), start_step, cfg.train.steps)
     return Parts(learner=learner, collector=collector, weight_sync=weight_sync, checkpointer=checkpointer,
-                 reporter=reporter, scorer=scorer, held_out=held_out, pad_id=int(pad_id), start_step=start_step)
+                 reporter=reporter, memory=memory, scorer=scorer, held_out=held_out, pad_id=int(pad_id), start_step=start_step)
 
 
 def overlong_punishment(spec) -> OverlongPunishment | None:

@@ -15,6 +15,13 @@
 #   GPUS_PER_NODE      GPUs each node uses: SLURM_GPUS_ON_NODE of the allocation, else 0 (CPU, gloo)
 #   MLFLOW_TRACKING_URI  passed through to every rank when set (so are MLFLOW_EXPERIMENT_NAME,
 #                      HF_HOME and the rest of the environment: srun exports it all)
+#   NET_IFNAME         network interface of the inter-node traffic, exported as NCCL_SOCKET_IFNAME and
+#                      GLOO_SOCKET_IFNAME (one setting for both; e.g. ib0, eth0): unset (their auto-detection)
+#   LOCAL_CACHE_DIR    node-local directory for vLLM's and Triton's compile caches (VLLM_CACHE_ROOT,
+#                      TRITON_CACHE_DIR; a shared home directory would serialise every rank on it):
+#                      /tmp/mgtpo-${SLURM_JOB_ID}
+#   GPU jobs (GPUS_PER_NODE > 0) also get CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's overlap of TP
+#   communication with compute needs one hardware queue).
 #   Containers (pyxis + enroot; empty CONTAINER_IMAGE = run on the host):
 #   CONTAINER_IMAGE    image for srun --container-image (e.g. nvcr.io#nvidia/pytorch:25.01-py3 or a .sqsh): empty
 #   CONTAINER_MOUNTS   srun --container-mounts: ${MGTPO_REPO}:${MGTPO_REPO},${RUNS_DIR}:${RUNS_DIR}
@@ -40,6 +47,16 @@ RESTART=${SLURM_RESTART_COUNT:-0}
 # Logs must reach the files as they are written, also when a rank is killed.
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$MGTPO_REPO${PYTHONPATH:+:$PYTHONPATH}"
+
+# Inter-node transports, compile caches and GPU settings of every step (srun exports the environment).
+if [ -n "${NET_IFNAME:-}" ]; then
+  export NCCL_SOCKET_IFNAME=$NET_IFNAME GLOO_SOCKET_IFNAME=$NET_IFNAME
+fi
+LOCAL_CACHE_DIR=${LOCAL_CACHE_DIR:-/tmp/mgtpo-${SLURM_JOB_ID}}
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$LOCAL_CACHE_DIR/vllm} TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$LOCAL_CACHE_DIR/triton}
+if [ "$GPUS_PER_NODE" -gt 0 ]; then
+  export CUDA_DEVICE_MAX_CONNECTIONS=1
+fi
 
 # Asking for more GPUs than SLURM granted would put several ranks on one GPU.
 if [ "$GPUS_PER_NODE" -gt "${SLURM_GPUS_ON_NODE:-0}" ]; then

@@ -1,4 +1,4 @@
-"""The ``megatron-gtpo`` command: train, demo, probe, eval, convert, dry-run, config.
+"""The ``megatron-gtpo`` command: train, demo, probe, eval, convert, dry-run, config, rollout-server.
 
 Each subcommand parses its own arguments (``megatron-gtpo SUBCOMMAND --help``); heavy imports
 (torch, Megatron, vLLM) happen only inside the subcommand that needs them.
@@ -17,6 +17,8 @@ SUBCOMMANDS = {
     "convert": ("megatron_gtpo.cli.convert", "convert checkpoints between Hugging Face and Megatron-Core"),
     "dry-run": ("megatron_gtpo.cli.dry_run", "validate a recipe and print the parallel layout and memory"),
     "config": ("megatron_gtpo.cli.config", "print every config field with its default and doc"),
+    "rollout-server": ("megatron_gtpo.cli.rollout_server", "one vLLM engine serving a trainer's rollouts and "
+                       "weight pushes (separate transport)"),
 }
 
 
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="megatron-gtpo",
         description="GTPO / GRPO / Dr. GRPO / DAPO post-training on Megatron-Core with vLLM rollouts.",
-        epilog="\n".join(f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items())
+        epilog="\n".join(f"  {name:<14} {help_}" for name, (_, help_) in SUBCOMMANDS.items())
         + "\n\nRun `megatron-gtpo SUBCOMMAND --help` for the options of each.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -6,8 +6,11 @@ Example::
         --hf-config configs/models/llama3-8b.json
 
 Pure arithmetic from the model's ``config.json`` and the recipe: no GPU, no torch.distributed, no
-weights. Prints the trainer layout (TP/PP/VPP/DP), the rollout engines and their TP, the
-micro-batches, and a per-GPU memory estimate (weights, gradients, optimizer state, KV cache).
+weights. Prints the trainer layout (TP/PP/VPP/DP), the rollout engines (colocated engines of TP=k
+over k trainer ranks, or rollout servers x TP on nodes of their own: ``sync.transport: separate``
+with ``--rollout-nodes``), the micro-batches, the weight push of one step, and the per-GPU memory
+plan term by term, phase by phase, with the vLLM share it leaves (``gpu_memory_utilization``, which
+the driver then uses unless the recipe sets it).
 Exit status: 0 for a valid layout, 1 for an impossible one (every reason is printed, each naming
 the key or flag to change), 2 for unreadable input.
 """
@@ -16,69 +19,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
-from megatron_gtpo.plan.layout import Layout, LayoutError, plan_layout
-from megatron_gtpo.plan.memory import GIB, MemoryEstimate, check_memory, estimate_memory, \
-    optimizer_bytes_per_param
-from megatron_gtpo.models.shape import ModelShape, load_model_shape
-from megatron_gtpo.utils.configuration import ConfigError
 from megatron_gtpo.config import load_config
 from megatron_gtpo.models.resolve import resolve_model
+from megatron_gtpo.models.shape import ModelShape, load_model_shape
+from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
+from megatron_gtpo.plan.layout import Layout, LayoutError, LayoutRequest, plan_layout
+from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, \
+    optimizer_bytes_per_param
+from megatron_gtpo.plan.recipe import recipe_request
+from megatron_gtpo.utils.configuration import ConfigError
 
 EXIT_IMPOSSIBLE = 1
 EXIT_BAD_INPUT = 2
-_DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
-                "auto": 2}
-
-
-@dataclass(frozen=True, kw_only=True)
-class RecipeSizes:
-    """What dry-run reads from a recipe (see ``recipe_sizes``)."""
-
-    tp: int
-    """parallel.tp"""
-    pp: int
-    """parallel.pp"""
-    vpp: int | None
-    """parallel.vpp (None: no interleaving)"""
-    dp: int | None
-    """parallel.dp as the recipe states it (None: whatever the GPUs give)"""
-    placement: str
-    """'colocated' or 'separate' (sync.transport)"""
-    rollout_tp: int
-    """rollout.vllm.tensor_parallel_size"""
-    engines: int | None
-    """Number of vLLM engines, None: derived from the placement"""
-    prompts_per_step: int
-    """Prompts sampled per RL step."""
-    group_size: int
-    """Completions per prompt (G)."""
-    micro_batch_size: int
-    """Sequences per trainer micro-batch."""
-    max_prompt_tokens: int
-    """Longest prompt kept."""
-    max_completion_tokens: int
-    """rollout.max_tokens"""
-    param_bytes: int = 2
-    """Bytes of a trainer parameter (model dtype)."""
-    grad_bytes: int = 4
-    """Bytes of a gradient in Megatron's grad buffer."""
-    optimizer: str = "adam"
-    """Optimizer name (adam|sgd)."""
-    distributed_optimizer: bool = False
-    """Whether optimizer state is sharded over DP."""
-    rollout_bytes: int = 2
-    """Bytes of an engine weight / KV entry (vLLM dtype)."""
-    gpu_memory_utilization: float = 0.9
-    """rollout.vllm.gpu_memory_utilization"""
-    max_model_len: int | None = None
-    """rollout.vllm.max_model_len (None: the model's max_position_embeddings, checked by the layout)"""
-    notes: list[str] = field(default_factory=list)
-    """Assumptions made while reading the recipe."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", type=int, required=True, help="nodes of the SLURM allocation")
     parser.add_argument("--gpus-per-node", type=int, required=True,
                         help="GPUs per node (ranks per node, NPROC_PER_NODE, on CPU)")
+    parser.add_argument("--rollout-nodes", type=int, default=None,
+                        help="sync.transport=separate: nodes running one rollout server each (ROLLOUT_NODES); "
+                             "default 1")
     parser.add_argument("--hf-config", default=None,
                         help="HF config.json (or its directory) to size the model from; default: the "
                              "recipe's model directory. Copies for common models: configs/models/")
@@ -105,65 +62,48 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.recipe, args.overrides)
         check_vllm_kwargs(cfg.rollout.vllm)
-        sizes = sizes_from_config(cfg)
         shape = load_model_shape(args.hf_config) if args.hf_config else model_shape_of(cfg.model.path)
+        request, sizes, notes = recipe_request(cfg, shape=shape, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                                               rollout_nodes=args.rollout_nodes, gpu_memory_gib=args.gpu_memory_gib)
     except ConfigError as err:
         print(f"dry-run: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return report(shape=shape, sizes=sizes, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                  gpu_memory_gib=args.gpu_memory_gib, title=" ".join([args.recipe, *args.overrides]))
+    max_model_len = cfg.rollout.vllm.get("max_model_len")
+    return report(request, sizes, notes=notes, title=" ".join([args.recipe, *args.overrides]),
+                  max_model_len=None if max_model_len is None else int(max_model_len))
 
 
-def report(*, shape: ModelShape, sizes: RecipeSizes, nodes: int, gpus_per_node: int,
-           gpu_memory_gib: float, title: str, out=None) -> int:
+def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (), title: str = "", out=None,
+           max_model_len: int | None = None) -> int:
     """Plans, estimates and prints; returns the exit status."""
     out = out or sys.stdout
     print(f"dry-run: {title}", file=out)
-    print(f"cluster  {nodes} node(s) x {gpus_per_node} GPU(s) = {nodes * gpus_per_node} GPUs", file=out)
-    print(_model_line(shape), file=out)
-    if sizes.max_model_len is not None:
-        too_long = context_problem(context=sizes.max_model_len, source="rollout.vllm.max_model_len",
-                                   max_prompt_tokens=sizes.max_prompt_tokens,
-                                   max_tokens=sizes.max_completion_tokens)
+    print(f"cluster  {request.nodes} node(s) x {request.gpus_per_node} GPU(s) = "
+          f"{request.nodes * request.gpus_per_node} GPUs", file=out)
+    print(_model_line(request.shape), file=out)
+    if max_model_len is not None:
+        too_long = context_problem(context=max_model_len, source="rollout.vllm.max_model_len",
+                                   max_prompt_tokens=request.max_prompt_tokens,
+                                   max_tokens=request.max_completion_tokens)
         if too_long:
             print(f"REJECTED: {LayoutError([too_long])}", file=out)
             return EXIT_IMPOSSIBLE
     try:
-        layout = plan_layout(
-            shape=shape, nodes=nodes, gpus_per_node=gpus_per_node, tp=sizes.tp, pp=sizes.pp, vpp=sizes.vpp, dp=sizes.dp,
-            placement=sizes.placement, rollout_tp=sizes.rollout_tp, engines=sizes.engines,
-            prompts_per_step=sizes.prompts_per_step, group_size=sizes.group_size,
-            micro_batch_size=sizes.micro_batch_size, max_prompt_tokens=sizes.max_prompt_tokens,
-            max_completion_tokens=sizes.max_completion_tokens)
+        layout = plan_layout(request)
     except LayoutError as err:
         print(f"REJECTED: {err}", file=out)
         return EXIT_IMPOSSIBLE
-    mem = estimate_memory(shape=shape, layout=layout, param_bytes=sizes.param_bytes, grad_bytes=sizes.grad_bytes,
-                          optimizer=sizes.optimizer, distributed_optimizer=sizes.distributed_optimizer,
-                          rollout_bytes=sizes.rollout_bytes, gpu_memory_gib=gpu_memory_gib,
-                          gpu_memory_utilization=sizes.gpu_memory_utilization)
+    mem = estimate_memory(request.shape, layout, sizes)
     problems, warnings = check_memory(mem, layout)
-    for line in [*_layout_lines(layout), *_memory_lines(mem, layout, sizes)]:
+    for line in [*_layout_lines(layout), _push_line(request.shape, layout, sizes), *_memory_lines(mem, layout, sizes)]:
         print(line, file=out)
-    for note in [*sizes.notes, *layout.warnings, *warnings, *_driver_notes(layout)]:
+    for note in [*notes, *layout.warnings, *warnings]:
         print(f"warning  {note}", file=out)
     if problems:
         print(LayoutError(problems).args[0].replace("impossible layout", "REJECTED: does not fit"), file=out)
         return EXIT_IMPOSSIBLE
     print(f"OK       launch: {_sbatch_hint(layout)}", file=out)
     return 0
-
-
-def _driver_notes(lay: Layout) -> list[str]:
-    """Layouts vLLM and Megatron accept but today's driver (megatron_gtpo.sync.placement) does not run."""
-    notes = []
-    if lay.placement == "colocated" and lay.rollout_tp > 1:
-        notes.append(f"colocated engines of TP={lay.rollout_tp}: sync/placement.py gives every trainer rank its own "
-                     f"TP=1 engine today; engines spanning ranks need driver support")
-    if lay.placement == "separate":
-        notes.append("separate: the driver starts its engine next to trainer rank 0 today; engines on rollout "
-                     "nodes need an engine server started by slurm/train.sbatch (ROLLOUT_CMD)")
-    return notes
 
 
 def _model_line(shape: ModelShape) -> str:
@@ -177,11 +117,13 @@ def _layout_lines(lay: Layout) -> list[str]:
     stage = f"{lay.layers_per_stage} layers per PP stage" + (
         f" ({lay.layers_per_stage // lay.vpp} per virtual stage)" if lay.vpp else "")
     if lay.placement == "colocated":
+        span = (f", each over {lay.rollout_tp} consecutive ranks = Megatron's TP groups" if lay.rollout_tp == lay.tp > 1
+                else f", each over {lay.rollout_tp} consecutive ranks" if lay.rollout_tp > 1 else "")
         rollout = (f"colocated on the trainer's {lay.trainer_gpus} GPUs: {lay.engines} vLLM engine(s) x "
-                   f"TP={lay.rollout_tp}")
+                   f"TP={lay.rollout_tp}{span}")
     else:
-        rollout = (f"separate: {lay.engines} vLLM engine(s) x TP={lay.rollout_tp} on {lay.rollout_nodes} "
-                   f"rollout node(s) of their own")
+        rollout = (f"separate: {lay.engines} rollout server(s) x TP={lay.rollout_tp}, one per rollout node "
+                   f"({lay.rollout_nodes} node(s) of their own)")
     return [
         f"trainer  TP={lay.tp} x PP={lay.pp}{vpp} x DP={lay.dp} = {lay.world} ranks on {lay.trainer_nodes} "
         f"node(s); {stage}",
@@ -191,23 +133,51 @@ def _layout_lines(lay: Layout) -> list[str]:
     ]
 
 
-def _memory_lines(mem: MemoryEstimate, lay: Layout, sizes: RecipeSizes) -> list[str]:
+def _push_line(shape: ModelShape, lay: Layout, sizes: MemorySizes) -> str:
+    """Transfer volume of one step's weight push (sync/shards.py delivery modes)."""
+    full = shape.params_total() * sizes.param_bytes
+    if lay.placement == "separate":
+        return (f"push     {full / GIB:.1f} GiB per step to each of {lay.engines} rollout server(s) "
+                f"({lay.engines * full / GIB:.1f} GiB in all) from {lay.pp} sender rank(s) (TP rank 0 of each stage), "
+                f"{sizes.bucket_bytes >> 20} MiB buckets")
+    if lay.rollout_tp == lay.tp > 1:
+        local = (shape.layers * shape.layer_params(lay.tp)
+                 + shape.embedding_params() * (1 if shape.tied_embeddings else 2) + shape.hidden) * sizes.param_bytes
+        return (f"push     {local / GIB:.1f} GiB per engine rank per step: its own TP shards, no gather (vocabulary "
+                f"tensors whole); engine TP={lay.rollout_tp} = trainer TP")
+    why = ("one whole-model engine per rank" if lay.rollout_tp == 1 else
+           f"engine TP={lay.rollout_tp} != trainer TP={lay.tp}: vLLM cuts each engine rank's slice")
+    return f"push     {full / GIB:.1f} GiB per engine rank per step: full tensors gathered over TP/PP one at a time ({why})"
+
+
+def _memory_lines(mem: MemoryEstimate, lay: Layout, sizes: MemorySizes) -> list[str]:
     opt_bytes = optimizer_bytes_per_param(optimizer=sizes.optimizer, param_bytes=sizes.param_bytes)
     sharded = f"sharded over DP={lay.dp}" if sizes.distributed_optimizer else "not sharded"
+    util = (f"gpu_memory_utilization={mem.gpu_memory_utilization} "
+            f"({'set by the recipe' if not mem.planned else 'planned: what the rollout phase leaves' if mem.colocated else 'planned: a rollout node holds nothing else'})")
+    held = "one decoder layer in vLLM's reload" if mem.colocated else f"one bucket of {sizes.bucket_bytes >> 20} MiB"
     rows = [
         (f"weights ({_dtype(sizes.param_bytes)})", mem.weights, ""),
         (f"gradients ({_dtype(sizes.grad_bytes)})", mem.grads, ""),
         (f"optimizer ({sizes.optimizer}, {opt_bytes} B/param)", mem.optimizer, sharded),
-        ("logits (fp32, 1 micro-batch)", mem.logits, "last stage"),
-        ("trainer total", mem.trainer_total, "activations not counted"),
+        ("logits (1 micro-batch: fp32 + 2 copies)", mem.logits, "last stage"),
+        ("= train phase (trainer total)", mem.trainer_total, "activations not counted"),
+        ("push buffers", mem.push, f"{held} + one gathered tensor"),
+        ("= push phase", mem.push_phase, "trainer + engine weights + push" if mem.colocated else "trainer + push"),
         (f"rollout weights ({_dtype(sizes.rollout_bytes)}, TP={lay.rollout_tp})", mem.rollout_weights, ""),
         (f"KV cache ({lay.sequences_per_engine} seqs x {lay.seq_len} tokens)", mem.kv_needed,
-         f"{mem.kv_available / GIB:.1f} GiB free for KV at gpu_memory_utilization={mem.gpu_memory_utilization}"),
+         f"{mem.kv_available / GIB:.1f} GiB free for KV"),
+        ("vLLM share", mem.engine_share, util),
     ]
+    if mem.colocated:
+        resident = "weights only: rollout.offload_trainer" if mem.offload_trainer else "weights + gradients + optimizer"
+        rows.append(("= rollout phase (trainer resident + vLLM)", mem.trainer_resident + mem.engine_share,
+                     f"trainer resident {mem.trainer_resident / GIB:.1f} ({resident})"))
+    rows.append(("reserve (CUDA context, NCCL, fragmentation)", mem.reserve, ""))
     # GiB for real models; MiB when everything would print as 0.0 GiB (the CPU test recipes).
     unit, name = (GIB, "GiB") if max(mem.trainer_total, mem.rollout_weights) >= GIB else (1 << 20, "MiB")
     lines = [f"memory   per GPU, {name} (largest pipeline stage; one GPU has {mem.gpu / GIB:.0f} GiB):"]
-    lines += [f"  {label:<42}{value / unit:>8.1f}  {note}".rstrip() for label, value, note in rows]
+    lines += [f"  {label:<44}{value / unit:>8.1f}  {note}".rstrip() for label, value, note in rows]
     return lines
 
 
@@ -222,30 +192,6 @@ def _sbatch_hint(lay: Layout) -> str:
 
 
 # ----------------------------------------------------------------------------- recipe
-
-def sizes_from_config(cfg: Any) -> RecipeSizes:
-    """Maps a RunConfig onto RecipeSizes: the one place that knows the recipe's key names."""
-    vllm, optimizer, ddp = cfg.rollout.vllm, cfg.optim.optimizer, cfg.optim.ddp
-    param_bytes = _DTYPE_BYTES[cfg.model.dtype]
-    notes = []
-    engine_dtype = str(vllm.get("dtype", "auto"))
-    if engine_dtype not in _DTYPE_BYTES:
-        raise ConfigError(f"rollout.vllm.dtype={engine_dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
-    if engine_dtype == "auto":
-        notes.append("rollout.vllm.dtype is auto: engine weights and KV cache counted as bf16")
-    return RecipeSizes(
-        tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, dp=cfg.parallel.dp,
-        placement=cfg.sync.transport, rollout_tp=int(vllm.get("tensor_parallel_size", 1)), engines=None,
-        prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.n,
-        micro_batch_size=cfg.train.micro_batch_size, max_prompt_tokens=cfg.data.max_prompt_tokens,
-        max_completion_tokens=cfg.rollout.max_tokens, param_bytes=param_bytes,
-        grad_bytes=4 if ddp.get("grad_reduce_in_fp32", False) else param_bytes,
-        optimizer=str(optimizer.get("optimizer", "adam")),
-        distributed_optimizer=bool(optimizer.get("use_distributed_optimizer", False)),
-        rollout_bytes=_DTYPE_BYTES[engine_dtype],
-        gpu_memory_utilization=float(vllm.get("gpu_memory_utilization", 0.9)),
-        max_model_len=None if vllm.get("max_model_len") is None else int(vllm["max_model_len"]), notes=notes)
-
 
 def model_shape_of(model_path: str) -> ModelShape:
     """Shape of ``model.path``: a model directory's config.json, or a built-in name ('tiny', 'smollm2' ...)

@@ -85,12 +85,14 @@ class Shapes:
     """Key/value heads (query groups)."""
     head_dim: int
     """Width of one head."""
+    vocab: int = 0
+    """config.json's ``vocab_size`` (0: unknown); a padded Megatron vocabulary is cut back to it."""
 
 
 def shapes_of(hf_config: dict) -> Shapes:
     """Head counts and width from an HF config.json."""
     return Shapes(heads=int(hf_config["num_attention_heads"]), groups=num_kv_heads_of(hf_config),
-                  head_dim=head_dim_of(hf_config))
+                  head_dim=head_dim_of(hf_config), vocab=int(hf_config["vocab_size"]))
 
 
 def layer_maps(family: str) -> tuple[ParamMap, ...]:

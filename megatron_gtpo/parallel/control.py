@@ -30,6 +30,13 @@ def _multi() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def world() -> tuple[int, int]:
+    """(global rank, world size); (0, 1) outside a multi-rank job."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def init(*, timeout: datetime.timedelta) -> None:
     """Creates the control group over all ranks (collective; idempotent until :func:`reset`)."""
     global _WORLD, _TIMEOUT

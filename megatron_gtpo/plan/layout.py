@@ -1,15 +1,17 @@
 """Parallel layout of a job: trainer TP/PP/VPP/DP, rollout engines, micro-batches, nodes.
 
-``plan_layout`` is pure arithmetic on a :class:`ModelShape` and the recipe's sizes. It collects
+``plan_layout`` is pure arithmetic on a :class:`LayoutRequest` (model shape, cluster, recipe sizes). It collects
 *every* reason a layout cannot run (each naming the recipe key or flag to change) and raises them
 together as a :class:`LayoutError`, so one dry-run shows all that needs fixing.
 
 Placement follows :mod:`megatron_gtpo.sync.placement`:
 
 * ``colocated``: trainer ranks and engines share every GPU; the GPUs are cut into engines of
-  ``rollout_tp`` GPUs (one per rank at rollout TP 1).
-* ``separate``: the engines get GPUs of their own, whole nodes at the end of the allocation
-  (``ROLLOUT_NODES`` of ``slurm/train.sbatch``); the trainer uses the remaining nodes.
+  ``rollout_tp`` consecutive ranks (one per rank at rollout TP 1), i.e. Megatron's TP groups when
+  the trainer's TP equals the engine's.
+* ``separate``: rollout servers get whole nodes of their own at the end of the allocation, one
+  server (one engine of ``rollout_tp`` GPUs) per node (``ROLLOUT_NODES`` of ``slurm/train.sbatch``);
+  the trainer uses the remaining nodes.
 """
 
 from __future__ import annotations
@@ -83,43 +85,71 @@ class Layout:
         return self.tp * self.pp * self.dp
 
 
-def plan_layout(*, shape: ModelShape, nodes: int, gpus_per_node: int, tp: int, pp: int,
-                vpp: int | None, dp: int | None = None, placement: str, rollout_tp: int, engines: int | None,
-                prompts_per_step: int, group_size: int, micro_batch_size: int,
-                max_prompt_tokens: int, max_completion_tokens: int) -> Layout:
-    """Checks a layout and returns it; raises LayoutError listing every violated rule.
+@dataclass(frozen=True, kw_only=True)
+class LayoutRequest:
+    """What a layout is planned from: the model, the cluster and the recipe's sizes."""
 
-    ``dp`` is the recipe's own data-parallel size (it must match what the GPUs give; None: no check).
-    ``engines`` None means "as many as fit" (colocated) or one (separate, as the driver runs it).
-    """
+    shape: ModelShape
+    """The model (from its config.json)."""
+    nodes: int
+    """Nodes of the allocation."""
+    gpus_per_node: int
+    """GPUs per node (ranks per node on CPU)."""
+    tp: int
+    """parallel.tp"""
+    pp: int
+    """parallel.pp"""
+    vpp: int | None = None
+    """parallel.vpp (None or 1: no interleaving)."""
+    dp: int | None = None
+    """parallel.dp as the recipe states it (must match what the GPUs give; None: no check)."""
+    placement: str = "colocated"
+    """sync.transport: ``colocated`` or ``separate``."""
+    rollout_tp: int = 1
+    """rollout.vllm.tensor_parallel_size"""
+    engines: int | None = None
+    """vLLM engines: None = as many as fit (colocated) / one rollout server (separate); with
+    ``separate`` the number of rollout servers, one per rollout node (``ROLLOUT_NODES``)."""
+    prompts_per_step: int = 1
+    """train.prompts_per_step"""
+    group_size: int = 8
+    """rollout.n"""
+    micro_batch_size: int = 1
+    """train.micro_batch_size"""
+    max_prompt_tokens: int = 1024
+    """data.max_prompt_tokens"""
+    max_completion_tokens: int = 1024
+    """rollout.max_tokens"""
+
+
+def plan_layout(req: LayoutRequest) -> Layout:
+    """Checks a layout and returns it; raises LayoutError listing every violated rule."""
     problems: list[str] = []
-    _check_positive(problems, nodes=nodes, gpus_per_node=gpus_per_node, tp=tp, pp=pp,
-                    rollout_tp=rollout_tp, prompts_per_step=prompts_per_step, group_size=group_size,
-                    micro_batch_size=micro_batch_size)
+    _check_positive(problems, nodes=req.nodes, gpus_per_node=req.gpus_per_node, tp=req.tp, pp=req.pp,
+                    rollout_tp=req.rollout_tp, prompts_per_step=req.prompts_per_step, group_size=req.group_size,
+                    micro_batch_size=req.micro_batch_size)
     if problems:  # every rule below divides by these
         raise LayoutError(problems)
-    vpp = None if vpp in (None, 1) else vpp
+    shape, tp, pp, gpus_per_node = req.shape, req.tp, req.pp, req.gpus_per_node
+    vpp = None if req.vpp in (None, 1) else req.vpp
     warnings: list[str] = []
     rollout_problems: list[str] = []  # reported after the trainer's, which the reader checks first
-    engines, rollout_nodes = _plan_rollout(rollout_problems, warnings, shape=shape, nodes=nodes,
-                                           gpus_per_node=gpus_per_node, placement=placement,
-                                           rollout_tp=rollout_tp, engines=engines)
-    trainer_gpus = max(nodes - rollout_nodes, 0) * gpus_per_node
+    engines, rollout_nodes = _plan_rollout(rollout_problems, warnings, req)
+    trainer_gpus = max(req.nodes - rollout_nodes, 0) * gpus_per_node
     problems += model_split_problems(shape, tp=tp, pp=pp, vpp=vpp)
     if trainer_gpus and trainer_gpus % (tp * pp):
         problems.append(f"{trainer_gpus} trainer GPUs are not divisible by TP*PP = {tp}*{pp} = {tp * pp}: "
                         f"change parallel.tp/parallel.pp or the GPU count")
-    derived_dp = max(trainer_gpus // (tp * pp), 1)
-    if dp is not None and dp != derived_dp and not trainer_gpus % (tp * pp):
-        problems.append(f"parallel.dp={dp}, but {trainer_gpus} trainer GPUs / (TP*PP = {tp * pp}) give "
-                        f"{derived_dp} data-parallel ranks: set parallel.dp={derived_dp}")
-    dp = derived_dp
-    sequences = prompts_per_step * group_size
-    microbatches = _check_batch(problems, warnings, sequences=sequences, dp=dp, mbs=micro_batch_size,
+    dp = max(trainer_gpus // (tp * pp), 1)
+    if req.dp is not None and req.dp != dp and not trainer_gpus % (tp * pp):
+        problems.append(f"parallel.dp={req.dp}, but {trainer_gpus} trainer GPUs / (TP*PP = {tp * pp}) give "
+                        f"{dp} data-parallel ranks: set parallel.dp={dp}")
+    sequences = req.prompts_per_step * req.group_size
+    microbatches = _check_batch(problems, warnings, sequences=sequences, dp=dp, mbs=req.micro_batch_size,
                                 pp=pp, vpp=vpp)
-    seq_len = max_prompt_tokens + max_completion_tokens
+    seq_len = req.max_prompt_tokens + req.max_completion_tokens
     too_long = context_problem(context=shape.max_positions, source="the model's max_position_embeddings",
-                               max_prompt_tokens=max_prompt_tokens, max_tokens=max_completion_tokens)
+                               max_prompt_tokens=req.max_prompt_tokens, max_tokens=req.max_completion_tokens)
     if too_long:
         problems.append(too_long)
     if tp > gpus_per_node:
@@ -129,11 +159,10 @@ def plan_layout(*, shape: ModelShape, nodes: int, gpus_per_node: int, tp: int, p
     if problems:
         raise LayoutError(problems)
     return Layout(
-        nodes=nodes, gpus_per_node=gpus_per_node, placement=placement,  # type: ignore[arg-type]
-        trainer_nodes=nodes - rollout_nodes, rollout_nodes=rollout_nodes, tp=tp, pp=pp, vpp=vpp,
-        dp=dp, layers_per_stage=shape.layers // pp,
-        rollout_tp=rollout_tp, engines=engines, sequences=sequences,
-        sequences_per_engine=math.ceil(sequences / engines), micro_batch_size=micro_batch_size,
+        nodes=req.nodes, gpus_per_node=gpus_per_node, placement=req.placement,  # type: ignore[arg-type]
+        trainer_nodes=req.nodes - rollout_nodes, rollout_nodes=rollout_nodes, tp=tp, pp=pp, vpp=vpp,
+        dp=dp, layers_per_stage=shape.layers // pp, rollout_tp=req.rollout_tp, engines=engines, sequences=sequences,
+        sequences_per_engine=math.ceil(sequences / engines), micro_batch_size=req.micro_batch_size,
         microbatches=microbatches, seq_len=seq_len, warnings=warnings)
 
 
@@ -160,9 +189,10 @@ def _check_batch(problems: list[str], warnings: list[str], *, sequences: int, dp
     return microbatches
 
 
-def _plan_rollout(problems: list[str], warnings: list[str], *, shape: ModelShape, nodes: int,
-                  gpus_per_node: int, placement: str, rollout_tp: int, engines: int | None) -> tuple[int, int]:
-    """(engines, rollout-only nodes). vLLM's own rules plus the launcher's: an engine stays in a node."""
+def _plan_rollout(problems: list[str], warnings: list[str], req: LayoutRequest) -> tuple[int, int]:
+    """(engines, rollout-only nodes). vLLM's own rules plus the launcher's: an engine stays in a
+    node; colocated engines span consecutive trainer ranks; a rollout server owns a whole node."""
+    shape, rollout_tp, gpus_per_node, engines = req.shape, req.rollout_tp, req.gpus_per_node, req.engines
     if shape.heads % rollout_tp:
         problems.append(f"num_attention_heads={shape.heads} is not divisible by the rollout TP={rollout_tp} "
                         f"(rollout.vllm.tensor_parallel_size): choose among {divisors(shape.heads)}")
@@ -173,22 +203,21 @@ def _plan_rollout(problems: list[str], warnings: list[str], *, shape: ModelShape
         problems.append(f"rollout TP={rollout_tp} must divide the {gpus_per_node} GPUs of a node: an engine "
                         f"spanning nodes needs a Ray cluster, which the launcher does not start")
         return engines or 1, 0
-    if placement == "colocated":
-        fit = nodes * gpus_per_node // rollout_tp
+    if req.placement == "colocated":
+        fit = req.nodes * gpus_per_node // rollout_tp
         if engines not in (None, fit):
-            problems.append(f"colocated engines share all {nodes * gpus_per_node} GPUs: {fit} engines of "
+            problems.append(f"colocated engines share all {req.nodes * gpus_per_node} GPUs: {fit} engines of "
                             f"TP={rollout_tp}, not {engines}")
         return fit, 0
-    if placement != "separate":
-        problems.append(f"placement={placement!r} must be 'colocated' or 'separate' (sync.transport)")
+    if req.placement != "separate":
+        problems.append(f"placement={req.placement!r} must be 'colocated' or 'separate' (sync.transport)")
         return engines or 1, 0
-    engines = engines or 1
-    rollout_gpus = engines * rollout_tp
-    rollout_nodes = math.ceil(rollout_gpus / gpus_per_node)
-    if rollout_nodes >= nodes:
-        problems.append(f"separate placement: {engines} engine(s) of TP={rollout_tp} take {rollout_nodes} "
-                        f"node(s), leaving none of the {nodes} for the trainer: add nodes or shrink the engines")
-    elif rollout_gpus % gpus_per_node:
-        warnings.append(f"separate placement: {rollout_nodes * gpus_per_node - rollout_gpus} GPU(s) of the "
-                        f"rollout node(s) stay idle")
-    return engines, rollout_nodes
+    engines = engines or 1  # one rollout server per rollout node (slurm/train.sbatch ROLLOUT_NODES)
+    if engines >= req.nodes:
+        problems.append(f"separate placement: {engines} rollout server(s) take {engines} node(s), leaving none "
+                        f"of the {req.nodes} for the trainer: add nodes or use fewer rollout nodes")
+    elif rollout_tp < gpus_per_node:
+        warnings.append(f"separate placement: a rollout server's engine of TP={rollout_tp} leaves "
+                        f"{gpus_per_node - rollout_tp} GPU(s) of its node idle (one server per node): raise "
+                        f"rollout.vllm.tensor_parallel_size")
+    return engines, engines

@@ -1,13 +1,19 @@
 """vLLM rollout engine: G sampled completions per prompt from the current policy weights.
 
     list[Prompt] --generate(n, temperature, top_p, max_tokens, stop, seed)--> list[Completion]
-    load_weights(whole push of HF tensors, version) --vLLM in-place reload--> serves it
+    load_weights(stream of HF tensors, version) --vLLM layer-wise in-place reload--> serves it
+    sleep() / wake_up(tags): vLLM sleep level 1 and its tagged wake-up (weights, kv_cache)
 
 The engine always lives in the calling process (vLLM's V1 multiprocessing is switched off): a
 weight push then hands tensors to vLLM by reference instead of serialising them to an engine-core
-subprocess. Engines in *other* processes are driven through :mod:`megatron_gtpo.sync.separate`,
-which runs one of these in its own process. Pushes are checked before they get here, by the weight
-sync (:mod:`megatron_gtpo.sync.checks`): the engine only loads.
+subprocess. Rollout servers (:mod:`megatron_gtpo.sync.server`) run one of these in their own
+process. Pushes are planned and checked before they get here, by the weight sync
+(:mod:`megatron_gtpo.sync.checks`): the engine only loads.
+
+Memory states (colocated engines share the trainer's GPUs): after a rollout the driver puts the
+engine to sleep (weights to host, KV cache freed), wakes the weights only before a push, and the KV
+cache once the trainer has released its step memory. The engine enforces that order: generating
+needs both awake, a push needs the weights awake; every call is recorded in ``memory_events``.
 
 Inside a torchrun world vLLM joins the existing torch.distributed world at start-up; an ``LLM``
 built on a subset of ranks hangs there. The engine therefore defaults to vLLM's
@@ -21,8 +27,9 @@ is what the trainer's temperature-scaled log-probs are compared with.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +39,28 @@ from megatron_gtpo.types import Completion, Prompt
 _SEED_SPACE = 2**31 - 1
 _REQUIRED_LOGPROBS_MODE = "processed_logprobs"
 _PINNED: list = []  # engines whose shutdown would destroy a process group they did not create
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class ExpectedReloadMisses(logging.Filter):
+    """Drops vLLM's ``<Layer>: Failed to load weights`` warning, printed on every push, for the
+    layers a push never carries: rotary embeddings (a cos/sin cache computed at start-up, not a
+    checkpoint tensor) and the LM head of tied-embedding models (it shares ``embed_tokens``). The
+    warning stays for any other layer; a push that lacks a tensor the engine needs is refused
+    before any byte moves anyway (``sync/checks.py``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        layer = str(record.args[0])
+        return not (layer.endswith("RotaryEmbedding") or layer == "ParallelLMHead")
+
+
+def quiet_expected_reload_misses() -> None:
+    """Installs :class:`ExpectedReloadMisses` on vLLM's reload logger of this process (once)."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, ExpectedReloadMisses) for f in logger.filters):
+        logger.addFilter(ExpectedReloadMisses())
 
 
 def engine_kwargs(model_dir: str, vllm_kwargs: dict | None, seed: int) -> dict[str, Any]:
@@ -89,16 +118,17 @@ def prompt_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
 class RolloutEngine:
     """One vLLM engine in this process, serving one version of the policy weights."""
 
-    def __init__(self, *, model_dir: str, vllm_kwargs: dict | None = None, seed: int = 0):
+    def __init__(self, *, model_dir: str, vllm_kwargs: dict | None = None, seed: int = 0,
+                 request_seeds: bool = True):
         kwargs = engine_kwargs(model_dir, vllm_kwargs, seed)
+        # False: requests carry no seed and vLLM samples them in one batch (rollout.request_seeds).
+        self._request_seeds = request_seeds
         # Keep the engine core in this process (see module docstring); read by vLLM at LLM().
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
-
         # vLLM's engine shutdown destroys the default process group; it may only do so when it
         # created that group itself (see close()).
         self._owns_world = not (torch.distributed.is_available() and torch.distributed.is_initialized())
-        self._llm = LLM(**kwargs)
+        self._llm = self._make_llm(kwargs)
         if not self._owns_world:
             _PINNED.append(self._llm)  # never garbage-collected before exit: see close()
         self._model_dir = str(model_dir)
@@ -109,8 +139,18 @@ class RolloutEngine:
         self._tokenizer_path = str(kwargs.get("tokenizer") or model_dir)
         self._tokenizer = None
         self._sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
-        self._asleep = False
+        self._awake = {"weights", "kv_cache"}
+        self.memory_events: list[str] = []
+        """What the engine was asked to do, in order: generate, sleep, wake:weights, wake:kv_cache,
+        push (recorded on every device, so the driver's memory choreography is testable on CPU)."""
         self._broken: str | None = None
+        self._closed = False
+
+    @staticmethod
+    def _make_llm(kwargs: dict):
+        from vllm import LLM
+
+        return LLM(**kwargs)
 
     # ----------------------------------------------------------------------------- properties
 
@@ -159,17 +199,21 @@ class RolloutEngine:
     def sample(self, prompts: Sequence[Prompt], *, seeds: Sequence[int], n: int, temperature: float,
                top_p: float, max_tokens: int, stop: list[str] | None = None) -> list[Completion]:
         """:meth:`generate` with one explicit seed per prompt (sample j of prompt i uses seeds[i] + j),
-        for callers that split one batch across engines and want the split not to matter."""
+        for callers that split one batch across engines and want the split not to matter. An engine
+        built with ``request_seeds=False`` ignores ``seeds`` (vLLM's batched sampler; see
+        ``rollout.request_seeds``)."""
         _check_sampling(prompts, seeds, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
         if stop and not self._has_tokenizer:
             raise ValueError("stop strings need detokenization; build the engine without skip_tokenizer_init")
-        self._ensure_serving()
+        self._require("weights", "kv_cache", "generate with")
+        self.memory_events.append("generate")
         if not prompts:
             return []
         from vllm import SamplingParams
 
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                 stop=list(stop) if stop else None, seed=int(s), logprobs=0,
+                                 stop=list(stop) if stop else None, seed=int(s) if self._request_seeds else None,
+                                 logprobs=0,
                                  detokenize=self._has_tokenizer) for s in seeds]
         requests = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
         outputs = self._llm.generate(requests, params, use_tqdm=False)
@@ -179,40 +223,75 @@ class RolloutEngine:
 
     # ----------------------------------------------------------------------------- weights
 
-    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], *, version: int) -> None:
-        """Replaces every weight with ``named_tensors`` (one whole push, already checked against the
-        engine's names and shapes and cast to its dtype by ``sync.checks.PushChecker``) and serves
-        ``version``. vLLM's in-place reload is not transactional: a failure inside it leaves the
-        engine refusing to serve rather than serving a half-updated model."""
+    def check_version(self, version: int) -> None:
+        """Raises ValueError unless ``version`` may follow the served one (an int, never older)."""
         if not isinstance(version, int) or version < self._version:
-            raise ValueError(f"weight version must be an int >= the served version {self._version}, "
-                             f"got {version!r}")
-        self._ensure_serving()
+            raise ValueError(f"weight version must be an int >= the served version {self._version}, got {version!r}")
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+                     sharded: bool = False) -> None:
+        """Streams ``named_tensors`` (a whole push, already checked against the engine by the weight
+        sync, in the engine dtype) into vLLM's layer-wise in-place reload and serves ``version``.
+
+        ``sharded``: every linear layer's tensors are this engine rank's TP shard (vLLM's
+        ``is_sharded_weight`` loading); vocabulary and norm tensors are full. vLLM's reload is not
+        transactional: a failure inside it leaves the engine refusing to serve until a later push
+        completes (which rewrites every weight)."""
+        self.check_version(version)
+        self._require("weights", "push into", repairs=True)
+        self.memory_events.append("push")
         try:
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors),
-                                                               "is_checkpoint_format": True})
+            self._llm.collective_rpc(_reload, kwargs={"weights": named_tensors, "sharded": sharded})
             self._llm.apply_model(_repack_tied_cpu_gemms)
             # Cached prefix KV blocks were computed with the old weights.
             self._llm.reset_prefix_cache()
         except BaseException as err:
             self._broken = f"vLLM failed while reloading weights v{version}: {err!r}"
             raise
+        self._broken = None
         self._version = version
+
+    def rpc(self, method: str, **kwargs) -> list:
+        """vLLM's ``collective_rpc`` on this engine's workers: the rollout server drives vLLM's
+        stateful weight-transfer API through it (init/start/update/finish_weight_update)."""
+        if self._broken:
+            raise RuntimeError(f"rollout engine unusable: {self._broken}")
+        return self._llm.collective_rpc(method, kwargs=kwargs)
+
+    def loaded(self, version: int, *, ok: bool) -> None:
+        """Records a reload the workers made themselves (``finish_weight_update``): serves
+        ``version`` when ``ok``, else refuses to generate until a later load succeeds."""
+        if not ok:
+            self._broken = f"vLLM failed while loading weights v{version}"
+            return
+        self._llm.apply_model(_repack_tied_cpu_gemms)
+        self._llm.reset_prefix_cache()
+        self._broken, self._version = None, version
 
     # ----------------------------------------------------------------------------- memory
 
     def sleep(self) -> None:
-        """Gives the accelerator memory back to the trainer (vLLM sleep level 1: weights to host
-        RAM, KV cache dropped). A no-op unless the engine was built with ``enable_sleep_mode``
-        (vLLM supports it on GPUs only); generate and load_weights wake the engine as needed."""
-        if self._sleep_mode and not self._asleep:
-            self._llm.sleep(level=1)  # level 1 keeps the weights: a rejected push must not lose them
-            self._asleep = True
+        """Gives the accelerator memory back to the trainer after a rollout: vLLM sleep level 1
+        (weights offloaded to host RAM, KV cache freed; level 1 keeps the weights, so a rejected
+        push loses nothing). vLLM supports it on GPUs only (``enable_sleep_mode``); on CPU only the
+        state changes, so the driver's order is still enforced and recorded."""
+        if self._awake == set():
+            return
+        if self._sleep_mode:
+            self._llm.sleep(level=1)
+        self._awake = set()
+        self.memory_events.append("sleep")
 
-    def wake_up(self) -> None:
-        if self._asleep:
-            self._llm.wake_up()
-            self._asleep = False
+    def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Re-allocates ``weights`` (before a push) and/or ``kv_cache`` (before generating, once the
+        trainer has released its step memory); vLLM 0.32's ``wake_up(tags=...)``."""
+        todo = [t for t in tags if t not in self._awake]
+        if not todo:
+            return
+        if self._sleep_mode:
+            self._llm.wake_up(tags=todo)
+        self._awake.update(todo)
+        self.memory_events.extend(f"wake:{t}" for t in todo)
 
     def close(self) -> None:
         """Releases the engine; the object is unusable afterwards.
@@ -220,17 +299,55 @@ class RolloutEngine:
         When the process group existed before the engine (a torchrun trainer), vLLM's shutdown would
         destroy it under the trainer's feet, so the engine is only marked closed and its memory is
         reclaimed at process exit."""
-        self._broken = "engine closed"
+        self._broken, self._closed = "engine closed", True
         if self._owns_world:
             self._llm = None
             import gc
 
             gc.collect()
 
-    def _ensure_serving(self) -> None:
-        if self._broken:
+    def _require(self, *need: str, repairs: bool = False) -> None:
+        """Raises unless the engine is usable (or the call ``repairs`` it: a whole push) and the
+        memory ``need[:-1]`` names is awake."""
+        if self._broken and not (repairs and not self._closed):
             raise RuntimeError(f"rollout engine unusable: {self._broken}")
-        self.wake_up()
+        missing = [t for t in need[:-1] if t not in self._awake]
+        if missing:
+            raise RuntimeError(f"{need[-1]} a sleeping engine: wake_up({missing}) first "
+                               f"(memory events so far: {self.memory_events[-6:]})")
+
+
+def _reload(worker, *, weights, sharded: bool) -> None:
+    """Runs inside vLLM's worker (``collective_rpc``): see :func:`reload_model`."""
+    reload_model(worker.model_runner.get_model(), worker.vllm_config.model_config, weights, sharded=sharded)
+
+
+def reload_model(model: torch.nn.Module, model_config, weights: Iterable[tuple[str, torch.Tensor]], *,
+                 sharded: bool = False) -> None:
+    """vLLM's layer-wise in-place reload (what ``reload_weights`` does). ``sharded``: the linear
+    layers' tensors are this engine rank's TP shards; their parameters are then loaded as vLLM loads
+    pre-sharded checkpoints (``is_sharded_weight`` for plain parameters; TP rank 0 of a shard-sized
+    tensor for vLLM's parameter classes, whose loaders always cut ``tp_rank * shard``). The reload
+    state is always finalised, so a failed push leaves no half-initialised layers for the next one."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    quiet_expected_reload_misses()  # here: this runs in whichever process holds the vLLM worker
+    initialize_layerwise_reload(model)
+    flagged = [(p, p.__dict__.get("tp_rank")) for m in model.modules() if isinstance(m, LinearBase)
+               for p in m.parameters(recurse=False)] if sharded else []
+    for param, _ in flagged:  # the placeholders initialize_layerwise_reload restored
+        param.is_sharded_weight = True
+        if "tp_rank" in param.__dict__:
+            param.tp_rank = 0
+    try:
+        model.load_weights(weights)
+    finally:
+        finalize_layerwise_reload(model, model_config)
+        for param, tp_rank in flagged:  # the placeholders are reused by the next reload
+            param.__dict__.pop("is_sharded_weight", None)
+            if tp_rank is not None:
+                param.tp_rank = tp_rank
 
 
 def _repack_tied_cpu_gemms(model: torch.nn.Module) -> int:

@@ -1,20 +1,24 @@
-"""Policy weights from the Megatron trainer to the vLLM engines: export, checks, transports.
+"""Policy weights from the Megatron trainer to the vLLM engines: plan, export, checks, transports.
 
     build_rollout(rollout_cfg, sync_cfg, model_dir=..., export=ExportPlan(...)) -> (RolloutGroup, WeightSync)
     weight_sync.sync(chunks, version=step) -> sync/* metrics
 
-``export.py`` turns TP/PP-sharded Megatron chunks into HF-named full tensors in buckets;
-``checks.py`` checks a whole push against the engine before vLLM is touched; ``colocated`` (engines
-in the trainer processes) and ``separate`` (one engine in its own process, fed over a gloo group)
-are the transports; ``placement`` builds the engines and their weight sync.
+``shards.py`` plans a push (names, shapes, owners, buckets) before any byte moves; ``export.py``
+streams TP/PP-sharded Megatron chunks as HF tensors; ``checks.py`` checks the plan against the
+engine; ``colocated`` (engines in the trainer processes, TP=k over k ranks) and ``separate`` (a
+pool of rollout servers: ``pool.py`` on the trainer, ``server.py`` + ``receiver.py`` on the
+servers) are the transports; ``memory.py`` is the colocated memory choreography; ``placement``
+builds the engines and their weight sync. (``server``/``receiver`` import vLLM and are not
+imported here.)
 """
 
-from megatron_gtpo.sync.base import ExportPlan, SyncStats, WeightSync
-from megatron_gtpo.sync.checks import PushChecker, WeightPushError, WeightSpec
+from megatron_gtpo.sync.base import ExportPlan, ListSource, PushSource, SyncStats, WeightSync
+from megatron_gtpo.sync.checks import WeightPushError, WeightSpec, check_plan
 from megatron_gtpo.sync.colocated import ColocatedSync
 from megatron_gtpo.sync.config import SyncConfig
 from megatron_gtpo.sync.placement import build_rollout
-from megatron_gtpo.sync.separate import EngineProcessError, SeparateEngine, SeparateSync
+from megatron_gtpo.sync.pool import RolloutPool, ServerError
+from megatron_gtpo.sync.separate import PoolSync
 
-__all__ = ["ColocatedSync", "EngineProcessError", "ExportPlan", "PushChecker", "SeparateEngine", "SeparateSync",
-           "SyncConfig", "SyncStats", "WeightPushError", "WeightSpec", "WeightSync", "build_rollout"]
+__all__ = ["ColocatedSync", "ExportPlan", "ListSource", "PoolSync", "PushSource", "RolloutPool", "ServerError",
+           "SyncConfig", "SyncStats", "WeightPushError", "WeightSpec", "WeightSync", "build_rollout", "check_plan"]

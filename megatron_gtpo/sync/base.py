@@ -1,21 +1,28 @@
 """Weight sync: one interface, one class per transport.
 
     WeightSync.sync(chunks, version=step):
-        Megatron chunks --export_hf_weights (TP gather, PP collect)--> buckets of (HF name, full tensor)
-            --push(buckets, version)--> every engine serves `version`, or none changes
+        Exporter (shard plan, then one parameter at a time) --push(source, version)-->
+        every engine serves ``version``
 
-The driver calls ``sync`` on every rank after the optimizer step and never asks which transport runs;
-each transport says which ranks need full tensors (``dst_ranks``, handed to the exporter).
+The driver calls ``sync`` on every rank after the optimizer step and never asks which transport
+runs; each transport declares its delivery ``mode`` (:mod:`megatron_gtpo.sync.shards`).
 
 Contract of every transport:
-* All-or-nothing. The whole push is checked against the engine's parameters (names, shapes,
-  floating dtype) before vLLM is touched; a rejected push raises WeightPushError on *every* rank and
-  the engines keep serving the previous version.
-* Collective-safe. The exporter's buckets come from TP/PP collectives, so a rank that fails early
-  still drains the remaining buckets: its peers would otherwise wait in a gather forever.
-* Stage, then swap. The pushed tensors are held until the push is complete and checked (one extra
-  copy of the weights in the engine dtype: by reference for colocated, in the engine process for
-  separate), then loaded in one vLLM in-place reload.
+
+* Planned, then streamed. The whole push (names, shapes, dtypes) is checked against the engines
+  before any byte moves; a rejected plan raises WeightPushError on *every* rank and every engine
+  keeps serving its previous version. Then the bytes stream one bucket at a time: the extra memory
+  of a push on any rank is one bucket plus the largest single tensor, whatever the model size.
+* All-or-nothing per transport, honestly stated. vLLM's in-place reload is not transactional.
+  ``colocated`` streams straight into it: a failure after the first byte (an exporter that
+  diverges from its plan, a crash inside vLLM) marks that engine broken, the step fails loudly on
+  every rank, and the engine refuses to generate until a later push completes (every weight is
+  rewritten, which repairs it). ``separate`` stages the push in each rollout server's host memory
+  and loads it only once every server has received all of it, so a failure anywhere before that
+  commit leaves every server on the previous version.
+* Collective-safe. The exporter runs TP/PP collectives, so a rank whose consumer fails early still
+  drains its stream: its peers would otherwise wait in a gather forever. Outcomes are agreed over
+  the gloo control group, never over the (NCCL) device groups.
 """
 
 from __future__ import annotations
@@ -23,27 +30,31 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from megatron_gtpo.parallel import control
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.sync.checks import Bucket, WeightPushError
-from megatron_gtpo.sync.export import export_hf_weights
+from megatron_gtpo.sync.checks import WeightPushError
+from megatron_gtpo.sync.export import Exporter
+from megatron_gtpo.sync.shards import BucketPlan, Mode, TensorMeta, aligned
 
 
 @dataclass(kw_only=True)
 class SyncStats:
-    """What one push moved and how long it took (rank 0's figures, identical on every rank)."""
+    """What one push moved and how long it took (the first engine-holding rank's figures)."""
 
     version: int
     """Weight version the engines serve after the push."""
     num_tensors: int
-    """HF tensors delivered."""
+    """HF tensors delivered to one engine rank."""
     num_bytes: int
-    """Bytes delivered, in the engine dtype."""
+    """Bytes delivered to one engine rank (model dtype)."""
     seconds: float
-    """Wall time of ``push``: draining the bucket iterator (so the export, when the buckets are
-    produced lazily), checking, transfer and vLLM's reload."""
+    """Wall time of ``push``: plan check, export (TP/PP collectives), transfer and vLLM's reload."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Wall seconds of the push's phases on this rank (``plan``, ``transfer``, ``load`` ...)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -63,38 +74,106 @@ class ExportPlan:
     dims: ParallelDims
     """The trainer's layout and this rank's coordinates."""
     bucket_bytes: int
-    """Bucket size: bounds the extra memory of a gather and of one transfer."""
+    """Bucket size (``sync.bucket_mb`` in bytes): bounds a push's extra memory and one transfer."""
+
+
+class PushSource(ABC):
+    """What a push is made of, as a transport consumes it (the :class:`Exporter`, or a list)."""
+
+    @abstractmethod
+    def metas(self, mode: Mode) -> list[TensorMeta]:
+        """The tensors this rank will receive in ``mode``, in order (the push plan)."""
+
+    @abstractmethod
+    def tensors(self, mode: Mode) -> Iterator[tuple[str, torch.Tensor]]:
+        """Streams them (collectives on every rank, tensors on the receiving ones)."""
+
+    @abstractmethod
+    def buckets(self, bucket_bytes: int) -> list[BucketPlan]:
+        """The ``senders`` push cut into buckets (identical on every rank)."""
+
+    @abstractmethod
+    def pack(self, bucket: BucketPlan, buffer: torch.Tensor | None) -> bool:
+        """Writes one bucket into ``buffer`` on its sender; True there."""
+
+
+PushSource.register(Exporter)
+
+
+class ListSource(PushSource):
+    """A push given as ready HF tensors (tests, benchmarks, tools): every rank holds all of them."""
+
+    def __init__(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]):
+        self.items = [item for bucket in buckets for item in bucket]
+
+    def metas(self, mode: Mode) -> list[TensorMeta]:
+        return [TensorMeta(name=n, shape=tuple(t.shape), dtype=str(t.dtype)) for n, t in self.items]
+
+    def tensors(self, mode: Mode) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.items
+
+    def buckets(self, bucket_bytes: int) -> list[BucketPlan]:
+        out, current, size = [], [], 0
+        for index, (name, tensor) in enumerate(self.items):
+            if current and size + tensor.nbytes > bucket_bytes:
+                out.append(BucketPlan(index=len(out), owner=0, entries=tuple(i for i, _ in current),
+                                      tensors=tuple(m for _, m in current), nbytes=size))
+                current, size = [], 0
+            current.append((index, TensorMeta(name=name, shape=tuple(tensor.shape), dtype=str(tensor.dtype),
+                                              offset=size)))
+            size += aligned(tensor.nbytes)
+        if current:
+            out.append(BucketPlan(index=len(out), owner=0, entries=tuple(i for i, _ in current),
+                                  tensors=tuple(m for _, m in current), nbytes=size))
+        return out
+
+    def pack(self, bucket: BucketPlan, buffer: torch.Tensor | None) -> bool:
+        if control.world()[0] != 0:
+            return False
+        for index, meta in zip(bucket.entries, bucket.tensors):
+            tensor = self.items[index][1].detach().contiguous().view(-1).view(torch.uint8)
+            buffer[meta.offset:meta.offset + tensor.numel()].copy_(tensor)
+        return True
 
 
 class WeightSync(ABC):
     """Moves one version of the policy weights into the rollout engines."""
 
-    dst_ranks: str = "all"
-    """Which ranks must receive full tensors from the exporter: ``all`` or ``first``."""
+    mode: Mode = "full"
+    """What each rank receives from the exporter (see megatron_gtpo.sync.shards)."""
 
-    def __init__(self, export: ExportPlan):
+    def __init__(self, export: ExportPlan | None):
         self._export = export
+        self._exporters: dict[int, Exporter] = {}
 
     def sync(self, model_chunks, *, version: int) -> dict[str, float]:
-        """Exports the chunks (lazily, bucket by bucket) and pushes them as ``version``; called on
+        """Exports the chunks (planned, then streamed) and pushes them as ``version``; called on
         every rank. Returns the ``sync/*`` metrics."""
-        plan = self._export
-        buckets = export_hf_weights(model_chunks, hf_config=plan.hf_config, dims=plan.dims,
-                                    bucket_bytes=plan.bucket_bytes, dst_ranks=self.dst_ranks)
-        return self.push(buckets, version=version).as_metrics()
+        key = id(model_chunks[0])
+        if key not in self._exporters:  # one per model: the plan is gathered once and cached
+            plan = self._export
+            self._exporters = {key: Exporter(model_chunks, hf_config=plan.hf_config, dims=plan.dims)}
+        return self.push(self._exporters[key], version=version).as_metrics()
 
     @abstractmethod
-    def push(self, buckets: Iterable[Bucket], *, version: int) -> SyncStats:
+    def push(self, source: PushSource, *, version: int) -> SyncStats:
         """Delivers a whole push (every engine parameter once) and makes the engines serve
-        ``version``. Called on every rank of the job with that rank's exporter output."""
+        ``version``. Called on every rank of the job at the same point."""
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self._export.bucket_bytes if self._export else 256 << 20
 
     def close(self) -> None:
         """Releases transport resources (engines are closed by their owner)."""
 
 
-def drain(buckets: Iterator[Bucket]) -> None:
-    """Consumes the remaining buckets so that the exporter's collectives complete on every rank."""
-    for _ in buckets:
+def drain(stream: Iterator) -> None:
+    """Consumes the rest of a stream so that the exporter's collectives complete on every rank."""
+    try:
+        for _ in stream:
+            pass
+    except Exception:  # noqa: BLE001 - the first error is already being reported
         pass
 
 
@@ -113,11 +192,18 @@ def agree(error: BaseException | None, stats: SyncStats | None = None) -> SyncSt
 
 
 class PushTimer:
-    """Wall-clock of one push, started at construction."""
+    """Wall-clock of one push and of its phases, started at construction."""
 
     def __init__(self) -> None:
-        self.start = time.perf_counter()
+        self.start = self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def phase(self, name: str) -> None:
+        """Closes phase ``name`` (the time since the previous phase ended)."""
+        now = time.perf_counter()
+        self.phases[name] = now - self._last
+        self._last = now
 
     def stats(self, *, version: int, num_tensors: int, num_bytes: int) -> SyncStats:
         return SyncStats(version=version, num_tensors=num_tensors, num_bytes=num_bytes,
-                         seconds=time.perf_counter() - self.start)
+                         seconds=time.perf_counter() - self.start, phases=dict(self.phases))

@@ -1,13 +1,14 @@
-"""What a weight push must contain for one engine, and the check that runs before vLLM is touched.
+"""What a weight push must contain for one engine, checked before any byte moves.
 
-A push is a stream of buckets of ``(HF name, full tensor)`` pairs (the streaming exporter's output).
-vLLM's in-place reload is not transactional: it rewrites each decoder layer as soon as that layer's
-tensors have arrived, and an exception half-way leaves some layers new, some old and the rest on the
-meta device. So nothing reaches vLLM until the *whole* push has been checked against the engine's
-:class:`WeightSpec`: every expected name present exactly once with the expected shape, nothing
-unknown, floating point only. :class:`PushChecker` does that incrementally, so a wrong architecture
-fails on its first bucket (before any byte moves to a separate engine) and a truncated stream fails
-at the end, both before vLLM sees a tensor.
+A push is planned before it is made: the exporter's :mod:`shard plan <megatron_gtpo.sync.shards>`
+lists every tensor's HF name, shape and dtype on every rank without moving data. vLLM's in-place
+reload is not transactional (it rewrites each decoder layer as soon as that layer's tensors have
+arrived), so the whole plan is checked against the engine's :class:`WeightSpec` first
+(:func:`check_plan`: every expected name exactly once with the expected shape, nothing unknown,
+floating point only). A wrong architecture or a truncated plan is rejected before vLLM is touched
+and the engine keeps its previous version. While the bytes stream, :func:`checked_stream` checks
+each tensor against the plan again (cheap), so an exporter that diverges from its plan is caught at
+the first wrong tensor; what happens to an engine then is the transport's rule (see sync/base.py).
 
 The spec is read from the engine's own ``config.json`` (a transformers model built on the meta
 device: names and shapes without memory), never from the trainer, so a trainer/engine architecture
@@ -16,11 +17,13 @@ mismatch is caught.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from megatron_gtpo.convert import mapping as mp
 
 Bucket = list[tuple[str, torch.Tensor]]
 """One exporter bucket: HF parameter names with full (unsharded) tensors."""
@@ -74,64 +77,77 @@ class WeightSpec:
         return self.shapes.get(name, self.optional_shapes.get(name))
 
 
-@dataclass
-class PushChecker:
-    """Checks one push bucket by bucket, casting tensors to the engine dtype on the way.
+def sharded_shapes(shapes: dict[str, tuple[int, ...]], tp: int) -> dict[str, tuple[int, ...]]:
+    """Shapes one engine TP rank holds of each HF tensor when every linear layer arrives as its TP
+    shard (``local`` delivery): column-parallel tensors cut on dim 0, row-parallel ones on dim 1
+    (the kinds of :mod:`megatron_gtpo.convert.mapping`); norms and vocabulary tensors stay full."""
+    cut: dict[str, int] = {}
+    for family in ("llama", "qwen2", "qwen3"):
+        for pm in mp.layer_maps(family):
+            if pm.kind in (mp.QKV, mp.FC1, mp.COLUMN, mp.ROW):
+                cut.update({suffix: 1 if pm.kind == mp.ROW else 0 for suffix in pm.hf})
+    out = {}
+    for name, shape in shapes.items():
+        suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+        dim = cut.get(suffix)
+        out[name] = shape if dim is None or tp == 1 else tuple(n // tp if i == dim else n for i, n in enumerate(shape))
+    return out
 
-    ``prepare(bucket)`` returns the bucket in engine dtype or raises :class:`WeightPushError` naming
-    every problem in it; ``finish()`` raises if names are missing. Neither touches the engine.
-    """
 
-    spec: WeightSpec
-    version: int
-    seen: set[str] = field(default_factory=set)
-    num_tensors: int = 0
-    num_bytes: int = 0
+def check_plan(spec: WeightSpec, metas: Iterable, *, version: int, tp: int = 1) -> None:
+    """Checks a whole push against the engine before any byte moves: every required name exactly
+    once with the expected shape (full, or the TP shard with ``tp`` > 1), nothing unknown,
+    floating dtypes only. Raises WeightPushError naming every problem."""
+    expected = sharded_shapes({**spec.optional_shapes, **spec.shapes}, tp)
+    problems: dict[str, list[str]] = {}
+    seen: set[str] = set()
+    for meta in metas:
+        name, shape, dtype = meta.name, tuple(meta.shape), str(meta.dtype).removeprefix("torch.")
+        want = expected.get(name)
+        kind = ("unknown", name) if want is None else ("duplicate", name) if name in seen else \
+            ("shape", f"{name} pushed {shape}, engine expects {want}") if shape != want else \
+            ("dtype", f"{name} is {dtype}, expected a floating dtype") if not _floating(dtype) else None
+        seen.add(name)
+        if kind:
+            problems.setdefault(kind[0], []).append(kind[1])
+    missing = sorted(set(spec.shapes) - seen)
+    if missing:
+        problems["missing"] = missing
+    if problems:
+        raise _error(problems, version=version, source=spec.source)
 
-    def prepare(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> Bucket:
-        problems: dict[str, list[str]] = {}
-        out: Bucket = []
-        for name, tensor in bucket:
-            problem = self._problem(name, tensor)
-            if problem:
-                problems.setdefault(problem[0], []).append(problem[1])
-                continue
-            self.seen.add(name)
-            out.append((name, tensor.to(self.spec.dtype) if tensor.dtype != self.spec.dtype else tensor))
-        if problems:
-            raise self._error(problems)
-        self.num_tensors += len(out)
-        self.num_bytes += sum(t.numel() * t.element_size() for _, t in out)
-        return out
 
-    def finish(self) -> None:
-        missing = sorted(set(self.spec.shapes) - self.seen)
-        if missing:
-            raise self._error({"missing": missing})
+def checked_stream(stream: Iterable[tuple[str, torch.Tensor]], metas: list, *,
+                   dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields the stream's tensors cast to the engine ``dtype``, checking each against the plan
+    that was checked up front (same name, shape and order); raises RuntimeError at the first
+    divergence or when the stream ends early (the push is then broken half-way)."""
+    sent = 0
+    for name, tensor in stream:
+        want = metas[sent] if sent < len(metas) else None
+        if want is None or name != want.name or tuple(tensor.shape) != tuple(want.shape):
+            raise RuntimeError(f"weight stream diverged from its plan at tensor {sent}: got {name!r} "
+                               f"{tuple(tensor.shape)}, planned {want.name if want else 'nothing'!r} "
+                               f"{tuple(want.shape) if want else ''}")
+        sent += 1
+        yield name, tensor if tensor.dtype == dtype else tensor.to(dtype)
+    if sent != len(metas):
+        raise RuntimeError(f"weight stream ended after {sent} of {len(metas)} planned tensors")
 
-    def _problem(self, name: str, tensor: torch.Tensor) -> tuple[str, str] | None:
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            return "malformed", f"{name!r}: expected (str, Tensor), got {type(tensor).__name__}"
-        shape = self.spec.expected_shape(name)
-        if shape is None:
-            return "unknown", name
-        if name in self.seen:
-            return "duplicate", name
-        if tuple(tensor.shape) != shape:
-            return "shape", f"{name} pushed {tuple(tensor.shape)}, engine expects {shape}"
-        if not tensor.is_floating_point():
-            return "dtype", f"{name} is {tensor.dtype}, expected a floating dtype"
-        return None
 
-    def _error(self, problems: dict[str, list[str]]) -> WeightPushError:
-        parts = []
-        for kind, items in problems.items():
-            listed = ", ".join(items[:_MAX_LISTED]) + (", ..." if len(items) > _MAX_LISTED else "")
-            parts.append(f"{len(items)} {kind} ({listed})")
-        return WeightPushError(
-            f"weight push v{self.version} does not match the engine ({self.spec.source}): "
-            + "; ".join(parts) + ". Nothing was loaded; the engine keeps its previous weights. "
-            "Check that trainer and engine were built from the same HF config.")
+def _floating(dtype: str) -> bool:
+    return getattr(torch, dtype).is_floating_point
+
+
+def _error(problems: dict[str, list[str]], *, version: int, source: str) -> WeightPushError:
+    parts = []
+    for kind, items in problems.items():
+        listed = ", ".join(items[:_MAX_LISTED]) + (", ..." if len(items) > _MAX_LISTED else "")
+        parts.append(f"{len(items)} {kind} ({listed})")
+    return WeightPushError(
+        f"weight push v{version} does not match the engine ({source}): " + "; ".join(parts)
+        + ". Nothing was loaded; the engine keeps its previous weights. "
+        "Check that trainer and engine were built from the same HF config.")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -1,46 +1,47 @@
-"""Streaming export of a live TP/PP(/VPP)-sharded Megatron model as HF-named full tensors.
+"""Streaming export of a live TP/PP(/VPP)-sharded Megatron model as HF-named tensors.
 
-Used by HF export and by the per-step weight sync into vLLM. Data flow for one parameter::
+Used by the per-step weight push and by HF export. :class:`Exporter` first builds the push's
+:mod:`shard plan <megatron_gtpo.sync.shards>` (every parameter of the whole pipeline, one small
+metadata exchange over the gloo control group, cached: the model's structure never changes), so
+every rank knows the names, shapes and buckets of the whole push before any byte moves. Then it
+materialises one HF tensor at a time, on the ranks the delivery mode names::
 
-    owner PP stage: TP shards --(TP gather)--> global Megatron tensor --(PP broadcast/send)-->
-    destination ranks: strip vocabulary padding rows, split fused qkv / gate-up -->
-    (hf_name, tensor) pairs --> bucket
+    owner stage: each TP rank's piece of the HF tensor (its shard's q/k/v or gate/up slice)
+        --(TP gather: to all / to TP rank 0 / none in local mode)--> HF tensor
+        --(PP broadcast along the pipeline, full/local modes)--> consumer
 
-Yielded tensors have the HF shapes of config.json (``vocab_size`` rows for the embedding and
-lm_head, whatever padding the live model carries).
+Yielded tensors have the HF shapes of config.json: ``vocab_size`` rows for the embedding and
+lm_head, whatever padding the live model carries (padding rows never leave the trainer).
 
-Order is HF order (embeddings, layers 0..L-1 by global layer number, final norm, lm_head).
-Which ranks materialise full tensors:
-
-* ``dst_ranks="all"``: every rank (each data-parallel replica gathers within its own TP x PP
-  group), e.g. when every rank feeds a colocated inference worker.
-* ``dst_ranks="first"``: only global rank 0 (tp 0, pp 0, dp 0); the TP rank 0 of the owning
-  stage holds one full tensor transiently before sending it. Other data-parallel replicas do
-  no work at all; other ranks of replica 0 take part in the collectives and yield nothing.
-
-Every rank must exhaust the iterator (it runs collectives); peak extra memory is one bucket
-plus one gathered tensor. Parameters are exported in their model dtype; unsplit tensors of a
-TP=1/PP=1 model may alias the parameters, so treat the yielded tensors as read-only.
+Memory: the gather writes each rank's piece straight into the output tensor (row chunks), or passes
+one piece at a time through a piece-sized buffer (column chunks of row-parallel weights); a sender's
+output is a view of its bucket buffer. So a rank holds at most what its consumer has not released
+(a sender: one bucket) plus one HF tensor and one TP piece. Unsplit tensors of TP=1 models and
+shard-local tensors alias the parameters: treat yielded tensors as read-only.
+Every rank must exhaust its iterators (they run collectives) in the same order.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Literal
+from collections.abc import Iterator
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from megatron_gtpo.convert import mapping as mp
+from megatron_gtpo.models.hf_config import architecture_of, tied_embeddings
 from megatron_gtpo.parallel import control
 from megatron_gtpo.parallel.collectives import comm_device
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.models.hf_config import architecture_of, tied_embeddings
+from megatron_gtpo.sync.shards import (BucketPlan, Entry, Mode, TensorMeta, delivered, full_shape, hf_order, param_map,
+                                       plan_buckets, receives)
 from megatron_gtpo.train.model import layer_offset, unwrap
 
 
 def local_params(model_chunks: list[torch.nn.Module], *, family: str, tied: bool) -> dict:
-    """``{(ParamMap.local, global layer or None): (ParamMap, parameter)}`` for this rank's chunks.
-    The last stage's copy of a tied embedding is left out (the first stage's is the source)."""
+    """``{(ParamMap.local, global layer or None): parameter}`` for this rank's chunks. The last
+    stage's copy of a tied embedding is left out (the first stage's is the source)."""
     out = {}
     for chunk in model_chunks:
         model = unwrap(chunk)
@@ -49,115 +50,218 @@ def local_params(model_chunks: list[torch.nn.Module], *, family: str, tied: bool
             pm, local_layer = mp.find_param_map(name, family, tied=tied)
             if tied and pm.local == "output_layer.weight":
                 continue
-            layer = None if local_layer is None else offset + local_layer
-            out[(pm.local, layer)] = (pm, param)
+            out[(pm.local, None if local_layer is None else offset + local_layer)] = param
     return out
 
 
-def _hf_order(key: tuple[str, int | None], family: str) -> tuple:
-    """Sort key reproducing HF order: embedding, layers in order, final norm, lm_head."""
-    local, layer = key
-    if layer is not None:
-        return (1, layer, [pm.local for pm in mp.layer_maps(family)].index(local))
-    return (0, 0, 0) if local == "embedding.word_embeddings.weight" else (2, 0, int(local == "output_layer.weight"))
+class Exporter:
+    """One rank's view of the policy as a stream of HF tensors (see the module docstring)."""
 
+    def __init__(self, model_chunks: list[torch.nn.Module], *, hf_config: dict, dims: ParallelDims):
+        self.dims, self.family = dims, architecture_of(hf_config)
+        self.shapes = mp.shapes_of(hf_config)
+        self.params = local_params(model_chunks, family=self.family, tied=tied_embeddings(hf_config))
+        self._entries: list[Entry] | None = None
 
-def _global_shape(pm: mp.ParamMap, local_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    if pm.kind == mp.REPLICATED or tp == 1:
-        return local_shape
-    dim = 1 if pm.kind == mp.ROW else 0
-    return tuple(n * tp if i == dim else n for i, n in enumerate(local_shape))
+    @property
+    def entries(self) -> list[Entry]:
+        """Every parameter of the whole pipeline in HF order (gathered once, then cached)."""
+        if self._entries is None:
+            mine = [(local, layer, tuple(p.shape), str(p.dtype)) for (local, layer), p in self.params.items()]
+            gathered = control.all_gather_object((self.dims.pp_rank, self.dims.tp_rank, self.dims.dp_rank, mine))
+            stages = {pp: items for pp, tp, dp, items in gathered if tp == 0 and dp == 0}
+            entries = [Entry(local=local, layer=layer, owner=pp, shard_shape=shape, dtype=dtype)
+                       for pp, items in sorted(stages.items()) for local, layer, shape, dtype in items]
+            self._entries = sorted(entries, key=lambda e: hf_order(e.local, e.layer, self.family))
+        return self._entries
 
+    def receives(self, entry: Entry, mode: Mode) -> bool:
+        d = self.dims
+        return receives(mode, tp_rank=d.tp_rank, dp_rank=d.dp_rank, pp_rank=d.pp_rank, owner=entry.owner, rank=d.rank)
 
-def _plan(params: dict, *, family: str, dims: ParallelDims, pp_group) -> list[tuple]:
-    """Every parameter of the whole pipeline as ``(key, owner pp rank, local shape, dtype)`` in HF
-    order; one small all_gather_object among the pipeline stages (control plane)."""
-    mine = [(key, tuple(param.shape), str(param.dtype)) for key, (_, param) in params.items()]
-    gathered = control.all_gather_object(mine, over=pp_group) if dims.pp > 1 else [mine]
-    plan = [(key, owner, shape, dtype) for owner, entries in enumerate(gathered) for key, shape, dtype in entries]
-    return sorted(plan, key=lambda entry: _hf_order(entry[0], family))
+    def metas(self, mode: Mode) -> list[TensorMeta]:
+        """What :meth:`tensors` yields on this rank, in order: the push plan, before any byte moves."""
+        return [m for e in self.entries if self.receives(e, mode)
+                for m in delivered(e, mode, family=self.family, shapes=self.shapes, tp=self.dims.tp)]
 
+    def buckets(self, bucket_bytes: int) -> list[BucketPlan]:
+        """The ``senders`` push cut into buckets (identical on every rank)."""
+        return plan_buckets(self.entries, family=self.family, shapes=self.shapes, tp=self.dims.tp,
+                            bucket_bytes=bucket_bytes)
 
-def _tp_gather(pm: mp.ParamMap, shard: torch.Tensor, *, dims: ParallelDims, to_all: bool) -> torch.Tensor | None:
-    """Global tensor from this stage's TP shards: on every TP rank (to_all) or on TP rank 0 only."""
-    from megatron.core import parallel_state as ps
+    def pack(self, bucket: BucketPlan, buffer: torch.Tensor | None) -> bool:
+        """``senders`` mode: writes ``bucket`` into ``buffer`` (uint8, >= ``bucket.nbytes``) on its
+        sender, TP rank 0 of data-parallel replica 0 of the owner stage; the stage's other TP ranks
+        of that replica send their shards; everybody else does nothing. True on the sender."""
+        d = self.dims
+        if d.dp_rank != 0 or d.pp_rank != bucket.owner:
+            return False
+        metas = iter(bucket.tensors)
+        for index in bucket.entries:
+            entry = self.entries[index]
+            pm = param_map(entry.local, self.family)
+            for part in range(len(pm.hf)):
+                meta = next(metas)
+                self._gather(pm, entry, part, view_of(buffer, meta) if d.tp_rank == 0 else None, to_all=False)
+        return d.tp_rank == 0
 
-    if pm.kind == mp.REPLICATED or dims.tp == 1:
-        return shard.detach()
-    group = ps.get_tensor_model_parallel_group()
-    shard = shard.detach().contiguous()
-    parts = [torch.empty_like(shard) for _ in range(dims.tp)] if (to_all or dims.tp_rank == 0) else None
-    if to_all:
-        dist.all_gather(parts, shard, group=group)
-    else:
-        dist.gather(shard, parts, dst=dist.get_process_group_ranks(group)[0], group=group)
-    return mp.tp_unshard(pm, parts) if parts is not None else None
+    # ----------------------------------------------------------------------------- full / local / first
 
+    def tensors(self, mode: Literal["full", "local", "first"]) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF tensors in HF order on the receiving ranks of ``mode``, one at a time; collectives
+        only elsewhere."""
+        from megatron.core import parallel_state as ps
 
-def _materialise(pm: mp.ParamMap, entry: tuple, params: dict, *, dims: ParallelDims, to_all: bool,
-                 pp_group) -> torch.Tensor | None:
-    """The full global tensor of one plan entry on the ranks that need it, None elsewhere."""
-    key, owner, local_shape, dtype_name = entry
-    tensor = _tp_gather(pm, params[key][1], dims=dims, to_all=to_all) if owner == dims.pp_rank else None
+        pp_group = ps.get_pipeline_model_parallel_group() if self.dims.pp > 1 else None
+        for entry in self.entries:
+            pm = param_map(entry.local, self.family)
+            metas = delivered(entry, mode, family=self.family, shapes=self.shapes, tp=self.dims.tp)
+            for part, meta in enumerate(metas):
+                tensor = self._one(pm, entry, part, meta, mode=mode, pp_group=pp_group)
+                if tensor is not None:
+                    yield meta.name, tensor
+                    del tensor  # the consumer owns it now; hold nothing while making the next one
 
-    def empty() -> torch.Tensor:
-        dtype = getattr(torch, dtype_name.removeprefix("torch."))
-        return torch.empty(_global_shape(pm, local_shape, dims.tp), dtype=dtype, device=comm_device())
-
-    if to_all:
-        if dims.pp > 1:
-            tensor = tensor if tensor is not None else empty()
-            dist.broadcast(tensor, src=dist.get_process_group_ranks(pp_group)[owner], group=pp_group)
+    def _one(self, pm: mp.ParamMap, entry: Entry, part: int, meta: TensorMeta, *, mode: str, pp_group):
+        d = self.dims
+        mine = entry.owner == d.pp_rank
+        if mode == "first":
+            return self._to_first(pm, entry, part, meta, pp_group=pp_group)
+        if mode == "local" and pm.kind not in (mp.VOCAB, mp.REPLICATED):
+            tensor = self._part(pm, entry, part) if mine else None
+        else:
+            tensor = self._gather(pm, entry, part, None, to_all=True) if mine else None
+        if d.pp > 1:  # the owner stage's tensor goes to the same TP rank of every stage
+            tensor = _pp_broadcast(tensor, meta, owner=entry.owner, pp_group=pp_group)
         return tensor
-    if dims.tp_rank != 0:  # "first": only TP rank 0 of each stage moves data along the pipeline
-        return None
-    if dims.pp > 1 and owner != 0:
+
+    def _part(self, pm: mp.ParamMap, entry: Entry, part: int) -> torch.Tensor:
+        """This rank's piece of HF tensor ``part`` of a parameter (its TP shard's q/k/v or
+        gate/up slice; a copy only for q/k/v, whose rows interleave per KV group)."""
+        shard = self.params[(entry.local, entry.layer)].detach()
+        if pm.kind == mp.QKV:
+            hd, per = self.shapes.head_dim, self.shapes.heads // self.shapes.groups
+            tail = shard.shape[1:]
+            pieces = shard.view(-1, (per + 2) * hd, *tail).split([per * hd, hd, hd], dim=1)
+            return pieces[part].reshape(-1, *tail)
+        if pm.kind == mp.FC1:
+            return shard.chunk(2, dim=0)[part]
+        return shard
+
+    def _gather(self, pm: mp.ParamMap, entry: Entry, part: int, out: torch.Tensor | None, *,
+                to_all: bool) -> torch.Tensor | None:
+        """:meth:`_gather_tp` with a padded vocabulary's extra rows dropped: they never leave the
+        trainer (vLLM pads its own). A padded tensor is gathered whole first, then copied into ``out``."""
+        if pm.kind != mp.VOCAB or full_shape(pm, entry.shard_shape, self.dims.tp)[0] == self.shapes.vocab:
+            return self._gather_tp(pm, entry, part, out, to_all=to_all)
+        tensor = self._gather_tp(pm, entry, part, None, to_all=to_all)
+        if tensor is None:
+            return None
+        tensor = mp.strip_vocab(pm, tensor, self.shapes.vocab)
+        return tensor if out is None else out.copy_(tensor)
+
+    def _gather_tp(self, pm: mp.ParamMap, entry: Entry, part: int, out: torch.Tensor | None, *,
+                   to_all: bool) -> torch.Tensor | None:
+        """HF tensor ``part`` of a parameter of this stage, gathered from the TP ranks into ``out``
+        (allocated when None) on every TP rank (``to_all``) or on TP rank 0 only. Row chunks land
+        directly in place; column chunks (row-parallel weights) pass one shard at a time."""
+        d = self.dims
+        piece = self._part(pm, entry, part)
+        here = to_all or d.tp_rank == 0
+        if d.tp == 1 or pm.kind == mp.REPLICATED:
+            if not here:
+                return None
+            return piece if out is None else out.copy_(piece)
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+        ranks = dist.get_process_group_ranks(group)
+        dim = 1 if pm.kind == mp.ROW else 0
+        if here and out is None:
+            shape = tuple(n * d.tp if i == dim else n for i, n in enumerate(piece.shape))
+            out = torch.empty(shape, dtype=piece.dtype, device=piece.device)
+        piece = piece.contiguous()
+        if dim == 0 and piece.is_cuda and to_all:  # NCCL writes every rank's rows in place
+            dist.all_gather_into_tensor(out, piece, group=group)
+        elif dim == 0 and piece.is_cuda:
+            dist.gather(piece, list(out.chunk(d.tp, dim=0)) if here else None, dst=ranks[0], group=group)
+        else:  # gloo's gathers stage through a full-size temporary: go rank by rank instead
+            _gather_chunks(piece, out, dim=dim, tp_rank=d.tp_rank, ranks=ranks, group=group, to_all=to_all)
+        return out if here else None
+
+    def _to_first(self, pm, entry: Entry, part: int, meta: TensorMeta, *, pp_group) -> torch.Tensor | None:
+        """Full tensors on global rank 0 only: TP gather to TP rank 0 of the owner stage, then a
+        point-to-point send to stage 0 when the owner is another stage."""
+        d = self.dims
+        if d.dp_rank != 0:
+            return None
+        tensor = self._gather(pm, entry, part, None, to_all=False) if entry.owner == d.pp_rank else None
+        if d.tp_rank != 0:
+            return None
+        if d.pp == 1 or entry.owner == 0:
+            return tensor if d.pp_rank == 0 else None
         ranks = dist.get_process_group_ranks(pp_group)
-        if dims.pp_rank == owner:
-            dist.send(tensor, dst=ranks[0])
-        elif dims.pp_rank == 0:
-            tensor = empty()
-            dist.recv(tensor, src=ranks[owner])
-    return tensor if dims.pp_rank == 0 else None
+        if d.pp_rank == entry.owner:
+            dist.send(tensor.contiguous(), dst=ranks[0])
+        elif d.pp_rank == 0:
+            tensor = _empty(meta)
+            dist.recv(tensor, src=ranks[entry.owner])
+            return tensor
+        return None
+
+
+def _gather_chunks(piece: torch.Tensor, out: torch.Tensor | None, *, dim: int, tp_rank: int, ranks: list[int],
+                   group, to_all: bool) -> None:
+    """Chunk r of ``out`` along ``dim`` from TP rank r's ``piece``, one rank at a time (a broadcast
+    from each, or point-to-point to TP rank 0): row chunks are received in place, column chunks
+    through one piece-sized buffer."""
+    tp = len(ranks)
+    buffer = torch.empty_like(piece) if dim and (to_all or tp_rank == 0) else None
+    for r in range(tp):
+        dst = None if out is None else out.chunk(tp, dim=dim)[r]
+        land = buffer if dim else dst  # a row chunk is contiguous: receive straight into it
+        if to_all:
+            dist.broadcast(piece if tp_rank == r else land, src=ranks[r], group=group)
+        elif tp_rank == 0 and r:
+            dist.recv(land, src=ranks[r], group=group)
+        elif tp_rank == r and r:
+            dist.send(piece, dst=ranks[0], group=group)
+        if dst is not None and (tp_rank == r or dim):
+            dst.copy_(piece if tp_rank == r else buffer)
+
+
+def view_of(buffer: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    """The tensor ``meta`` describes, as a view into a packed uint8 bucket buffer."""
+    dtype = getattr(torch, meta.dtype.removeprefix("torch."))
+    nbytes = meta.numel * torch.empty((), dtype=dtype).element_size()
+    return buffer[meta.offset:meta.offset + nbytes].view(dtype).view(meta.shape)
+
+
+def _empty(meta: TensorMeta) -> torch.Tensor:
+    return torch.empty(meta.shape, dtype=getattr(torch, meta.dtype.removeprefix("torch.")), device=comm_device())
+
+
+def _pp_broadcast(tensor: torch.Tensor | None, meta: TensorMeta, *, owner: int, pp_group) -> torch.Tensor:
+    tensor = _empty(meta) if tensor is None else tensor.contiguous()
+    dist.broadcast(tensor, src=dist.get_process_group_ranks(pp_group)[owner], group=pp_group)
+    return tensor
 
 
 def export_hf_weights(model_chunks: list[torch.nn.Module], *, hf_config: dict, dims: ParallelDims,
                       bucket_bytes: int = 256 << 20,
                       dst_ranks: Literal["all", "first"] = "all") -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yields buckets (lists of ``(hf_name, full_tensor)``, about ``bucket_bytes`` each, a larger
-    tensor alone) covering the whole model in HF order; see the module docstring for which ranks
-    receive buckets. No ``lm_head.weight`` when embeddings are tied."""
-    from megatron.core import parallel_state as ps
-
+    """The whole model as buckets of ``(hf_name, full_tensor)`` (about ``bucket_bytes`` each, a
+    larger tensor alone), in HF order: on every rank (``all``) or on global rank 0 (``first``);
+    other ranks take part in the collectives and yield nothing. No ``lm_head`` when tied."""
     if dst_ranks not in ("all", "first"):
         raise ValueError(f"dst_ranks={dst_ranks!r}: expected 'all' or 'first'")
-    to_all = dst_ranks == "all"
-    if not to_all and dims.dp_rank != 0:
-        return
-    family, tied = architecture_of(hf_config), tied_embeddings(hf_config)
-    shapes, vocab = mp.shapes_of(hf_config), int(hf_config["vocab_size"])
-    pp_group = ps.get_pipeline_model_parallel_group() if dims.pp > 1 else None
-    params = local_params(model_chunks, family=family, tied=tied)
     bucket, size = [], 0
-    for entry in _plan(params, family=family, dims=dims, pp_group=pp_group):
-        (local, layer) = entry[0]
-        pm = _map_for(local, family)
-        tensor = _materialise(pm, entry, params, dims=dims, to_all=to_all, pp_group=pp_group)
-        if tensor is None:
-            continue
-        tensor = mp.strip_vocab(pm, tensor, vocab)  # padding rows never leave the trainer
-        for name, part in zip(mp.hf_names(pm, layer), mp.split(pm, tensor, shapes)):
-            bucket.append((name, part))
-            size += part.nbytes
+    for name, tensor in Exporter(model_chunks, hf_config=hf_config, dims=dims).tensors(
+            "full" if dst_ranks == "all" else "first"):
+        bucket.append((name, tensor))
+        size += tensor.nbytes
         if size >= bucket_bytes:
             yield bucket
             bucket, size = [], 0
     if bucket:
         yield bucket
-
-
-def _map_for(local: str, family: str) -> mp.ParamMap:
-    for pm in mp.pre_maps() + mp.layer_maps(family) + mp.post_maps(tied=False):
-        if pm.local == local:
-            return pm
-    raise KeyError(local)

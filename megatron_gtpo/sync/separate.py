@@ -1,172 +1,162 @@
-"""Separate transport: the engine runs in its own process and receives weights over a process group.
+"""Separate transport: weights go from the trainer ranks that own them straight to every rollout server.
 
-    trainer rank 0: exporter buckets --check + cast to engine dtype--> pack --gloo send--> engine
-                    process: stage --"commit"--> vLLM in-place reload
-    other ranks:    drain their exporter output (its collectives need them), then learn rank 0's outcome
+    every rank    the push plan: buckets of whole parameters of one pipeline stage (shards.plan_buckets)
+    rank 0        waits for a generate call in flight (``rollout.staleness: 1``): it finishes on the
+                  weights it started with, then the push begins (a server serves one version at a time)
+    rank 0        ("plan", ...) to every server: the whole push checked before any byte moves
+    senders       TP rank 0 of DP replica 0 of each stage gathers its stage's buckets one at a time
+                  into one reused buffer and sends each to every server (one transfer group per
+                  server: NCCL on GPU, gloo on CPU), all servers at once
+    servers       stage what arrives in host memory (sync/receiver.py), answer "received"
+    rank 0        every rank reports its failures (gloo control group); commit everywhere, or abort
+                  everywhere: a push that fails anywhere before the commit leaves every server on
+                  its previous version, and the step fails naming the failed server's host
 
-:class:`SeparateEngine` owns the process (spawned from trainer rank 0, outside the torchrun world)
-and mirrors :class:`~megatron_gtpo.rollout.engine.RolloutEngine`'s API, so the driver generates
-through it exactly as through a local engine. Control messages go over a pipe; tensor bytes go over
-a dedicated two-party gloo group on its own TCP store (a network transport, unlike shared memory).
-With CUDA tensors this path still works, staging through host memory; the fast GPU data plane
-would be vLLM's NCCL weight-transfer engine, which is not wired in yet (no GPU to test it here).
-
-The trainer packs bucket k+1 while bucket k is on the wire. The engine keeps every received bucket
-until the push is complete (one extra copy of the weights in the engine process) and then reloads
-in one call; a push rejected by either side leaves the engine on its previous version.
+A sender whose export fails keeps sending (its buffer's stale bytes) so that no server waits for a
+bucket that never comes; the push is aborted anyway. A server that dies is skipped by the senders
+(the others still get the whole push, then drop it). The one window that is not all-or-nothing is
+the commit itself (each server's local reload from its own staging): a server that dies there is
+reported, while the others may already serve the new version.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-from collections.abc import Iterable, Sequence
+import uuid
+from dataclasses import asdict
 
-from megatron_gtpo.rollout.engine import call_seed, prompt_seeds
-from megatron_gtpo.sync.base import ExportPlan, PushTimer, SyncStats, WeightSync, agree, drain
-from megatron_gtpo.sync.checks import Bucket, PushChecker, WeightPushError, WeightSpec
-from megatron_gtpo.sync.engine_server import serve
-from megatron_gtpo.sync.wire import open_group, pack, tcp_store
-from megatron_gtpo.types import Completion, Prompt
+import torch
+
+from megatron_gtpo.parallel.collectives import comm_device
+from megatron_gtpo.parallel import control
+from megatron_gtpo.sync.base import ExportPlan, PushSource, PushTimer, SyncStats, WeightSync
+from megatron_gtpo.sync.checks import WeightPushError
+from megatron_gtpo.sync.pool import RolloutPool, ServerError
+from megatron_gtpo.sync.shards import BucketPlan, push_bytes
+from megatron_gtpo.sync.wire import open_group, tcp_store
 
 
-class EngineProcessError(RuntimeError):
-    """The engine process failed to start, died, or did not answer in time."""
+class PoolSync(WeightSync):
+    """Pushes into every server of a :class:`RolloutPool` (``pool`` is None except on rank 0)."""
 
+    mode = "senders"
 
-class SeparateEngine:
-    """A RolloutEngine in a child process: same generate/tokenizer/weight_version API."""
+    def __init__(self, pool: RolloutPool | None, export: ExportPlan, *, timeout_s: float):
+        super().__init__(export)
+        self._pool, self._timeout = pool, timeout_s
+        dims = export.dims
+        self.servers = control.broadcast_object([(link.address, link.info) for link in pool.links] if pool else None)
+        """(address, hello info) of every server, on every rank."""
+        self._stage = dims.pp_rank if dims.tp_rank == 0 and dims.dp_rank == 0 else None
+        self._groups = self._join(prefix=control.broadcast_object(f"mgtpo-{uuid.uuid4().hex}"), stages=dims.pp)
 
-    def __init__(self, *, model_dir: str, vllm_kwargs: dict | None = None, seed: int = 0,
-                 timeout_s: float = 900.0, host: str = "127.0.0.1"):
-        self._model_dir, self._seed, self._calls, self._timeout = str(model_dir), seed, 0, timeout_s
-        self._tokenizer = None
-        ctx = mp.get_context("spawn")  # fork would copy the trainer's threads and process groups
-        self._conn, child = ctx.Pipe()
-        store = tcp_store(host, 0, is_master=True, timeout_s=timeout_s)
-        self._proc = ctx.Process(target=serve, daemon=True, kwargs=dict(
-            conn=child, model_dir=self._model_dir, vllm_kwargs=dict(vllm_kwargs or {}), seed=seed,
-            host=host, port=store.port, timeout_s=timeout_s))
-        self._proc.start()
-        child.close()
-        self._group = open_group(store, rank=0, world=2, timeout_s=timeout_s)
-        self._store = store
-        reply = self._recv()
-        if reply[0] != "ready":
-            raise EngineProcessError(f"rollout engine process failed to start:\n{reply[1]}")
-        self.weight_spec = WeightSpec.from_model_dir(self._model_dir, dtype=reply[1])
-        """Names and shapes a push must hold, in the engine's dtype (checked here, before sending)."""
-        self._version: int = reply[2]
+    def _join(self, *, prefix: str, stages: int) -> list:
+        """One transfer group per server: the senders (group ranks 0..stages-1) and the server's
+        vLLM workers (the next ``tp`` ranks). Every server joins in parallel."""
+        if self._pool is not None:
+            for index, link in enumerate(self._pool.links):
+                link.send(("join", f"{prefix}/{index}", stages + link.info["tp"], stages))
+        groups = []
+        if self._stage is not None:
+            for index, (address, info) in enumerate(self.servers):
+                host, _, port = address.rpartition(":")
+                store = tcp_store(host, int(port) + 1, is_master=False, timeout_s=self._timeout)
+                groups.append(open_group(store, prefix=f"{prefix}/{index}", rank=self._stage, world=stages + info["tp"],
+                                         timeout_s=self._timeout, device=comm_device()))
+        if self._pool is not None:
+            for link in self._pool.links:
+                link.recv()
+        return groups
 
-    @property
-    def tokenizer(self):
-        """The model directory's Hugging Face tokenizer (loaded here; the engine has its own)."""
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
+    def push(self, source: PushSource, *, version: int) -> SyncStats:
+        waited = self._finish_generation()
+        timer = PushTimer()
+        plan = source.buckets(self.bucket_bytes)
+        metas = [m for bucket in plan for m in bucket.tensors]
+        self._decide(waited or self._on_servers(("plan", version, metas)), version)
+        timer.phase("plan")
+        if self._pool is not None:
+            wire = [(b.owner, b.nbytes, [asdict(m) for m in b.tensors]) for b in plan]
+            for link in self._pool.links:
+                link.send(("receive", version, wire, {stage: stage for stage in range(self._export.dims.pp)}))
+        failures = self._stream(source, plan)
+        if self._pool is not None:
+            failures.update(self._on_servers(None))
+        failures = {k: v for part in control.all_gather_object(failures) for k, v in part.items()}
+        timer.phase("transfer")  # export, packing, the sends and every server's staging
+        if failures:
+            self._on_servers(("abort",), skip=failures, timeout_s=60)
+            self._decide(failures, version, what="aborted on every server; they keep serving the previous version")
+        self._decide(self._on_servers(("commit", version)), version, what="commit failed")
+        timer.phase("load")  # every server's vLLM reload from its staging
+        return timer.stats(version=version, num_tensors=len(metas), num_bytes=push_bytes(metas))
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
-        return self._tokenizer
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
-    def generate(self, prompts: list[Prompt], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, stop: list[str] | None = None, seed: int | None = None) -> list[Completion]:
-        """As :meth:`RolloutEngine.generate` (same seeds for the same engine seed and call count)."""
-        if seed is None:
-            seed = call_seed(self._seed, self._calls)
-        self._calls += 1
-        return self.sample(prompts, seeds=prompt_seeds(seed, len(prompts), n), n=n,
-                           temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop)
-
-    def sample(self, prompts: Sequence[Prompt], *, seeds: Sequence[int], **sampling) -> list[Completion]:
-        self._conn.send(("sample", dict(prompts=list(prompts), seeds=list(seeds), **sampling)))
-        return self._result()
-
-    def push(self, buckets: Iterable[Bucket], *, version: int) -> tuple[int, int]:
-        """Sends one whole push; returns (tensors, bytes). Raises WeightPushError if rejected."""
-        if not isinstance(version, int) or version < self._version:
-            drain(iter(buckets))
-            raise ValueError(f"weight version must be an int >= the served version {self._version}, got {version!r}")
-        checker = PushChecker(self.weight_spec, version)
-        self._conn.send(("push", version))
-        it, pending = iter(buckets), None
+    def _finish_generation(self) -> dict[str, str]:
+        """Rank 0: waits for a generate call in flight (one-step-off rollouts), which thus ends on the
+        weights it started with; its failure, by address (the push is then refused everywhere)."""
         try:
-            for bucket in it:
-                bucket = checker.prepare(bucket)
-                if not bucket:
-                    continue
-                buffer, metas = pack(bucket)  # overlaps with the previous bucket's send
-                if pending is not None:
-                    pending[0].wait()
-                self._conn.send(("bucket", metas))
-                pending = (self._group.send([buffer], 1, 0), buffer)  # the buffer lives until sent
-            checker.finish()
-            if pending is not None:
-                pending[0].wait()
-        except BaseException:
-            if pending is not None:
-                pending[0].wait()
-            self._conn.send(("abort",))
-            self._result()
-            drain(it)
-            raise
-        self._conn.send(("commit",))
-        self._version = self._result(WeightPushError)
-        return checker.num_tensors, checker.num_bytes
+            if self._pool is not None:
+                self._pool.drain()
+        except (ServerError, WeightPushError) as err:
+            return {"generate call in flight": str(err)}
+        return {}
 
-    def sleep(self) -> None:
-        """Nothing to give back: the engine does not share the trainer's devices."""
+    def _stream(self, source: PushSource, plan: list[BucketPlan]) -> dict[str, str]:
+        """Packs and sends every bucket (senders), or takes part in the packing gathers."""
+        failures: dict[str, str] = {}
+        mine = [b.nbytes for b in plan if b.owner == self._stage]
+        buffer = torch.empty(max(mine), dtype=torch.uint8, device=comm_device()) if mine else None
+        for bucket in plan:
+            try:
+                sender = source.pack(bucket, buffer)
+            except Exception as err:  # noqa: BLE001 - still send: the servers wait for this bucket
+                sender = bucket.owner == self._stage
+                failures[f"export on rank {control.world()[0]}"] = f"{type(err).__name__}: {err}"
+            if sender:
+                self._send(buffer[:bucket.nbytes], failures)
+        return failures
+
+    def _send(self, data: torch.Tensor, failures: dict[str, str]) -> None:
+        """One bucket to every live server at once."""
+        works, stages = [], self._export.dims.pp
+        for (address, info), group in zip(self.servers, self._groups):
+            if address in failures:
+                continue
+            try:
+                works += [(address, group.send([data], stages + worker, 0)) for worker in range(info["tp"])]
+            except RuntimeError as err:
+                failures[address] = f"send failed: {err}"
+        for address, work in works:
+            try:
+                work.wait()
+            except RuntimeError as err:
+                failures.setdefault(address, f"send failed: {err}")
+
+    def _on_servers(self, request: tuple | None, *, skip: dict | None = None, timeout_s: float | None = None
+                    ) -> dict[str, str]:
+        """Rank 0 sends ``request`` to every server (not in ``skip``) at once, then collects every
+        answer (``request`` None: only collects), so the servers work in parallel; returns the
+        failures by address."""
+        links = [k for k in (self._pool.links if self._pool is not None else []) if not (skip and k.address in skip)]
+        failures: dict[str, str] = {}
+        for link in links if request is not None else []:
+            try:
+                link.send(request)
+            except ServerError as err:
+                failures[link.address] = str(err)
+        for link in links:
+            if link.address not in failures:
+                try:
+                    link.recv(timeout_s)
+                except (ServerError, WeightPushError) as err:
+                    failures[link.address] = str(err)
+        return failures
+
+    def _decide(self, failures: dict[str, str], version: int, what: str = "rejected before any byte moved") -> None:
+        """Rank 0's verdict on every rank: raises WeightPushError naming each failed server."""
+        failures = control.broadcast_object(failures)
+        if failures:
+            listed = "; ".join(f"{where}: {msg}" for where, msg in failures.items())
+            raise WeightPushError(f"weight push v{version} {what}. Failed: {listed}")
 
     def close(self) -> None:
-        if self._proc.is_alive():
-            try:
-                self._conn.send(("close",))
-                self._recv()
-            except (EngineProcessError, OSError):
-                pass
-            self._proc.join(timeout=60)
-        if self._proc.is_alive():
-            self._proc.kill()
-        self._conn.close()
-
-    def _recv(self):
-        if not self._conn.poll(self._timeout):
-            raise EngineProcessError(f"rollout engine process did not answer within {self._timeout:.0f} s "
-                                     f"(alive={self._proc.is_alive()}, exitcode={self._proc.exitcode})")
-        try:
-            return self._conn.recv()
-        except EOFError:
-            raise EngineProcessError(f"rollout engine process died (exitcode={self._proc.exitcode})") from None
-
-    def _result(self, error_type: type[Exception] = EngineProcessError):
-        reply = self._recv()
-        if reply[0] == "ok":
-            return reply[1]
-        kind, _, message = reply[1].partition(": ")
-        if kind in ("WeightPushError", "ValueError"):  # the caller's mistake: same type as in-process
-            raise (WeightPushError if kind == "WeightPushError" else ValueError)(message)
-        raise error_type(f"rollout engine process: {reply[1]}\n{reply[2]}")
-
-
-class SeparateSync(WeightSync):
-    """Pushes from trainer rank 0 into a :class:`SeparateEngine`; other ranks pass ``None``."""
-
-    dst_ranks = "first"
-
-    def __init__(self, engine: SeparateEngine | None, export: ExportPlan):
-        super().__init__(export)
-        self._engine = engine
-
-    def push(self, buckets: Iterable[Bucket], *, version: int) -> SyncStats:
-        timer = PushTimer()
-        if self._engine is None:
-            drain(iter(buckets))
-            return agree(None)
-        error, stats = None, None
-        try:
-            num_tensors, num_bytes = self._engine.push(buckets, version=version)
-            stats = timer.stats(version=version, num_tensors=num_tensors, num_bytes=num_bytes)
-        except (WeightPushError, EngineProcessError, ValueError) as err:
-            error = err
-        return agree(error, stats)
+        self._groups = []

@@ -153,17 +153,19 @@ def test_bad_sampling_arguments(engine, prompts):
 
 
 def test_colocated_push_and_rejections(engine, prompts, hf_model):
-    """Single-process push of HF buckets; every rejected push leaves version and outputs unchanged."""
-    from megatron_gtpo.sync import ColocatedSync, WeightPushError, WeightSpec
+    """Single-process push of HF tensors: rejected plans leave version and outputs unchanged; a push
+    that crashes half-way (streamed into vLLM) makes the engine refuse to generate until a complete
+    push repairs it."""
+    from megatron_gtpo.sync import ColocatedSync, ListSource, WeightPushError, WeightSpec
 
-    sync = ColocatedSync(engine, export=None)  # push() only: the buckets come from the test, not the exporter
+    sync = ColocatedSync(engine, export=None)  # push() only: the tensors come from the test, not the exporter
     gen = torch.Generator().manual_seed(0)
     # Like the exporter, no lm_head.weight: it is the embedding. The engine's output layer must
     # follow the pushed embedding (vLLM's CPU GEMM keeps a packed copy: see _repack_tied_cpu_gemms).
     new = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in hf_model.state_dict().items()
            if k != "lm_head.weight"}
     items = list(new.items())
-    stats = sync.push([items[i:i + 6] for i in range(0, len(items), 6)], version=1)
+    stats = sync.push(ListSource([items[i:i + 6] for i in range(0, len(items), 6)]), version=1)
     assert (stats.version, stats.num_tensors, stats.num_bytes) == (1, len(items), WeightSpec.from_model_dir(engine.model_dir, dtype=engine.dtype).num_bytes)
     hf_model.load_state_dict(new, strict=False)  # the tied lm_head follows the embedding
     served = engine.generate(prompts[:2], n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=10, seed=2)
@@ -172,21 +174,29 @@ def test_colocated_push_and_rejections(engine, prompts, hf_model):
         want = reference_logprobs(hf_model, c, TEMPERATURE)
         assert (torch.tensor(c.logprobs, dtype=torch.float64) - want).abs().max() < 1e-4
 
-    def crashing():
-        yield items[:6]
-        raise RuntimeError("exporter crashed")
+    class Crashing(ListSource):
+        def tensors(self, mode):
+            yield from self.items[:6]
+            raise RuntimeError("exporter crashed")
 
-    bad_pushes = [
-        ([[(n, t[:, :64] if n == "model.embed_tokens.weight" else t) for n, t in items]], WeightPushError, "shape"),
-        ([items[:-2]], WeightPushError, "2 missing"),
-        ([items, [("model.layers.7.mlp.up_proj.weight", torch.zeros(256, 128))]], WeightPushError, "unknown"),
-        (crashing(), RuntimeError, "exporter crashed"),
+    bad_plans = [
+        ([[(n, t[:, :64] if n == "model.embed_tokens.weight" else t) for n, t in items]], "shape"),
+        ([items[:-2]], "2 missing"),
+        ([items, [("model.layers.7.mlp.up_proj.weight", torch.zeros(256, 128))]], "unknown"),
     ]
-    for buckets, error, match in bad_pushes:
-        with pytest.raises(error, match=match):
-            sync.push(buckets, version=2)
+    for buckets, match in bad_plans:
+        with pytest.raises(WeightPushError, match=match):
+            sync.push(ListSource(buckets), version=2)
         assert engine.weight_version == 1
     again = engine.generate(prompts[:2], n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=10, seed=2)
     assert [(c.token_ids, c.logprobs) for c in again] == [(c.token_ids, c.logprobs) for c in served]
+    with pytest.raises(WeightPushError, match="exporter crashed"):
+        sync.push(Crashing([items]), version=2)
+    with pytest.raises(RuntimeError, match="unusable"):  # half of the layers were rewritten: never served
+        engine.generate(prompts[:2], n=1, temperature=TEMPERATURE, top_p=1.0, max_tokens=4)
+    sync.push(ListSource([items]), version=2)  # a complete push repairs it
+    again = engine.generate(prompts[:2], n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=10, seed=2)
+    assert [(c.token_ids, c.logprobs) for c in again] == [(c.token_ids, c.logprobs) for c in served]
+    assert {c.weight_version for c in again} == {2}
     with pytest.raises(ValueError, match="version"):
-        engine.load_weights(items, version=0)  # older than what is served
+        engine.load_weights(items, version=1)  # older than what is served

@@ -119,19 +119,37 @@ def test_train_usr1_checkpoints_requeues_and_resumes(cluster, job_dir):
     assert (out_dir / "logs" / "train-r1-node0.log").exists()
 
 
-def test_train_separate_rollout_node(cluster, job_dir):
-    """ROLLOUT_NODES=1: the last node runs ROLLOUT_CMD, the trainer only the first; both see the host list."""
-    env = standin_env(job_dir, NPROC_PER_NODE="1", STEPS="2", ROLLOUT_NODES="1")
-    env["ROLLOUT_CMD"] = f"{env['MGTPO_CLI']} rollout-server --port 8000"
+def test_train_rollout_nodes_start_servers_and_point_the_trainer_at_them(cluster, job_dir):
+    """ROLLOUT_NODES=1: the last node runs one `megatron-gtpo rollout-server` on the resolved config;
+    the trainer runs on the first with sync.transport=separate and the servers' host and port; the
+    GPU launch settings (one interface setting for NCCL and gloo, node-local compile caches) reach
+    every step."""
+    env = standin_env(job_dir, NPROC_PER_NODE="1", STEPS="2", ROLLOUT_NODES="1", ROLLOUT_PORT="41234",
+                      NET_IFNAME="lo")
     job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml",
                  options=("--nodes=2", "--gpus-per-node=0", "--time=00:10:00"), env=env)
     info = cluster.wait(job, timeout=300)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), batch_log(job_dir, job)
+    out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
+    [prep] = records(job_dir, "prepare")
+    assert prep["argv"][:3] == ["train", "configs/tiny.yaml", "sync.transport=separate"]
     [server] = records(job_dir, "rollout-server")
     [rank] = records(job_dir, "start")
-    assert server["env"]["SLURMD_NODENAME"] == "node2" and server["argv"] == ["rollout-server", "--port", "8000"]
+    assert server["env"]["SLURMD_NODENAME"] == "node2"
+    assert server["argv"] == ["rollout-server", str(out_dir / "config.yaml"), "--port", "41234"]
     assert (rank["env"]["SLURMD_NODENAME"], rank["env"]["WORLD_SIZE"]) == ("node1", "1")
     assert rank["env"]["MGTPO_ROLLOUT_HOSTS"] == server["env"]["MGTPO_ROLLOUT_HOSTS"] == "127.0.0.1"
+    assert rank["env"]["MGTPO_ROLLOUT_PORT"] == "41234"
+    for rec in (server, rank):
+        assert rec["env"]["NCCL_SOCKET_IFNAME"] == rec["env"]["GLOO_SOCKET_IFNAME"] == "lo"
+        assert rec["env"]["VLLM_CACHE_ROOT"] == f"/tmp/mgtpo-{job}/vllm"
+        assert rec["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] is None  # GPU jobs only
+
+
+def test_train_header_requests_a_preemption_lead_for_a_step_and_a_checkpoint():
+    text = (SLURM_DIR / "train.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@600" in text
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-500}" in text  # below the lead
 
 
 @pytest.mark.parametrize("extra, message", [

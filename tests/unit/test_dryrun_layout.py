@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_gtpo.plan.layout import LayoutError, plan_layout
-from megatron_gtpo.plan.memory import check_memory, estimate_memory, stage_params
+from megatron_gtpo.plan.layout import LayoutError, LayoutRequest
+from megatron_gtpo.plan.layout import plan_layout as _plan
+from megatron_gtpo.plan.memory import (GIB, EngineBudget, MemorySizes, check_engine_start, check_memory,
+                                       estimate_memory, stage_params)
 from megatron_gtpo.models.shape import load_model_shape, shape_from_hf_config
 from megatron_gtpo.utils.configuration import ConfigError
 from tests.helpers import REPO
@@ -17,6 +19,10 @@ QWEN = load_model_shape(REPO / "configs" / "models" / "qwen2.5-32b.json")
 LLAMA_2X8 = dict(shape=LLAMA, nodes=2, gpus_per_node=8, tp=2, pp=1, vpp=None, dp=8, placement="colocated",
                  rollout_tp=1, engines=None, prompts_per_step=64, group_size=8, micro_batch_size=4,
                  max_prompt_tokens=1024, max_completion_tokens=1024)
+
+
+def plan_layout(**fields):
+    return _plan(LayoutRequest(**fields))
 
 
 def test_parameter_counts_match_the_published_checkpoints():
@@ -96,11 +102,13 @@ def test_each_rule(change, message):
     assert message in str(err.value)
 
 
-def test_separate_placement_takes_whole_nodes_from_the_trainer():
+def test_separate_placement_gives_each_rollout_server_a_node_of_its_own():
     lay = plan_layout(**{**LLAMA_2X8, "nodes": 3, "placement": "separate", "engines": 1, "rollout_tp": 4})
     assert (lay.trainer_nodes, lay.rollout_nodes, lay.world, lay.engines) == (2, 1, 16, 1)
     assert lay.sequences_per_engine == 512
-    assert any("4 GPU(s) of the rollout node(s) stay idle" in w for w in lay.warnings)
+    assert any("leaves 4 GPU(s) of its node idle" in w for w in lay.warnings)
+    lay = plan_layout(**{**LLAMA_2X8, "nodes": 4, "placement": "separate", "engines": 2, "rollout_tp": 8})
+    assert (lay.trainer_nodes, lay.rollout_nodes, lay.engines, lay.sequences_per_engine) == (2, 2, 2, 256)
 
 
 def test_vllm_replicates_kv_heads_beyond_their_count():
@@ -122,27 +130,65 @@ def test_memory_estimate_llama3_8b_tp2_by_hand():
     block = 4096 * (2048 + 2 * 512) + 2048 * 4096 + 3 * 4096 * 14336 // 2 + 2 * 4096
     params = 32 * block + 2 * 128_256 * 4096 // 2 + 4096  # + embedding and output halves + final norm
     assert stage_params(LLAMA, lay) == params == 4_015_263_744
-    mem = estimate_memory(shape=LLAMA, layout=lay, param_bytes=2, grad_bytes=4, optimizer="adam",
-                          distributed_optimizer=True, gpu_memory_gib=80, gpu_memory_utilization=0.5)
+    mem = estimate_memory(LLAMA, lay, MemorySizes(distributed_optimizer=True, gpu_memory_utilization=0.5))
     assert (mem.weights, mem.grads, mem.optimizer) == (2 * params, 4 * params, 12 * params // 8)
-    assert mem.logits == 4 * 2048 * (128_256 // 2) * 4
+    assert mem.logits == 4 * 2048 * (128_256 // 2) * (4 + 2 * 2)  # fp32 + two bf16 copies
     assert mem.rollout_weights == 2 * 8_030_261_248 - 2 * 4096  # the engine keeps no final-norm-free copy
+    # vLLM's layer-wise reload holds one TP=1 layer; one gathered tensor: the 128256 x 4096 embedding
+    assert mem.push == 2 * LLAMA.layer_params(1) + 2 * 128_256 * 4096
     assert mem.kv_per_sequence == 2048 * 2 * 32 * 8 * 128 * 2  # tokens x (K,V) x layers x KV heads x dim x bf16
     assert mem.kv_needed == 32 * mem.kv_per_sequence
+    assert mem.trainer_resident == mem.weights + mem.grads + mem.optimizer and not mem.planned
+    assert mem.push_phase == mem.trainer_resident + mem.rollout_weights + mem.push
     assert check_memory(mem, lay) == ([], [])
 
 
-def test_memory_that_cannot_fit_is_rejected_and_colocation_is_flagged():
+def test_planned_vllm_share_is_what_the_rollout_phase_leaves():
+    lay = plan_layout(**LLAMA_2X8)
+    mem = estimate_memory(LLAMA, lay, MemorySizes(distributed_optimizer=True))
+    left = (80 * GIB * 0.95 - mem.trainer_resident) / (80 * GIB)
+    assert mem.planned and mem.gpu_memory_utilization == int(left * 100) / 100 == 0.59
+    assert check_memory(mem, lay) == ([], [])
+    offloaded = estimate_memory(LLAMA, lay, MemorySizes(distributed_optimizer=True, offload_trainer=True))
+    assert offloaded.trainer_resident == offloaded.weights and offloaded.gpu_memory_utilization == 0.85
+    # A recipe share that leaves the trainer too little is refused, with the share that fits.
+    problems, _ = check_memory(estimate_memory(LLAMA, lay, MemorySizes(distributed_optimizer=True,
+                                                                        gpu_memory_utilization=0.9)), lay)
+    assert len(problems) == 1 and "set rollout.vllm.gpu_memory_utilization <= 0.59" in problems[0]
+    assert "rollout.offload_trainer=true" in problems[0]
+
+
+def test_engine_start_is_refused_with_the_numbers_when_the_share_is_not_free():
+    budget = EngineBudget(gpu_memory_utilization=0.6, planned=True, trainer_resident=30 * GIB)
+    check_engine_start(budget, free=50 * GIB, total=80 * GIB)  # 48 GiB fit
+    with pytest.raises(ConfigError) as err:
+        check_engine_start(budget, free=40 * GIB, total=80 * GIB)
+    for part in ("gpu_memory_utilization=0.6 x 80.0 GiB = 48.0 GiB", "planned from the memory plan",
+                 "only 40.0 GiB are free", "trainer to hold 30.0 GiB", "<= 0.50", "rollout.offload_trainer=true"):
+        assert part in str(err.value)
+
+
+def test_memory_that_cannot_fit_is_rejected_phase_by_phase():
     lay = plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 1, "dp": 32, "micro_batch_size": 2})
-    mem = estimate_memory(shape=QWEN, layout=lay, gpu_memory_gib=80)
-    problems, warnings = check_memory(mem, lay)
-    # Unsharded: 2 + 4 + 12 bytes per parameter plus one micro-batch of fp32 logits = 551.6 GiB.
-    assert mem.trainer_total == 18 * 32_763_876_352 + 2 * 2048 * 152_064 * 4
-    assert len(problems) == 1 and "trainer needs 551.6 GiB per GPU" in problems[0]
-    assert any("colocated: trainer" in w for w in warnings)
+    mem = estimate_memory(QWEN, lay, MemorySizes())
+    problems, _ = check_memory(mem, lay)
+    # Unsharded: 2 + 4 + 12 bytes per parameter plus one micro-batch of logits (fp32 + 2 bf16 copies).
+    assert mem.trainer_total == 18 * 32_763_876_352 + 2 * 2048 * 152_064 * 8
+    assert any("trainer needs 553.9 GiB per GPU" in p for p in problems)
+    assert any(p.startswith("weight push: trainer") for p in problems)
     # The engine alone: 61 GiB of bf16 weights fits 0.9 x 80 GiB, not 0.5 x 80 GiB.
-    assert "raise rollout.vllm.tensor_parallel_size" in check_memory(
-        estimate_memory(shape=QWEN, layout=lay, gpu_memory_gib=80, gpu_memory_utilization=0.5), lay)[0][1]
+    sep = plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 1, "dp": 24, "micro_batch_size": 2,
+                         "prompts_per_step": 48, "placement": "separate"})
+    assert any("raise rollout.vllm.tensor_parallel_size" in p for p in check_memory(
+        estimate_memory(QWEN, sep, MemorySizes(gpu_memory_utilization=0.5)), sep)[0])
+    assert not any("tensor_parallel_size" in p for p in check_memory(estimate_memory(QWEN, sep, MemorySizes()), sep)[0])
+
+
+def test_qwen25_32b_engine_tp4_layout_fits_4x8():
+    lay = plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 4, "pp": 2, "vpp": 2, "dp": 4,
+                         "rollout_tp": 4, "micro_batch_size": 2})
+    mem = estimate_memory(QWEN, lay, MemorySizes(distributed_optimizer=True))
+    assert check_memory(mem, lay)[0] == [] and 0.5 <= mem.gpu_memory_utilization <= 0.6
 
 
 @pytest.mark.parametrize("path", ["llama3-8b.json", "qwen2.5-32b.json"])

@@ -10,10 +10,11 @@ import torch
 
 from megatron_gtpo.rollout import RolloutConfig, prompt_seeds
 from megatron_gtpo.rollout.engine import engine_kwargs
-from megatron_gtpo.sync import PushChecker, SyncConfig, WeightPushError, WeightSpec
-from megatron_gtpo.train.loss import _mismatch_pairs, split_extrema
-from megatron_gtpo.sync import wire
+from megatron_gtpo.sync import SyncConfig, WeightPushError, WeightSpec, check_plan
 from megatron_gtpo.sync.base import agree
+from megatron_gtpo.sync.checks import checked_stream, sharded_shapes
+from megatron_gtpo.sync.shards import TensorMeta
+from megatron_gtpo.train.loss import _mismatch_pairs, split_extrema
 from megatron_gtpo.utils.configuration import ConfigError, build
 
 TINY = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,
@@ -54,8 +55,12 @@ def test_sync_config_validation():
     assert SyncConfig().transport == "colocated"
     with pytest.raises(ConfigError, match="transport"):
         build(SyncConfig, {"transport": "nccl"})
-    with pytest.raises(ConfigError, match="bucket_bytes"):
-        build(SyncConfig, {"bucket_bytes": 1024})
+    assert SyncConfig(bucket_mb=64).bucket_size == 64 << 20
+    with pytest.raises(ConfigError, match=r"bucket_bytes=1024 was replaced by sync.bucket_mb \(MiB\)"):
+        build(SyncConfig, {"bucket_bytes": 1024})  # the old key: named, with its replacement
+    for bad in ({"bucket_mb": 0}, {"servers": ["nohost"]}, {"local_servers": 0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            build(SyncConfig, bad)
 
 
 def test_engine_kwargs_pass_through_and_required_values():
@@ -119,19 +124,13 @@ def test_tied_embeddings_make_lm_head_optional(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**TINY, "tie_word_embeddings": True}))
     tied = WeightSpec.from_model_dir(tmp_path, dtype=torch.float32)
     assert "lm_head.weight" not in tied.shapes and "lm_head.weight" in tied.optional
-    checker = PushChecker(tied, 1)
-    checker.prepare([("lm_head.weight", torch.zeros(128, 64))])  # accepted when sent...
-    checker.prepare([(n, torch.zeros(s)) for n, s in tied.shapes.items()])
-    checker.finish()  # ...and not required
+    check_plan(tied, metas_of([(n, torch.zeros(s)) for n, s in tied.shapes.items()]), version=1)  # not required
+    check_plan(tied, metas_of([("lm_head.weight", torch.zeros(128, 64))]
+                              + [(n, torch.zeros(s)) for n, s in tied.shapes.items()]), version=1)  # accepted
 
 
-def test_checker_casts_and_counts(spec: WeightSpec):
-    checker = PushChecker(spec, 3)
-    push = full_push(spec)
-    out = checker.prepare(push[:5]) + checker.prepare(push[5:])
-    checker.finish()
-    assert all(t.dtype == torch.bfloat16 for _, t in out) and len(out) == len(push)
-    assert checker.num_bytes == spec.num_bytes
+def metas_of(push) -> list[TensorMeta]:
+    return [TensorMeta(name=n, shape=tuple(t.shape), dtype=str(t.dtype)) for n, t in push]
 
 
 @pytest.mark.parametrize("mutate,kind", [
@@ -139,31 +138,38 @@ def test_checker_casts_and_counts(spec: WeightSpec):
     (lambda p: p[:1] + p, "1 duplicate"),
     (lambda p: [(n, t[..., :-1] if n.endswith("embed_tokens.weight") else t) for n, t in p], "1 shape"),
     (lambda p: [(n, t.long() if n.endswith("norm.weight") else t) for n, t in p], "dtype"),
+    (lambda p: p[:-2], "2 missing"),
 ])
-def test_checker_rejects_bad_buckets(spec: WeightSpec, mutate, kind: str):
+def test_plan_check_rejects_bad_pushes_before_any_byte_moves(spec: WeightSpec, mutate, kind: str):
     with pytest.raises(WeightPushError, match=kind) as err:
-        PushChecker(spec, 4).prepare(mutate(full_push(spec)))
+        check_plan(spec, metas_of(mutate(full_push(spec))), version=4)
     assert "engine keeps its previous weights" in str(err.value) and "v4" in str(err.value)
 
 
-def test_checker_reports_missing_names_at_finish(spec: WeightSpec):
-    checker = PushChecker(spec, 2)
-    checker.prepare(full_push(spec)[:-2])
-    with pytest.raises(WeightPushError, match="2 missing"):
-        checker.finish()
+def test_plan_check_of_engine_tp_shards(spec: WeightSpec):
+    """Engine TP=2 fed shard-locally: column-parallel tensors halve on dim 0, row-parallel on dim 1,
+    norms and vocabulary tensors stay full; a full-size tensor is then a shape error."""
+    shards = sharded_shapes(spec.shapes, 2)
+    assert shards["model.layers.0.self_attn.q_proj.weight"] == (32, 64)
+    assert shards["model.layers.0.self_attn.k_proj.bias"] == (16,)
+    assert shards["model.layers.0.mlp.gate_proj.weight"] == (48, 64)
+    assert shards["model.layers.0.self_attn.o_proj.weight"] == (64, 32)
+    assert shards["model.layers.0.mlp.down_proj.weight"] == (64, 48)
+    assert shards["model.embed_tokens.weight"] == (128, 64) and shards["model.norm.weight"] == (64,)
+    check_plan(spec, [TensorMeta(name=n, shape=s, dtype="torch.float32") for n, s in shards.items()], version=1, tp=2)
+    with pytest.raises(WeightPushError, match="shape"):
+        check_plan(spec, metas_of(full_push(spec)), version=1, tp=2)
 
 
-# ----------------------------------------------------------------------------- wire format
-
-def test_pack_unpack_roundtrip_mixed_dtypes():
-    bucket = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.randn(2, 2, 2).double()),
-              ("d", torch.randn(4, 6)[:, ::2])]  # non-contiguous source
-    buffer, metas = wire.pack(bucket)
-    assert buffer.dtype == torch.uint8 and buffer.numel() == wire.buffer_bytes(metas)
-    assert all(m.offset % 64 == 0 for m in metas)
-    out = wire.unpack(buffer.clone(), metas)
-    for (name, want), (got_name, got) in zip(bucket, out):
-        assert name == got_name and got.dtype == want.dtype and torch.equal(got, want)
+def test_checked_stream_casts_and_catches_divergence(spec: WeightSpec):
+    push = full_push(spec)
+    metas = metas_of(push)
+    out = list(checked_stream(iter(push), metas, dtype=torch.bfloat16))
+    assert all(t.dtype == torch.bfloat16 for _, t in out) and [n for n, _ in out] == [m.name for m in metas]
+    with pytest.raises(RuntimeError, match="diverged from its plan at tensor 1"):
+        list(checked_stream(iter(push[:1] + push[2:]), metas, dtype=torch.float32))
+    with pytest.raises(RuntimeError, match="ended after 3 of"):
+        list(checked_stream(iter(push[:3]), metas, dtype=torch.float32))
 
 
 def test_agree_outside_a_world():

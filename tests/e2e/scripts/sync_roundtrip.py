@@ -1,14 +1,20 @@
 """Megatron (TP=2, gloo) -> vLLM weight-sync round trip through one transport, with real engines.
 
 Usage: torchrun --nproc_per_node=2 sync_roundtrip.py --transport colocated|separate --dtype fp32|bf16
+       [--engine-tp 1|2]
+
+--engine-tp 2 (colocated): one vLLM engine of TP=2 over both ranks, aligned with Megatron's TP=2,
+so each rank pushes only its own shards. --transport separate: one local rollout server.
 
 Checks (one ``RESULT {json}`` line each, from every rank):
   push_v1        push the freshly initialised Megatron policy (the engine started from other weights)
   greedy         vLLM greedy tokens == Megatron greedy tokens (8 prompts x 32 tokens)        [fp32]
   bad_push       a push from a different architecture raises WeightPushError on every rank and the
                  engine's greedy tokens are unchanged
-  broken_pushes  a truncated export (last bucket missing) and an export that raises half-way both
-                 fail on every rank, and the engine still serves v1 with unchanged greedy tokens
+  broken_pushes  a truncated push (last bucket missing) is rejected before any byte moves and the
+                 engine serves v1 unchanged; a push whose export raises half-way fails on every
+                 rank: staged (separate) the servers keep v1; streamed (colocated) the engine
+                 refuses to generate until the next complete push, which repairs it
   train_step     one GRPO optimizer step on engine samples (the trainer's mismatch/* metrics too)
   logprobs_v2    after pushing v2: engine log-probs of fresh samples == trainer log-probs, while the
                  v1 samples' engine log-probs are far from the v2 trainer's (the push changed them)
@@ -33,8 +39,8 @@ from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.models.tiny import ensure_tiny
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.rollout import RolloutConfig
-from megatron_gtpo.sync import ExportPlan, SyncConfig, WeightPushError, build_rollout
-from megatron_gtpo.sync.export import export_hf_weights
+from megatron_gtpo.sync import ExportPlan, ListSource, SyncConfig, WeightPushError, build_rollout
+from megatron_gtpo.sync.export import Exporter
 from megatron_gtpo.train.batching import collate
 from megatron_gtpo.train.model import build_model, unwrap
 from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
@@ -87,10 +93,17 @@ def wrong_architecture_buckets(hf_config: dict) -> list:
     return [items[i:i + 8] for i in range(0, len(items), 8)]
 
 
-def _raising(buckets):
-    """An export stream that fails after its first bucket (an exporter or transport crash)."""
-    yield from buckets[:1]  # ranks that receive no buckets (dst_ranks="first") fail all the same
-    raise RuntimeError("export failed half-way")
+class RaisingSource(ListSource):
+    """A push whose export fails after its first bucket's worth of tensors (an exporter crash)."""
+
+    def tensors(self, mode):
+        yield from self.items[:4]
+        raise RuntimeError("export failed half-way")
+
+    def pack(self, bucket, buffer):
+        if bucket.index >= 1:
+            raise RuntimeError("export failed half-way")
+        return super().pack(bucket, buffer)
 
 
 @dataclass
@@ -110,9 +123,13 @@ class Run:
     def vocab(self) -> int:
         return int(self.hf_config["vocab_size"])
 
-    def export(self):
-        return export_hf_weights(self.chunks, hf_config=self.hf_config, dims=self.dims,
-                                 dst_ranks=self.syncer.dst_ranks, bucket_bytes=self.sync_cfg.bucket_bytes)
+    def source(self):
+        return Exporter(self.chunks, hf_config=self.hf_config, dims=self.dims)
+
+    def full_buckets(self):
+        """The whole push as ready tensors, shaped as this transport delivers them (8 per bucket)."""
+        items = [(n, t.clone()) for n, t in self.source().tensors("local" if self.syncer.mode == "local" else "full")]
+        return [items[i:i + 8] for i in range(0, len(items), 8)]
 
     def greedy(self) -> list[list[int]]:
         return [c.token_ids for c in self.greedy_completions()]
@@ -121,7 +138,7 @@ class Run:
         return self.rollout.generate(self.prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=32)
 
 
-def setup(transport: str, dtype: torch.dtype) -> Run:
+def setup(transport: str, dtype: torch.dtype, engine_tp: int) -> Run:
     dims = init_distributed(tp=2, seed=1234)
     model_dir = str(ensure_tiny())
     hf_config = read_hf_config(model_dir)
@@ -137,10 +154,10 @@ def setup(transport: str, dtype: torch.dtype) -> Run:
     chunks = wrap_ddp(model, OptimConfig())
     rollout_cfg = RolloutConfig(n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=7, vllm={
         "dtype": "float32" if dtype == torch.float32 else "bfloat16", "max_model_len": 256,
-        "kv_cache_memory_bytes": 64 << 20})
-    sync_cfg = SyncConfig(transport=transport, bucket_bytes=8 << 20)  # several buckets per push
+        "kv_cache_memory_bytes": 64 << 20, "tensor_parallel_size": engine_tp})
+    sync_cfg = SyncConfig(transport=transport, bucket_mb=2)  # several buckets per push
     rollout, syncer = build_rollout(rollout_cfg, sync_cfg, model_dir=model_dir,
-                                    export=ExportPlan(hf_config=hf_config, dims=dims, bucket_bytes=sync_cfg.bucket_bytes))
+                                    export=ExportPlan(hf_config=hf_config, dims=dims, bucket_bytes=sync_cfg.bucket_size))
     run = Run(dims=dims, hf_config=hf_config, chunks=chunks, rollout=rollout, syncer=syncer, sync_cfg=sync_cfg,
               rollout_cfg=rollout_cfg)
     run.prompts = [chat_prompt(rollout.tokenizer, q, uid=str(i)) for i, q in enumerate(QUESTIONS)]
@@ -150,9 +167,9 @@ def setup(transport: str, dtype: torch.dtype) -> Run:
 
 def first_push_and_greedy(run: Run, *, compare_greedy: bool) -> list[list[int]]:
     before = run.greedy()  # the HF checkpoint's weights
-    stats = run.syncer.push(run.export(), version=1)
+    stats = run.syncer.push(run.source(), version=1)
     engine_greedy = run.greedy()
-    emit("push_v1", version=stats.version, tensors=stats.num_tensors, bytes=stats.num_bytes, seconds=stats.seconds,
+    emit("push_v1", mode=run.syncer.mode, version=stats.version, tensors=stats.num_tensors, bytes=stats.num_bytes, seconds=stats.seconds,
          changed=sum(a != b for a, b in zip(before, engine_greedy)))
     if compare_greedy:
         megatron_greedy = greedy_generate(run.chunks, [p.token_ids for p in run.prompts], 32, run.dims,
@@ -165,22 +182,27 @@ def first_push_and_greedy(run: Run, *, compare_greedy: bool) -> list[list[int]]:
 def rejected_pushes(run: Run, engine_greedy: list[list[int]]) -> None:
     error = None
     try:
-        run.syncer.push(wrong_architecture_buckets(run.hf_config), version=2)
+        run.syncer.push(ListSource(wrong_architecture_buckets(run.hf_config)), version=2)
     except WeightPushError as err:
         error = str(err)
     after = run.greedy_completions()
     emit("bad_push", error=error, unchanged=[c.token_ids for c in after] == engine_greedy,
          versions=sorted({c.weight_version for c in after}))
 
-    buckets = list(run.export())
-    errors = []
-    for bad in (buckets[:-1], _raising(buckets)):
+    buckets = run.full_buckets()
+    errors, refused = [], None
+    for bad in (ListSource(buckets[:-1]), RaisingSource(buckets)):
         try:
             run.syncer.push(bad, version=3)
         except (WeightPushError, RuntimeError) as err:
-            errors.append(f"{type(err).__name__}: {err}"[:200])
+            errors.append(f"{type(err).__name__}: {err}"[:300])
+    try:  # streamed (colocated): the half-done push left the engine unusable
+        run.greedy_completions()
+    except RuntimeError as err:
+        refused = str(err)[:200]
+        run.syncer.push(run.source(), version=3)  # a complete push repairs it
     after = run.greedy_completions()
-    emit("broken_pushes", errors=errors, unchanged=[c.token_ids for c in after] == engine_greedy,
+    emit("broken_pushes", errors=errors, refused=refused, unchanged=[c.token_ids for c in after] == engine_greedy,
          versions=sorted({c.weight_version for c in after}), num_buckets=len(buckets))
 
 
@@ -196,7 +218,7 @@ def train_push_compare(run: Run) -> None:
     metrics = train_step(policy, to_batch(run.prompts, samples_v1, seed=5), settings, run.dims)
     emit("train_step", **{k: v for k, v in metrics.items() if k.startswith(("mismatch/", "optim/grad_norm", "loss"))})
 
-    stats = run.syncer.push(run.export(), version=2)
+    stats = run.syncer.push(run.source(), version=4)
     samples_v2 = run.rollout.generate(run.prompts, **sampling, seed=11)
     checks = {}
     for name, samples in (("v2", samples_v2), ("v1_samples", samples_v1)):
@@ -212,9 +234,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--transport", choices=["colocated", "separate"], required=True)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--engine-tp", type=int, default=1)
     args = parser.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    run = setup(args.transport, dtype)
+    run = setup(args.transport, dtype, args.engine_tp)
     engine_greedy = first_push_and_greedy(run, compare_greedy=dtype == torch.float32)
     rejected_pushes(run, engine_greedy)
     train_push_compare(run)

