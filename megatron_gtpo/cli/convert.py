@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from megatron_gtpo.convert.offline import hf_to_megatron, megatron_to_hf
 from megatron_gtpo.utils.configuration import ConfigError
+from megatron_gtpo.utils.runtime import host_peak_rss_bytes, reset_host_peak_rss
 from megatron_gtpo.models.config import VOCAB_DIVISIBLE_BY
 
 EXIT_BAD_INPUT = 2
@@ -52,16 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-shard-mb", type=float, default=5000.0,
                         help="--to hf: largest safetensors shard in MB (default 5000)")
     return parser
-
-
-def _rss_mb() -> float:
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**20
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _umask() -> int:
@@ -102,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         _check_args(args)
         args.output.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=args.output.parent, prefix=f".{args.output.name}.tmp-"))
-        rss_before, start = _rss_mb(), time.perf_counter()
+        rss_before, start = reset_host_peak_rss() / 2**20, time.perf_counter()
         total = _convert(args, tmp)
         tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; the output gets normal permissions
         os.rename(tmp, args.output)  # atomic on one filesystem; fails if --output appeared meanwhile
@@ -115,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     seconds = time.perf_counter() - start
     stats = {"direction": args.to, "seconds": round(seconds, 3), "mb": round(total / 2**20, 2),
-             "mb_per_s": round(total / 2**20 / max(seconds, 1e-9), 2), "peak_rss_mb": round(_peak_rss_mb(), 1),
+             "mb_per_s": round(total / 2**20 / max(seconds, 1e-9), 2),
+             "peak_rss_mb": round(host_peak_rss_bytes() / 2**20, 1),
              "rss_before_mb": round(rss_before, 1), "output": str(args.output)}
     print(f"converted {args.input} -> {args.output} ({args.to}): {stats['mb']} MB of tensors in "
           f"{stats['seconds']} s ({stats['mb_per_s']} MB/s); peak RSS {stats['peak_rss_mb']} MB "

@@ -1,9 +1,11 @@
-"""Run-time helpers of the driver: stage timers, preemption signals, logging set-up."""
+"""Run-time helpers of the driver: stage timers, preemption signals, logging set-up, this process's
+host memory (resident set and its peak)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 import sys
 import time
@@ -85,3 +87,30 @@ def setup_logging(rank: int, level: str = "INFO") -> logging.Logger:
     logger.setLevel(level if rank == 0 else "WARNING")
     logger.propagate = False
     return logger
+
+
+def host_rss_bytes() -> int:
+    """This process's resident set now (``VmRSS``)."""
+    return _status_kib("VmRSS") << 10
+
+
+def reset_host_peak_rss() -> int:
+    """Restarts :func:`host_peak_rss_bytes` from the resident set now and returns it.
+
+    Why not ``getrusage().ru_maxrss``: Linux carries it over ``fork`` + ``exec``, so a process
+    started by a large parent (a pytest run that has loaded models) reports the parent's size as its
+    own peak. ``/proc/self/clear_refs`` (``5``) resets the kernel's ``VmHWM`` for this process."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return host_rss_bytes()
+
+
+def host_peak_rss_bytes() -> int:
+    """This process's peak resident set (``VmHWM``) since the last :func:`reset_host_peak_rss`
+    (or since it started)."""
+    return _status_kib("VmHWM") << 10
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))

@@ -1,0 +1,41 @@
+"""This process's resident set and its peak (utils/runtime.py), as the converter reports them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from megatron_gtpo.utils.runtime import host_peak_rss_bytes, host_rss_bytes, reset_host_peak_rss
+from tests.helpers import REPO
+
+CHILD = """
+import json, resource
+from megatron_gtpo.utils.runtime import host_peak_rss_bytes, reset_host_peak_rss
+inherited = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+before = reset_host_peak_rss()
+print(json.dumps({"ru_maxrss": inherited, "before": before, "peak": host_peak_rss_bytes()}))
+"""
+
+
+def test_peak_follows_an_allocation_and_resets():
+    before = reset_host_peak_rss()
+    block = bytearray(128 * 2**20)
+    block[::4096] = b"\x01" * len(block[::4096])  # touch every page: resident
+    assert host_peak_rss_bytes() - before >= 120 * 2**20
+    del block
+    now = reset_host_peak_rss()
+    assert host_peak_rss_bytes() - now < 16 * 2**20 and abs(host_rss_bytes() - now) < 16 * 2**20
+
+
+def test_a_child_of_a_large_parent_measures_its_own_peak():
+    """Linux carries ru_maxrss over fork + exec (why the converter's stats once showed the pytest
+    process's size, after tests/dist had grown it): the reset peak is the child's own."""
+    block = bytearray(512 * 2**20)
+    block[::4096] = b"\x01" * len(block[::4096])
+    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, check=True).stdout
+    child = json.loads(out)
+    del block
+    assert child["ru_maxrss"] >= 500 * 2**20  # the kernel's carried-over figure: the parent's size
+    assert child["peak"] - child["before"] < 32 * 2**20 and child["peak"] < 300 * 2**20, child
