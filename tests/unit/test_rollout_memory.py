@@ -143,3 +143,29 @@ def test_peak_memory_sees_a_block_that_allocates_and_frees():
         block = torch.ones(64 << 20, dtype=torch.uint8)
         del block
     assert busy.extra_bytes >= 63 << 20 and quiet.extra_bytes < 4 << 20
+
+
+def test_release_host_memory_returns_freed_heap_blocks_to_the_os():
+    """Activation-sized blocks freed after a step stay in glibc's heap (resident) until released."""
+    from megatron_gtpo.sync.memory import in_use_bytes, release_host_memory
+
+    # A freed mmapped block of 24 MiB lifts glibc's mmap threshold to 24 MiB (as a train step's large
+    # tensors do): the 1 MiB blocks below then come from the heap.
+    torch.ones(24 << 20, dtype=torch.uint8)
+    blocks = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(192)]  # 192 MiB of 1 MiB heap blocks
+    pin = torch.ones(1024, dtype=torch.uint8)  # allocated above them: the heap top stays in use
+    held = in_use_bytes()
+    del blocks
+    assert in_use_bytes() > held - (64 << 20)  # freed, yet still resident
+    released = release_host_memory()
+    assert released >= 128 << 20 and in_use_bytes() < held - (128 << 20)
+    del pin
+
+
+def test_after_push_releases_host_memory_on_cpu(monkeypatch):
+    import megatron_gtpo.sync.memory as memory
+
+    calls = []
+    monkeypatch.setattr(memory, "release_host_memory", lambda: calls.append("trim") or 0)
+    Choreography(engines=None, colocated=False).after_push()
+    assert calls == ([] if torch.cuda.is_available() else ["trim"])
