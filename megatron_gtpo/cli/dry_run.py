@@ -26,7 +26,7 @@ from megatron_gtpo.models.resolve import resolve_model
 from megatron_gtpo.models.shape import ModelShape, load_model_shape
 from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
 from megatron_gtpo.plan.layout import Layout, LayoutError, LayoutRequest, plan_layout
-from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, \
+from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, in_flight, \
     optimizer_bytes_per_param
 from megatron_gtpo.plan.recipe import recipe_request
 from megatron_gtpo.utils.configuration import ConfigError
@@ -160,17 +160,22 @@ def _memory_lines(mem: MemoryEstimate, lay: Layout, sizes: MemorySizes) -> list[
         (f"weights ({_dtype(sizes.param_bytes)})", mem.weights, ""),
         (f"gradients ({_dtype(sizes.grad_bytes)})", mem.grads, ""),
         (f"optimizer ({sizes.optimizer}, {opt_bytes} B/param)", mem.optimizer, sharded),
-        ("logits (1 micro-batch: fp32 + 2 copies)", mem.logits, "last stage"),
-        ("= train phase (trainer total)", mem.trainer_total, "activations not counted"),
+        ("reference model (KL term)", mem.reference, "" if mem.reference else "none: kl_beta = 0"),
+        (f"logits (1 micro-batch: 2 copies, {_dtype(sizes.logits_bytes)})", mem.logits, "last stage"),
+        (f"activations ({sizes.layer_spec} layers)", mem.activations,
+         f"recompute: {sizes.recompute or 'none'}; {in_flight(lay):g} micro-batch(es) in flight"),
+        ("= train phase (trainer total)", mem.trainer_total, ""),
         ("push buffers", mem.push, f"{held} + one gathered tensor"),
         ("= push phase", mem.push_phase, "trainer + engine weights + push" if mem.colocated else "trainer + push"),
         (f"rollout weights ({_dtype(sizes.rollout_bytes)}, TP={lay.rollout_tp})", mem.rollout_weights, ""),
         (f"KV cache ({lay.sequences_per_engine} seqs x {lay.seq_len} tokens)", mem.kv_needed,
-         f"{mem.kv_available / GIB:.1f} GiB free for KV"),
+         f"{mem.kv_cache / GIB:.1f} GiB " + ("set: rollout.vllm.kv_cache_memory_bytes" if mem.kv_cache_bytes is not None
+                                             else "free for KV")),
         ("vLLM share", mem.engine_share, util),
     ]
     if mem.colocated:
-        resident = "weights only: rollout.offload_trainer" if mem.offload_trainer else "weights + gradients + optimizer"
+        resident = ("weights only: rollout.offload_trainer" if mem.offload_trainer else
+                    "weights + gradients + optimizer") + (" + reference" if mem.reference else "")
         rows.append(("= rollout phase (trainer resident + vLLM)", mem.trainer_resident + mem.engine_share,
                      f"trainer resident {mem.trainer_resident / GIB:.1f} ({resident})"))
     rows.append(("reserve (CUDA context, NCCL, fragmentation)", mem.reserve, ""))

@@ -67,7 +67,8 @@ def test_engine_tp4_qwen25_32b_on_4_nodes_of_8_is_valid_and_plans_the_vllm_share
     assert "128 per DP rank = 64 micro-batch(es) of 2" in out
     assert "push     17.4 GiB per engine rank per step: its own TP shards, no gather" in out
     for term in ["weights (bf16)", "gradients (fp32)", "optimizer (adam, 12 B/param)",
-                 "logits (1 micro-batch: fp32 + 2 copies)", "= train phase (trainer total)                   35.5",
+                 "logits (1 micro-batch: 2 copies, bf16)", "activations (te layers)",
+                 "recompute: none; 2.5 micro-batch(es) in flight", "= train phase (trainer total)                   62.2",
                  "push buffers", "= push phase", "rollout weights (bf16, TP=4)", "KV cache (64 seqs x 2048 tokens)",
                  "gpu_memory_utilization=0.52 (planned: what the rollout phase leaves)",
                  "= rollout phase (trainer resident + vLLM)", "reserve (CUDA context, NCCL, fragmentation)"]:
