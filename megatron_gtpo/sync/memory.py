@@ -5,11 +5,12 @@ The driver's step, with colocated engines (:class:`Choreography`, three calls)::
     generate --after_rollout()--> engine sleeps (vLLM level 1: weights to host, KV cache freed);
                                   trainer state back on the GPU (rollout.offload_trainer)
     train step
-    --before_push()--> engine weights re-allocated (vLLM wake_up(tags=["weights"])), KV still free
+    --before_push()--> trainer releases its step memory (release_cached_memory: CUDA's allocator
+                       cache, glibc's free heap on CPU); engine weights re-allocated (vLLM
+                       wake_up(tags=["weights"])), KV still free
     weight push (into the awake weights only)
-    --after_push()-->  trainer releases its step memory (CUDA's allocator cache, glibc's free heap on
-                       CPU: release_host_memory; grads/optimizer to host with
-                       rollout.offload_trainer); then the engine's KV cache is re-allocated
+    --after_push()-->  the push's buffers released likewise; grads/optimizer to host with
+                       rollout.offload_trainer; then the engine's KV cache is re-allocated
                        (wake_up(tags=["kv_cache"]))
     generate ...
 
@@ -122,14 +123,12 @@ class Choreography:
             self.offload.reload()
 
     def before_push(self) -> None:
+        release_cached_memory()  # the train step's freed activations and logits, before the engine's weights
         if self.colocated:
             self.engines.wake_up(["weights"])
 
     def after_push(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the step's activations and logits go back to the device
-        else:
-            release_host_memory()  # the same on CPU: glibc keeps the freed step memory otherwise
+        release_cached_memory()  # the push's buffers, before the KV cache
         if self.offload is not None:
             self.offload.offload()
         if self.colocated:
@@ -157,6 +156,14 @@ class PeakMemory:
     def peak(self) -> int:
         """The block's own peak (absolute bytes in use), after it ended."""
         return self._base + self.extra_bytes
+
+
+def release_cached_memory() -> None:
+    """Gives the memory the allocator keeps free back: CUDA's cache on GPU, glibc's heap on CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    else:
+        release_host_memory()
 
 
 def release_host_memory() -> int:

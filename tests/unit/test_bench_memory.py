@@ -10,23 +10,37 @@ from bench.memory_meter import Meter, summarise
 MIB = 1 << 20
 
 
-def test_summary_compares_the_run_peak_with_the_largest_accounted_phase():
-    peaks = {"startup": 400 * MIB, "build": 3000 * MIB, "rollout": 3500 * MIB, "train": 6000 * MIB,
-             "push": 3600 * MIB, "other": 3400 * MIB}
+def call(phase, peak, accounted=None, **extra):
+    out = {"phase": phase, "peak": peak * MIB, "after": peak * MIB, **extra}
+    return out if accounted is None else {**out, "accounted": accounted * MIB}
+
+
+def test_summary_compares_the_run_peak_with_the_largest_accounted_call():
+    calls = [call("startup", 400), call("build", 3000), call("rollout", 3500, 3000), call("train", 5400, 4500, seq=200),
+             call("push", 3600, 3200), call("other", 3400), call("rollout", 3400, 3000),
+             call("train", 6000, 5000, seq=300), call("push", 3500, 3200)]
     terms = {"baseline": 400 * MIB, "weights": 500 * MIB, "activations": 1500 * MIB}
-    accounted = {"rollout": 3000 * MIB, "train": 5000 * MIB, "push": 3200 * MIB}
-    row = summarise(peaks=peaks, terms=terms, accounted=accounted, rank=1, extra={"world": 2})
+    row = summarise(calls=calls, terms=terms, rank=1, extra={"world": 2})
     assert row["rank"] == 1 and row["world"] == 2
     assert (row["peak"], row["accounted"], row["peak_phase"]) == (6000 * MIB, 5000 * MIB, "train")
     assert row["peak_over_accounted"] == 1.2
     assert row["terms"] == terms
+    # Per phase: the largest peak, the largest total, the largest ratio of one call to its own total.
+    assert row["phases"]["train"] == {"peak": 6000 * MIB, "accounted": 5000 * MIB, "over": 1.2}
     assert row["phases"]["rollout"] == {"peak": 3500 * MIB, "accounted": 3000 * MIB, "over": 1.167}
     assert row["phases"]["push"]["over"] == 1.125
     assert row["phases"]["build"] == {"peak": 3000 * MIB}  # no plan total of its own
 
 
+def test_a_step_with_longer_sequences_is_judged_by_its_own_total():
+    calls = [call("train", 5000, 4000, seq=200), call("train", 5500, 5400, seq=320)]
+    row = summarise(calls=calls, terms={}, rank=0)
+    assert row["phases"]["train"]["over"] == 1.25  # the first step, against its own smaller total
+    assert row["peak_over_accounted"] == round(5500 / 5400, 3)
+
+
 def test_peak_over_accounted_uses_the_run_peak_even_outside_the_planned_phases():
-    row = summarise(peaks={"build": 900, "train": 500}, terms={}, accounted={"train": 600, "rollout": 300}, rank=0)
+    row = summarise(calls=[call("build", 900), call("train", 500, 600), call("rollout", 300, 300)], terms={}, rank=0)
     assert (row["peak_over_accounted"], row["peak_phase"]) == (1.5, "build")
 
 
@@ -40,9 +54,11 @@ def test_meter_gives_each_phase_its_own_peak_and_the_run_its_largest():
     with meter.phase("small"):
         torch.ones(MIB // 4)
     meter.switch("end")
-    assert meter.peaks["big"] - meter.after["startup"] >= 120 * MIB
+    start = meter.calls[0]["after"]
+    assert meter.peaks["big"] - start >= 120 * MIB
     assert meter.peaks["small"] < meter.peaks["big"] - 100 * MIB
-    assert [name for name, _, _ in meter.calls] == ["startup", "big", "startup", "small", "startup"]
+    assert [c["phase"] for c in meter.calls] == ["startup", "big", "startup", "small", "startup"]
+    assert max(meter.peaks.values()) == meter.peaks["big"]
 
 
 def test_bench_configures_the_issue_run_and_quick_mode(tmp_path):
