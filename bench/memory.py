@@ -26,6 +26,7 @@ their own, not part of a rank's memory.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -36,7 +37,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true",
        "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"}
-PHASES = ("startup", "build", "rollout", "train", "push", "checkpoint", "other")
+BASELINE_IMPORTS = ("megatron.core", "vllm.entrypoints.llm", "mlflow", "transformers")
+"""What a rank imports before it builds anything, measured as the ``baseline`` term (``import vllm``
+alone is lazy: its engine modules, +300 MB on CPU, load with ``vllm.LLM``)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,12 +126,12 @@ def worker(args: argparse.Namespace) -> int:
     from bench.memory_meter import Meter, instrument, instrument_build, rank_row
 
     meter = Meter()
-    import megatron.core  # noqa: F401  everything a rank imports before it builds anything
-    import vllm  # noqa: F401
-
     from megatron_gtpo import trainer
     from megatron_gtpo.config import load_config
 
+    for module in BASELINE_IMPORTS + (("vllm.v1.worker.gpu_worker",) if torch.cuda.is_available() else
+                                      ("vllm.v1.worker.cpu_worker",)):
+        importlib.import_module(module)
     recipe, overrides = recipe_and_overrides(args, args.out)
     cfg = load_config(recipe, overrides)
     meter.mark_baseline()
