@@ -20,6 +20,8 @@ Parts, in order; each reports its status, seconds and peak GPU memory:
               over the completion tokens (train/step.py's forward_stats) and |loss - loss_local| of one
               train step, same weights and batch
   te_fp8      the same with FP8 (``--fp8-recipe``; needs compute capability >= 9.0)
+  te_packed   packed micro-batches (train.micro_batch_tokens) in Megatron's THD format on the TE spec,
+              step-1 weights: log-probs, loss and grad norm against the same model's padded run
   vllm        an in-process vLLM engine (dummy weights, no tokenizer) takes the exported weights through
               sync/colocated.py's ColocatedSync.sync (export + checks + push, as the driver calls it);
               vLLM's greedy tokens are compared with Megatron's

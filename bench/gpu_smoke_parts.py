@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -294,6 +295,40 @@ class Smoke:
                 "logp_abs_max_vs_local": logp_max, "logp_abs_mean_vs_local": logp_mean,
                 "entropy_abs_mean_vs_local": ent_mean, "grad_norm": metrics["optim/grad_norm"],
                 "step_s": round(seconds, 4)}
+
+    def part_te_packed(self) -> dict:
+        """Packed micro-batches in Megatron's THD format (train/model_input.py: PackedSeqParams into
+        TE attention) on the TE spec with the step-1 weights, against the same model's padded
+        micro-batches: log-probs and one train step's loss and grad norm (bf16: reported, not judged)."""
+        from megatron_gtpo.checkpoint import load_model_weights
+        from megatron_gtpo.train.batching import row_tokens
+        from megatron_gtpo.train.model_input import uses_te_attention
+        from megatron_gtpo.train.step import rank_micro_batches
+
+        budget = 2 * int(row_tokens(self.batch).max())  # two of the longest rows: 2-4 rows per packed row
+        packed = dataclasses.replace(self.settings, micro_batch_tokens=budget)
+        policy = build_policy(self.cfg, self.hf, self.dims, use_te=True)
+        try:
+            if not uses_te_attention(policy.chunks[0]):
+                raise SmokeFailure("the TE-spec model does not use TEDotProductAttention: THD is not exercised")
+            out = {}
+            for name, settings in (("padded", self.settings), ("packed", packed)):
+                load_model_weights(policy.chunks, self.step1["dir"])
+                stats = token_stats(policy.chunks, self.batch, settings, self.dims)
+                metrics = gtpo_train_step(policy, self.batch, settings, self.dims)
+                out[name] = (stats, metrics, len(rank_micro_batches(self.batch, settings, self.dims)[1]))
+        finally:
+            del policy
+            gc.collect()
+            torch.cuda.empty_cache()
+        (stats, metrics, count), (ref, ref_metrics, ref_count) = out["packed"], out["padded"]
+        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["optim/grad_norm"])):
+            raise SmokeFailure(f"packed step: loss {metrics['loss']}, grad norm {metrics['optim/grad_norm']}")
+        logp_max, logp_mean = _masked_abs(stats.logp, ref.logp, self.batch.mask)
+        return {"budget": budget, "micro_batches": count, "micro_batches_padded": ref_count,
+                "loss": metrics["loss"], "loss_padded": ref_metrics["loss"],
+                "grad_norm": metrics["optim/grad_norm"], "grad_norm_padded": ref_metrics["optim/grad_norm"],
+                "logp_abs_max_vs_padded": logp_max, "logp_abs_mean_vs_padded": logp_mean}
 
     def part_vllm(self) -> dict:
         """Exported weights into an in-process vLLM engine through the driver's weight-sync call

@@ -15,9 +15,9 @@ import torch
 
 from megatron_gtpo.utils.configuration import require
 
-PARTS = ("logprob", "local", "checkpoint", "export", "te_bf16", "te_fp8", "vllm")
+PARTS = ("logprob", "local", "checkpoint", "export", "te_bf16", "te_fp8", "te_packed", "vllm")
 NEEDS = {"checkpoint": ("local",), "export": ("local",), "te_bf16": ("checkpoint",), "te_fp8": ("checkpoint",),
-         "vllm": ("local",)}
+         "te_packed": ("checkpoint",), "vllm": ("local",)}
 """Parts that use what an earlier part built (the local model, the step-1 checkpoint and its log-probs)."""
 TINY = dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=512, seq=64, rows=8, micro_batch=4, steps=2,
             shared_prefix=4)
@@ -241,7 +241,7 @@ def absent_reason(part: str, cfg: SmokeConfig, *, dry: bool) -> str | None:
     """Why ``part`` cannot run on this machine (None: it runs). ``dry`` only looks for the packages."""
     if part in cfg.skip:
         return "left out with --skip"
-    if part in ("te_bf16", "te_fp8"):
+    if part in ("te_bf16", "te_fp8", "te_packed"):
         return _te_absent(part, cfg, dry=dry)
     if part == "vllm":
         if dry:

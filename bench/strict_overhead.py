@@ -1,7 +1,7 @@
 """Cost of strict device groups (megatron_gtpo/parallel/strict.py) on a train step.
 
-Runs the same tiny GTPO train step (tests/dist/scripts/_trainstep_common.py model and batch: a
-no-grad forward for <H>, then forward/backward, DDP grad reduction, Adam) on a gloo world with
+Runs the same tiny GTPO train step (tests/dist/scripts/_trainstep_common.py model and batch: one
+forward/backward (GTPO in one pass), DDP grad reduction, Adam) on a gloo world with
 MEGATRON_GTPO_STRICT_DEVICE_GROUPS=0 and =1, alternating launches, and prints the median and
 fastest step time of each plus the collectives strict mode checked per step. On a shared 2-core
 machine the fastest step is the stable statistic.
@@ -39,21 +39,24 @@ def worker(tp: int, pp: int, steps: int) -> None:
     from megatron_gtpo.parallel.dims import init_distributed
     from megatron_gtpo.train import model as M
     from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
-    from megatron_gtpo.train.step import train_on_batch
+    from types import SimpleNamespace
+
+    from megatron_gtpo.train.step import StepSettings, train_step
     from tests.dist.scripts import _trainstep_common as C
 
     dims = init_distributed(tp=tp, pp=pp, seed=7)
     torch.manual_seed(0)
     ddp = wrap_ddp(M.build_model(C.tiny_config(tied=False), dims=dims), OptimConfig())
     optimizer, scheduler = build_optimizer(ddp, OptimConfig(), total_steps=steps + 3)
-    batch, cfg = C.make_batch(0), AlgoConfig(name="gtpo")
+    batch = C.make_batch(0)
+    settings = StepSettings(spec=AlgoConfig(name="gtpo").resolve(max_completion_tokens=16), micro_batch_size=2,
+                            temperature=1.0)
+    policy = SimpleNamespace(chunks=ddp, optimizer=optimizer, scheduler=scheduler)
     times = []
     for i in range(steps + 3):  # 3 warm-up steps
         before = sum(strict.CHECKED.values())
         start = time.perf_counter()
-        train_on_batch(ddp, optimizer, scheduler, batch, algo_name="gtpo", prepare_kwargs=cfg.prepare_kwargs(),
-                       loss_kwargs=cfg.loss_kwargs(max_completion_tokens=16), micro_batch_size=2, mu=1,
-                       temperature=1.0, dims=dims)
+        train_step(policy, batch, settings, dims)
         times.append(time.perf_counter() - start)
         checked = sum(strict.CHECKED.values()) - before
     if dims.rank == 0:

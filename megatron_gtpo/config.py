@@ -20,8 +20,10 @@ from megatron_gtpo.parallel.dims import ParallelConfig
 from megatron_gtpo.parallel.layout import batch_split_problem
 from megatron_gtpo.reward.config import RewardConfig
 from megatron_gtpo.rollout.config import RolloutConfig
+from megatron_gtpo.rollout.staleness import staleness_problem
 from megatron_gtpo.sync.config import SyncConfig
 from megatron_gtpo.tracking import TrackingConfig
+from megatron_gtpo.train.batching import token_budget_problem
 from megatron_gtpo.train.optim import OptimConfig
 from megatron_gtpo.trainer import TrainConfig
 from megatron_gtpo.utils.configuration import (ConfigError, apply_overrides, build, load_recipe, to_dict,
@@ -62,13 +64,28 @@ class RunConfig:
         if spec.overlong_buffer_len > self.rollout.max_tokens:
             raise ConfigError(f"algo.overlong_buffer_len={spec.overlong_buffer_len} is not allowed: expected "
                               f"<= rollout.max_tokens ({self.rollout.max_tokens}), the L_max of DAPO's punishment")
+        if problem := staleness_problem(self.rollout.staleness, self.algo.mismatch_correction):
+            raise ConfigError(problem)
         if self.rollout.n < 2:
             raise ConfigError(f"rollout.n={self.rollout.n} is not allowed: group-relative advantages need >= 2 "
                               "completions per prompt")
         problem = batch_split_problem(self.train.prompts_per_step * self.rollout.n, dp=self.parallel.dp,
-                                      micro_batch_size=self.train.micro_batch_size)
+                                      micro_batch_size=self.train.rows_per_micro_batch)
+        problem = problem or token_budget_problem(
+            self.token_budget, self.longest_row, "the longest possible row, data.max_prompt_tokens + rollout.max_tokens")
         if problem:
             raise ConfigError(problem)
+
+    @property
+    def longest_row(self) -> int:
+        """Tokens of the longest possible training row: a prompt of data.max_prompt_tokens and a
+        completion of rollout.max_tokens."""
+        return self.data.max_prompt_tokens + self.rollout.max_tokens
+
+    @property
+    def token_budget(self) -> int:
+        """``train.micro_batch_tokens`` resolved: the packed micro-batch budget, 0 for padded."""
+        return self.train.token_budget(self.longest_row)
 
 
 def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:

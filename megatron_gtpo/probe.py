@@ -129,7 +129,7 @@ class _ProbeState:
         policy = learner.policy
         policy.optimizer, policy.scheduler = build_optimizer(policy.chunks, vcfg.optim, total_steps=steps * spec.mu)
         learner.settings = StepSettings(spec=spec, micro_batch_size=vcfg.train.micro_batch_size,
-                                        temperature=vcfg.rollout.temperature)
+                                        temperature=vcfg.rollout.temperature, micro_batch_tokens=vcfg.token_budget)
         if spec.needs_reference and self.reference_policy is None:
             self.reference_policy = learner.reference or build_policy(vcfg.model, dims=learner.dims)
         learner.reference = self.reference_policy if spec.needs_reference else None
@@ -142,6 +142,7 @@ class _ProbeState:
         parts.collector.dataset.load_state_dict(self.cursor)
         self.version += 1
         parts.weight_sync.sync(policy.chunks, version=self.version)
+        parts.collector.pushed(self.version)  # the collector checks every completion's version tag
         return {"algo": spec.name, "entropy_gamma": spec.entropy_gamma,
                 "adam_eps": float(vcfg.optim.optimizer.get("adam_eps", 1e-8)),
                 "clip_grad": float(vcfg.optim.optimizer.get("clip_grad", 1.0))}
@@ -156,6 +157,7 @@ class _ProbeState:
             train = parts.learner.step(collate(rollout.groups, pad_id=parts.pad_id))
             self.version += 1
             parts.weight_sync.sync(parts.learner.policy.chunks, version=self.version)
+            parts.collector.pushed(self.version)
             scored = rollout_metrics(rollout)
             out["reward_mean"].append(scored["reward/mean"] / phi)
             out["accuracy"].append(scored["reward/accuracy"])

@@ -26,7 +26,7 @@ from megatron_gtpo.parallel.control import barrier
 from megatron_gtpo.plan.recipe import plan_engine_memory
 from megatron_gtpo.reward.functions import OverlongPunishment
 from megatron_gtpo.reward.score import RewardScorer
-from megatron_gtpo.rollout.collector import DynamicSampling, RolloutCollector, Sampling, rollout_metrics
+from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, RolloutCollector, Sampling, rollout_metrics
 from megatron_gtpo.sync import ExportPlan, WeightSync, build_rollout
 from megatron_gtpo.sync.memory import Choreography, TrainerOffload
 from megatron_gtpo.tracking import Reporter, step_metrics
@@ -49,7 +49,21 @@ class TrainConfig:
     """Prompts per rollout step; the global batch is prompts_per_step * rollout.n completions.
     1 as the GTPO reference code (spec 5.10)."""
     micro_batch_size: int = 8
-    """Completions per micro-batch on one DP rank (Megatron's micro-batch)."""
+    """Completions per micro-batch on one DP rank (Megatron's micro-batch) on the padded path
+    (``micro_batch_tokens: 0``); unused when packing."""
+    micro_batch_tokens: int | None = None
+    """Token budget of a packed micro-batch. Packing is the default: each DP rank's rows (prompt +
+    completion) go back to back, padding-free, into micro-batches of at most this many tokens,
+    balanced by token count, the same number of micro-batches on every DP rank (train/batching.py);
+    loss and gradients equal the padded path's up to float rounding. null (default): the longest
+    possible row, data.max_prompt_tokens + rollout.max_tokens, so a micro-batch never holds more
+    tokens than one worst-case row (padded micro-batches hold up to micro_batch_size of them); on GPU
+    a larger budget means fewer, fuller micro-batches. 0: the padded path, micro-batches of
+    micro_batch_size rows, each padded to its longest row (with PP to the step's longest). An
+    explicit budget must hold the longest possible row. On GPU with Transformer Engine the packed
+    micro-batch goes in Megatron's THD format (PackedSeqParams; untested on GPU so far); with the
+    local spec (CPU) as one row with a block-diagonal causal mask, whose attention costs
+    O(budget^2): there the default is also the fastest (bench/packing.py)."""
     seed: int = 1234
     """Seed of model init, dropout RNG and sampling."""
     checkpoint_every: int = 10
@@ -67,7 +81,19 @@ class TrainConfig:
         for name in ("steps", "prompts_per_step", "micro_batch_size", "checkpoint_every", "keep_last",
                      "eval_prompts"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 0, "micro_batch_tokens",
+                self.micro_batch_tokens, "null (default budget), 0 (padded micro-batches) or a token budget")
         require(self.eval_every >= 0, "eval_every", self.eval_every, "0 (off) or an integer >= 1")
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """What each DP rank's rows must divide into: ``micro_batch_size`` rows (padded), or any
+        count (1) when packing."""
+        return self.micro_batch_size if self.micro_batch_tokens == 0 else 1
+
+    def token_budget(self, longest_row: int) -> int:
+        """``micro_batch_tokens`` resolved for rows of at most ``longest_row`` tokens (0: padded)."""
+        return longest_row if self.micro_batch_tokens is None else self.micro_batch_tokens
 
 
 def run(cfg, *, resume: bool | str = False) -> dict[str, float]:
@@ -102,6 +128,7 @@ def _loop(cfg, parts: Parts) -> dict[str, float]:
             t2 = time.perf_counter()
             parts.memory.before_push()  # engine weights awake, KV cache still free
             sync = weight_sync.sync(learner.policy.chunks, version=step)
+            collector.pushed(step)
             parts.memory.after_push()  # trainer releases its step memory, then the KV cache comes back
             t3 = time.perf_counter()
             times = {"rollout": rollout.rollout_s, "reward": rollout.reward_s, "train": t2 - t1, "sync": t3 - t2,
@@ -145,7 +172,8 @@ def build(cfg, *, resume: bool | str) -> Parts:
     setup_logging(dims.rank)
     point = prepare_resume(cfg.output_dir, resume)  # before the expensive parts: a bad resume fails in seconds
     spec = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
-    settings = StepSettings(spec=spec, micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature)
+    settings = StepSettings(spec=spec, micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
+                            micro_batch_tokens=cfg.token_budget)
     log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
     learner = Learner.build(cfg.model, cfg.optim, settings=settings, dims=dims, rollout_steps=cfg.train.steps)
     policy = learner.policy
@@ -169,20 +197,22 @@ def build(cfg, *, resume: bool | str) -> Parts:
         if dims.rank == 0:
             scorer = RewardScorer(cfg.reward, overlong=overlong_punishment(spec))
     start_checkpoint_helpers()
-    rows_unit = dims.dp * cfg.train.micro_batch_size
+    rows_unit = dims.dp * cfg.train.rows_per_micro_batch
     collector = RolloutCollector(
         engines, dataset, scorer, sampling=Sampling(**cfg.rollout.sampling()), seed=cfg.rollout.seed,
         dynamic=DynamicSampling(metric=spec.dynamic_sampling_metric, max_tries=spec.dynamic_sampling_max_tries)
-        if spec.dynamic_sampling else None, group_multiple=rows_unit // math.gcd(cfg.rollout.n, rows_unit))
-    checkpointer = Checkpointer(Path(cfg.output_dir) / "checkpoints", policy=policy, dataset=dataset,
+        if spec.dynamic_sampling else None, group_multiple=rows_unit // math.gcd(cfg.rollout.n, rows_unit),
+        off_policy=OffPolicy(staleness=cfg.rollout.staleness, last_step=cfg.train.steps))
+    checkpointer = Checkpointer(Path(cfg.output_dir) / "checkpoints", policy=policy, dataset=collector.cursor,
                                 every=cfg.train.checkpoint_every, keep_last=cfg.train.keep_last,
                                 total_steps=cfg.train.steps, preempt=preempt)
     start_step, run_id = checkpointer.restore(point) if point is not None else (0, None)
     reporter = Reporter(cfg.tracking, run_dir=Path(cfg.output_dir), rank=dims.rank, total_steps=cfg.train.steps,
                         run_id=run_id, resume_step=start_step if resume else None)
     reporter.start(to_dict(cfg))
-    reporter.dataset(dataset.stats, step=start_step)
+    reporter.dataset(dataset.stats, fresh=start_step == 0)
     weight_sync.sync(policy.chunks, version=start_step)
+    collector.pushed(start_step)
     memory = Choreography(engines, offload, colocated=cfg.sync.transport == "colocated")
     memory.after_push()  # as after every push: the trainer gives up its rollout-time memory
     tokenizer = engines.tokenizer

@@ -4,12 +4,15 @@ No torch.distributed, no megatron, no config objects in this package: the functi
 ``AlgoSpec`` (resolved once per run by ``AlgoConfig.resolve``) and tensors. One training step::
 
     keep = dapo_group_filter(accuracy, group_ids)                 # DAPO dynamic sampling (filters.py)
-    prepared = prepare_batch(spec, token_ids=..., mask=..., rewards=..., group_ids=...,
-                             mean_entropy=...)                    # ONCE per global batch
-    validate_loss_inputs(spec, TokenInputs(...), prepared)        # once per step, at the boundary
+    prepared = prepare_groups(spec, token_ids=..., mask=..., rewards=...,
+                              group_ids=...)                      # ONCE per global batch
+    validate_loss_inputs(spec, prepared, mask=..., ...)           # once per step, at the boundary
     for micro-batch rows idx:                                     # any DP rank / micro-batch split
+        rows = shape_rows(spec, prepared.rows(idx), <H>_idx)      # GTPO: filter + shift, per row
         loss, metrics = compute_loss(spec, TokenInputs(logp=..., mask=..., old_logp=..., ref_logp=...),
-                                     prepared.rows(idx), num_tokens=global_tokens, num_seqs=global_seqs)
+                                     rows, num_tokens=global_tokens, num_seqs=global_seqs)
+
+``prepare_batch(..., mean_entropy=<H> [B])`` does both preparation steps on a whole batch at once.
 
 Diagnostics of the hidden objective biases (spec 6, D1-D4) live in ``diagnostics.py`` (omega, D2-D4)
 and ``prefix.py`` (D1); train-inference mismatch weights in ``importance.py``.
@@ -29,17 +32,18 @@ from megatron_gtpo.algo.importance import MISMATCH_MODES, mismatch_weights
 from megatron_gtpo.algo.kl import entropy_from_logits, kl_k3
 from megatron_gtpo.algo.losses import TokenInputs, compute_loss, validate_loss_inputs
 from megatron_gtpo.algo.prefix import SharedPrefixes, prefix_bias, prefix_bias_metrics, shared_prefixes
-from megatron_gtpo.algo.prepare import PreparedBatch, gtpo_seq_scale, prepare_batch
+from megatron_gtpo.algo.prepare import (PreparedBatch, check_shaped, gtpo_seq_scale, prepare_batch,
+                                        prepare_groups, shape_batch, shape_rows)
 from megatron_gtpo.algo.registry import LOSSES, Algorithm
 from megatron_gtpo.algo.spec import AlgoSpec
 
 __all__ = [
-    "AGG_MODES", "LOSSES", "MISMATCH_MODES", "Algorithm", "AlgoConfig", "AlgoSpec", "ClipOvershoot", "ConflictRuns",
+    "AGG_MODES", "AlgoConfig", "AlgoSpec", "Algorithm", "ClipOvershoot", "ConflictRuns", "LOSSES", "MISMATCH_MODES",
     "PreparedBatch", "SharedPrefixes", "SurrogateDecomposition", "TokenInputs", "adam_update_sq_norm", "aggregate",
-    "aggregation_weights", "clip_overshoot", "completion_mean_entropy", "compute_loss", "conflict_runs",
-    "conflict_weights", "dapo_group_filter", "entropy_filter", "entropy_from_logits", "favoured_clip_mask",
-    "group_advantages", "group_index", "gtpo_seq_scale", "kl_k3", "kl_penalty", "mismatch_weights",
-    "momentum_step_ratio", "momentum_step_ratio_limit", "prefix_bias", "prefix_bias_metrics", "prepare_batch",
-    "shape_advantages", "shared_prefixes", "small_second_moment_counts", "surrogate_decomposition", "token_omega",
-    "validate_loss_inputs",
+    "aggregation_weights", "check_shaped", "clip_overshoot", "completion_mean_entropy", "compute_loss",
+    "conflict_runs", "conflict_weights", "dapo_group_filter", "entropy_filter", "entropy_from_logits",
+    "favoured_clip_mask", "group_advantages", "group_index", "gtpo_seq_scale", "kl_k3", "kl_penalty",
+    "mismatch_weights", "momentum_step_ratio", "momentum_step_ratio_limit", "prefix_bias", "prefix_bias_metrics",
+    "prepare_batch", "prepare_groups", "shape_advantages", "shape_batch", "shape_rows", "shared_prefixes",
+    "small_second_moment_counts", "surrogate_decomposition", "token_omega", "validate_loss_inputs",
 ]

@@ -69,7 +69,10 @@ class AlgoConfig:
 
     entropy_threshold: float = 0.7
     """GTPO entropy filter: completions with mean entropy <H>_i above this (nats) get delta = 0. 0.7 in
-    the official code (ln 2 in the README; a huge value such as 777 disables the filter) (spec 5.5)."""
+    the official code (ln 2 in the README; a huge value such as 777 disables the filter) (spec 5.5).
+    <H>_i always comes from the trainer's policy before the update (its logits in the no-grad pre-pass),
+    also when the completion was sampled by an older engine (``rollout.staleness: 1``): the filter
+    judges the policy being updated, not the one that sampled."""
 
     entropy_gamma: float = 0.1
     """GTPO entropy shift gamma in A~ = delta (A - gamma <H>); ENT_SCALE = 0.1 at the code's HEAD,
@@ -98,7 +101,10 @@ class AlgoConfig:
     log-probs of the sampled tokens): none (paper-exact: spec 5.7 and the GTPO code have none), tis =
     truncated importance sampling min(r, C) (Yao et al. 2025; TRL's vllm_importance_sampling_cap), mis =
     masked importance sampling, r inside [C_low, C] and 0 outside (IcePop; verl rollout_is mask). The
-    weight multiplies each token's advantage next to lambda (algo/importance.py)."""
+    weight multiplies each token's advantage next to lambda (algo/importance.py). Required (tis or mis)
+    with ``rollout.staleness: 1``: r then also covers the one-version lag of the sampler (decoupled PPO:
+    the behaviour policy is the sampler, pi_old the trainer's policy before the update); none is
+    rejected there, naming both fields."""
 
     mismatch_cap: float = 2.0
     """C of the mismatch correction (> 1): the truncation cap (tis) or the upper mask bound (mis). Not

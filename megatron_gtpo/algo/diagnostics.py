@@ -31,7 +31,7 @@ import torch
 from megatron_gtpo.algo.advantage import group_index
 from megatron_gtpo.algo.aggregate import aggregate, aggregation_weights
 from megatron_gtpo.algo.checks import as_mask, check_finite, check_shape
-from megatron_gtpo.algo.prepare import PreparedBatch
+from megatron_gtpo.algo.prepare import PreparedBatch, check_shaped
 from megatron_gtpo.algo.spec import AlgoSpec
 
 Tensor = torch.Tensor
@@ -127,6 +127,7 @@ def surrogate_decomposition(omega: Tensor, prepared: PreparedBatch, group_ids: T
     weights (GRPO), ``sum_i A_i |o_i| / Z`` for constant ones (DAPO, Dr. GRPO), ``B * Cov(A, Omega)``
     in general.
     """
+    check_shaped(prepared)
     check_shape(prepared.advantages, tuple(omega.shape[:1]), name="advantages", what="[B], one per row of omega")
     adv = prepared.advantages.detach().to(F64)
     raw = prepared.raw_advantages.detach().to(F64)

@@ -12,16 +12,19 @@ None, i.e. mu = 1: value 1, gradient of log pi, clipping inactive)::
 
 ``lambda`` (GTPO token weights, >= 0) multiplies the advantage, so ``lambda * min(rho A, clip A) =
 min(rho lambda A, clip lambda A)``: S4's casting of GTPO with ``alpha = delta lambda / (G |o_i|)``.
-``seq_scale`` (GTPO's per-completion normaliser, see ``prepare.py``) and ``A`` (GTPO: the shaped
-``A~``) are computed ONCE per global batch by ``prepare_batch`` and passed in per micro-batch.
+``seq_scale`` (GTPO's per-completion normaliser, see ``prepare.py``) and ``A`` are computed ONCE per
+global batch by ``prepare_groups`` and passed in per micro-batch; GTPO's shaped ``A~`` needs each
+row's own ``<H>_i`` only (``shape_rows``, per micro-batch in the train step, or ``prepare_batch``
+for a whole batch).
 
 Where the normalisers come from: ``num_tokens`` = masked tokens of the global batch (token-mean),
 ``num_seqs`` = completions of the global batch (seq-mean-*), ``spec.constant`` = max completion
 length L (Dr. GRPO). With global values, summing ``compute_loss`` over micro-batches and ranks
 equals the single-process loss; the trainer's Megatron rescaling lives in ``train/step.py``.
 
-This is the hot path (one call per micro-batch): it checks nothing. ``validate_loss_inputs`` checks
-a whole global batch once per step, at the batch boundary (``train/step.py``).
+This is the hot path (one call per micro-batch): it checks nothing but that GTPO rows were shaped
+(a Python flag). ``validate_loss_inputs`` checks a whole global batch once per step, at the batch
+boundary (``train/step.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from megatron_gtpo.algo.aggregate import aggregate
 from megatron_gtpo.algo.checks import as_mask, check_finite, check_float, check_shape
 from megatron_gtpo.algo.kl import LOG_RATIO_CLAMP, kl_k3
-from megatron_gtpo.algo.prepare import PreparedBatch
+from megatron_gtpo.algo.prepare import PreparedBatch, check_shaped
 from megatron_gtpo.algo.spec import AlgoSpec
 
 Tensor = torch.Tensor
@@ -68,6 +71,7 @@ def compute_loss(spec: AlgoSpec, tokens: TokenInputs, prepared: PreparedBatch, *
     tensors, means over this call's masked tokens: ``train/ratio_{mean,min,max}``,
     ``clip/{low,high}_frac`` and, with a reference model, ``train/kl_mean``.
     """
+    check_shaped(prepared)
     logp, mask = tokens.logp, tokens.mask
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     lp = torch.where(mask, logp, zero)  # padding may hold -inf/NaN log-probs: keep them out of the graph
@@ -96,12 +100,16 @@ def compute_loss(spec: AlgoSpec, tokens: TokenInputs, prepared: PreparedBatch, *
 
 
 def validate_loss_inputs(spec: AlgoSpec, prepared: PreparedBatch, *, mask: Tensor, old_logp: Tensor | None = None,
-                         ref_logp: Tensor | None = None, sampler_logp: Tensor | None = None) -> None:
+                         ref_logp: Tensor | None = None, sampler_logp: Tensor | None = None,
+                         old_logp_later: bool = False) -> None:
     """Checks the loss inputs of a set of rows once per step (shapes, masks, finiteness, what the
     algorithm needs), so bad input fails with a message naming the argument instead of a NaN loss.
 
     ``mask``/``old_logp``/``ref_logp``/``sampler_logp`` [B, T] and ``prepared`` hold the same B rows;
-    the engine's ``sampler_logp`` is checked only when a mismatch correction uses it.
+    the engine's ``sampler_logp`` is checked only when a mismatch correction uses it. ``prepared``
+    may still need GTPO's ``shape_rows`` (its unshaped advantages are checked; the shaping checks
+    ``<H>_i`` itself). ``old_logp_later``: pi_old is no input here but the detached log-probs of the
+    first update's own forward (the train step's one pass), so mu > 1 needs no ``old_logp``.
     """
     mask = as_mask(mask)
     shape = tuple(mask.shape)
@@ -121,7 +129,7 @@ def validate_loss_inputs(spec: AlgoSpec, prepared: PreparedBatch, *, mask: Tenso
             check_finite(value, name=name)
     if spec.kl_beta > 0 and ref_logp is None:
         raise ValueError(f"kl_beta={spec.kl_beta} needs ref_logp (reference-model log-probs)")
-    if spec.needs_old_logp and old_logp is None:
+    if spec.needs_old_logp and old_logp is None and not old_logp_later:
         raise ValueError(f"mu={spec.mu} needs old_logp (pi_old log-probs from a forward before the first update)")
     if spec.conflict_aware and (prepared.token_weights is None or prepared.seq_scale is None):
         raise ValueError(f"algo={spec.name!r} needs token_weights (lambda) and seq_scale from prepare_batch")

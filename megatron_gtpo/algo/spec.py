@@ -75,12 +75,13 @@ class AlgoSpec:
 
     @property
     def needs_old_logp(self) -> bool:
-        """mu > 1: the ratio's denominator pi_old is a separate no-grad forward before the updates."""
+        """mu > 1: the ratio's denominator pi_old, the detached log-probs of the first update's forward
+        (pre-update weights), is kept for the later updates."""
         return self.mu > 1
 
     @property
     def needs_mean_entropy(self) -> bool:
-        """GTPO's filter and shift need <H>_i of pi_old before the advantages can be shaped."""
+        """GTPO's filter and shift need each row's <H>_i of pi_old (``prepare.shape_rows``)."""
         return self.conflict_aware
 
     def entropy_temperature(self, sampling_temperature: float) -> float:

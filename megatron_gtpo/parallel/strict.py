@@ -219,19 +219,29 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
 
 
+def predicted_error(name: str, *, group_kind: str | None, host: bool) -> bool:
+    """The rule this module enforces: True when NCCL (a ``"device"`` group) or gloo (a ``"host"``
+    group) would refuse tensor op ``name`` with a host (``host``) or device tensor.
+    bench/gpu_nccl_rules.py checks it against the real backends on a GPU."""
+    if group_kind == "device":
+        return host
+    return group_kind == "host" and not host and name not in _GLOO_DEVICE_OK
+
+
 def _check_tensors(name: str, group, tensors) -> None:
     kind = group_kind(group)
     CHECKED[name, kind] += 1
     for tensor in tensors:
-        if kind == "device" and is_host(tensor):
+        if not predicted_error(name, group_kind=kind, host=is_host(tensor)):
+            continue
+        if kind == "device":
             raise RuntimeError(
                 f"strict device groups: dist.{name} on a device group (NCCL on GPU) got a host tensor "
                 f"{_describe(tensor)}; NCCL would raise 'No backend type associated with device type cpu'. "
                 "Device data: create it on collectives.comm_device(); CPU data: use parallel.control.")
-        if kind == "host" and name not in _GLOO_DEVICE_OK and not is_host(tensor):
-            raise RuntimeError(
-                f"strict device groups: dist.{name} on a gloo group got a device tensor {_describe(tensor)}; "
-                "gloo supports GPU tensors only for broadcast and all_reduce. Move it to the CPU first.")
+        raise RuntimeError(
+            f"strict device groups: dist.{name} on a gloo group got a device tensor {_describe(tensor)}; "
+            "gloo supports GPU tensors only for broadcast and all_reduce. Move it to the CPU first.")
 
 
 def _wrap_tensor_op(name: str, original):

@@ -132,8 +132,9 @@ def _summary(cfg, *, model_dir, hf_config: dict, context: int, stats) -> str:
         + (f" W={algo.conflict_weight} overlap={algo.conflict_overlap} H*={algo.entropy_threshold} "
            f"gamma={algo.entropy_gamma} norm={algo.gtpo_normalization}" if algo.conflict_aware else ""),
         f"batch      {cfg.train.prompts_per_step} prompts x {cfg.rollout.n} completions = {rows} rows; "
-        f"{per_rank} per DP rank in {per_rank // cfg.train.micro_batch_size} micro-batch(es) of "
-        f"{cfg.train.micro_batch_size}",
+        f"{per_rank} per DP rank " + (f"packed into micro-batches of <= {cfg.token_budget} tokens" if cfg.token_budget
+                                      else f"in {per_rank // cfg.train.micro_batch_size} micro-batch(es) of "
+                                           f"{cfg.train.micro_batch_size}"),
         f"rollout    vLLM ({cfg.sync.transport}), T={cfg.rollout.temperature} top_p={cfg.rollout.top_p} "
         f"max_tokens={cfg.rollout.max_tokens}" + (f", context {context} tokens" if context else ""),
         f"data       {cfg.data.benchmarks + cfg.data.paths}: {stats.summary()}",

@@ -200,6 +200,12 @@ class ScoringPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def start(self) -> None:
+        """Spawns the workers now rather than at the first ``score``, without waiting for them: they
+        import and warm up in the background while the caller does other start-up work."""
+        if self.num_workers > 0:
+            self._ensure_workers()
+
     def close(self) -> None:
         """Stops the workers (idempotent)."""
         for worker in self._workers:

@@ -58,6 +58,10 @@ class RewardScorer:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def start(self) -> None:
+        """Spawns the worker processes now (see ``ScoringPool.start``); otherwise the first score does."""
+        self.pool.start()
+
     def close(self) -> None:
         """Stops the worker processes."""
         self.pool.close()

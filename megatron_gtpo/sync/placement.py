@@ -51,7 +51,8 @@ def _colocated(rollout: RolloutConfig, sync: SyncConfig, model_dir: str,
     if dims.world % per_engine:
         raise ConfigError(f"rollout.vllm tensor x pipeline parallel size = {per_engine}: colocated engines span "
                           f"consecutive trainer ranks, so it must divide the {dims.world} ranks")
-    engine = RolloutEngine(model_dir=model_dir, vllm_kwargs=rollout.vllm, seed=rollout.seed)
+    engine = RolloutEngine(model_dir=model_dir, vllm_kwargs=rollout.vllm, seed=rollout.seed,
+                           request_seeds=rollout.seeded_requests())
     group = RolloutGroup(engine, shard=True, model_dir=model_dir, seed=rollout.seed, ranks_per_engine=per_engine)
     mode = delivery_mode(transport="colocated", trainer_tp=dims.tp, engine_tp=tp)
     return group, ColocatedSync(engine, export, mode=mode, engine_tp=tp)

@@ -11,6 +11,9 @@
   step's prompts are split into contiguous, balanced runs of whole prompts (a prompt's n samples
   are one group and stay on one server); every prompt keeps the seed it has in the whole batch and
   the results come back in prompt order, so the completions are what one engine would have made.
+  ``submit`` sends a call and returns (the servers generate while the trainer trains: one-step-off
+  rollouts); ``wait`` collects it. One call is in flight at most; any later request (another
+  call, a weight push) first waits for it, so a server never changes weights mid-generation.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Client
 
 from megatron_gtpo.sync.checks import WeightPushError
@@ -145,12 +149,23 @@ class LocalServers:
                 proc.kill()
 
 
+@dataclass(kw_only=True)
+class PoolTicket:
+    """One generate call sent to the servers (``RolloutPool.submit``)."""
+
+    runs: list[tuple[int, int]]
+    """``[lo, hi)`` prompt run of each server (in link order)."""
+    completions: list[Completion] | None = None
+    """Filled once every server answered (``drain``)."""
+
+
 class RolloutPool:
     """Rank 0's engine API over every server (see the module docstring)."""
 
     def __init__(self, links: list[ServerLink], *, model_dir: str, local: LocalServers | None = None):
         self.links, self._model_dir, self._local = links, model_dir, local
         self._tokenizer = None
+        self._in_flight: PoolTicket | None = None
 
     @property
     def tokenizer(self):
@@ -161,12 +176,37 @@ class RolloutPool:
         return self._tokenizer
 
     def sample(self, prompts: Sequence[Prompt], *, seeds: Sequence[int], **sampling) -> list[Completion]:
+        return self.wait(self.submit(prompts, seeds=seeds, **sampling))
+
+    def submit(self, prompts: Sequence[Prompt], *, seeds: Sequence[int], **sampling) -> PoolTicket:
+        """Sends one generate call to the servers and returns at once; they generate in the background.
+        A server answers one request at a time, in order, so any earlier call still in flight is
+        received first (:meth:`drain`)."""
+        self.drain()
         runs = balanced_runs(len(prompts), len(self.links))
         for link, (lo, hi) in zip(self.links, runs):
             if hi > lo:
                 link.send(("generate", list(prompts[lo:hi]), list(seeds[lo:hi]), sampling))
+        self._in_flight = PoolTicket(runs=runs)
+        return self._in_flight
+
+    def wait(self, ticket: PoolTicket) -> list[Completion]:
+        """The completions of ``ticket``'s call, in prompt order (waits for them if still in flight)."""
+        if ticket is self._in_flight:
+            self.drain()
+        if ticket.completions is None:
+            raise ServerError("this generate call failed or was dropped when the pool closed")
+        return ticket.completions
+
+    def drain(self) -> None:
+        """Waits for the generate call in flight, if any, and keeps its completions for ``wait``.
+        A weight push calls it first: the servers finish the call on the weights it started with and
+        only then take the push, so each serves exactly one version at a time."""
+        ticket, self._in_flight = self._in_flight, None
+        if ticket is None:
+            return
         out, versions = [], {}
-        for link, (lo, hi) in zip(self.links, runs):
+        for link, (lo, hi) in zip(self.links, ticket.runs):
             if hi > lo:
                 version, part = link.recv()
                 versions[link.address] = version
@@ -175,7 +215,7 @@ class RolloutPool:
                 out += part
         if len(set(versions.values())) > 1:
             raise ServerError(f"rollout servers serve different weight versions: {versions}")
-        return out
+        ticket.completions = out
 
     def sleep(self) -> None:
         """Nothing to give back: the servers do not share the trainer's GPUs."""
@@ -184,6 +224,10 @@ class RolloutPool:
         """Nothing to re-allocate (see :meth:`sleep`)."""
 
     def close(self) -> None:
+        try:  # a call still in flight (a run stopped with step k+1 generating) is answered first
+            self.drain()
+        except (ServerError, WeightPushError):
+            pass
         for link in self.links:
             link.close(stop=self._local is not None)
         if self._local is not None:

@@ -1,6 +1,8 @@
 """Separate transport: weights go from the trainer ranks that own them straight to every rollout server.
 
     every rank    the push plan: buckets of whole parameters of one pipeline stage (shards.plan_buckets)
+    rank 0        waits for a generate call in flight (``rollout.staleness: 1``): it finishes on the
+                  weights it started with, then the push begins (a server serves one version at a time)
     rank 0        ("plan", ...) to every server: the whole push checked before any byte moves
     senders       TP rank 0 of DP replica 0 of each stage gathers its stage's buckets one at a time
                   into one reused buffer and sends each to every server (one transfer group per
@@ -66,10 +68,11 @@ class PoolSync(WeightSync):
         return groups
 
     def push(self, source: PushSource, *, version: int) -> SyncStats:
+        waited = self._finish_generation()
         timer = PushTimer()
         plan = source.buckets(self.bucket_bytes)
         metas = [m for bucket in plan for m in bucket.tensors]
-        self._decide(self._on_servers(("plan", version, metas)), version)
+        self._decide(waited or self._on_servers(("plan", version, metas)), version)
         timer.phase("plan")
         if self._pool is not None:
             wire = [(b.owner, b.nbytes, [asdict(m) for m in b.tensors]) for b in plan]
@@ -86,6 +89,16 @@ class PoolSync(WeightSync):
         self._decide(self._on_servers(("commit", version)), version, what="commit failed")
         timer.phase("load")  # every server's vLLM reload from its staging
         return timer.stats(version=version, num_tensors=len(metas), num_bytes=push_bytes(metas))
+
+    def _finish_generation(self) -> dict[str, str]:
+        """Rank 0: waits for a generate call in flight (one-step-off rollouts), which thus ends on the
+        weights it started with; its failure, by address (the push is then refused everywhere)."""
+        try:
+            if self._pool is not None:
+                self._pool.drain()
+        except (ServerError, WeightPushError) as err:
+            return {"generate call in flight": str(err)}
+        return {}
 
     def _stream(self, source: PushSource, plan: list[BucketPlan]) -> dict[str, str]:
         """Packs and sends every bucket (senders), or takes part in the packing gathers."""

@@ -47,6 +47,8 @@ class ServerSpec:
     """``vllm.LLM`` keyword arguments (``tensor_parallel_size`` sets the engine TP)."""
     seed: int = 0
     """Engine seed."""
+    request_seeds: bool = True
+    """Seed every request (``rollout.request_seeds``, resolved where the server runs)."""
     host: str = "0.0.0.0"
     """Address to listen on."""
     port: int = 29650
@@ -62,7 +64,8 @@ class RolloutServer:
         self.spec = spec
         kwargs = {**spec.vllm, "weight_transfer_config": {"backend": receiver.BACKEND},
                   "worker_extension_cls": f"{receiver.__name__}.StagedReceiverExtension"}
-        self.engine = RolloutEngine(model_dir=spec.model_dir, vllm_kwargs=kwargs, seed=spec.seed)
+        self.engine = RolloutEngine(model_dir=spec.model_dir, vllm_kwargs=kwargs, seed=spec.seed,
+                                    request_seeds=spec.request_seeds)
         self.weights = WeightSpec.from_model_dir(spec.model_dir, dtype=self.engine.dtype)
         self.store = tcp_store(spec.host, spec.port + 1, is_master=True, timeout_s=spec.timeout_s)
         self.listener = Listener((spec.host, spec.port), authkey=AUTHKEY)

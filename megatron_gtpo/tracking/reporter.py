@@ -75,12 +75,14 @@ class Reporter:
         log.warning("step %d: dynamic sampling kept no group in %d tries (all-equal groups); no update this step",
                     step, int(metrics["rollout/tries"]))
 
-    def dataset(self, stats, *, step: int) -> None:
-        """The prompt set once per run: a log line and ``data/*`` metrics (prompts kept and dropped)."""
+    def dataset(self, stats, *, fresh: bool) -> None:
+        """The prompt set: a log line on every start, and ``data/*`` metrics (prompts kept and
+        dropped) at step 0 of a fresh run only, so a resumed run's history holds them once."""
         if self.tracker is None:
             return
         log.info(stats.summary())
-        self.tracker.log_metrics(stats.metrics(), step)
+        if fresh:
+            self.tracker.log_metrics(stats.metrics(), 0)
 
     def reward_errors(self, step: int, errors: list) -> None:
         """Appends new distinct reward-function failures (with tracebacks) to

@@ -16,10 +16,26 @@ a prompt's group may straddle ranks and micro-batches; nothing here needs groups
 Each micro-batch is cut to its longest used sequence (right padding never influences earlier
 positions under the causal mask). With pipeline parallelism every micro-batch of the step uses one
 common length instead, because Megatron's p2p buffers have a fixed shape.
+
+Packed micro-batches (``train.micro_batch_tokens`` > 0, :func:`packed_micro_batches`): instead of
+``micro_batch_size`` rows padded to the longest, each micro-batch is ONE row holding whole
+sequences back to back (no padding between them) up to a token budget, with ``cu_seqlens`` marking
+where each starts; attention is kept inside each sequence and positions restart at 0 per sequence
+(``train/model_input.py`` turns this into Megatron's input). The rows of a DP rank are spread over
+the micro-batches by token count (longest-processing-time first, as verl's balanced partitions), and
+every DP rank uses the same number of micro-batches (Megatron's schedule and the loss rescale need
+it): the count is a pure function of the global Batch that every rank holds, so all ranks compute
+the same number without communicating::
+
+    rows of DP rank r --fewest_bins--> k_r      K = max_r k_r (every rank computes all k_r)
+    rows of this rank --pack_rows(K)--> K bins of row indices, each <= budget tokens
+    bin --_packed--> input_ids [1, S]: [p0 c0 | p1 c1 | ... | pad]   cu_seqlens [0, l0, l0+l1, ..., S]
 """
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -78,23 +94,42 @@ class MicroBatch:
 
     rows: Tensor  # [mb] long
     """Indices of these rows in the global batch (to slice per-sequence values)."""
-    input_ids: Tensor  # [mb, seq_len] long: prompt + completion, right-padded
-    position_ids: Tensor  # [mb, seq_len] long
+    input_ids: Tensor  # [mb, seq_len] long: prompt + completion, right-padded; packed: [1, seq_len]
+    position_ids: Tensor  # [mb, seq_len] long; packed: [1, seq_len], restarting at 0 in every sequence
     start: Tensor  # [mb] long
-    """Sequence position of each row's first completion token (its prompt length)."""
+    """Sequence position of each row's first completion token (its prompt length; packed: plus the
+    offset of its sequence in the packed row)."""
     lengths: Tensor  # [mb] long
     """Completion lengths of the rows."""
     width: int
     """Completion-view width of this micro-batch: its longest completion (>= 1)."""
+    cu_seqlens: Tensor | None = None  # [segments + 1] int32
+    """Packed micro-batch: where each sequence starts in the single packed row, then its end (a
+    padding tail is one more segment); None: one row per sequence (padded micro-batch)."""
+    max_seqlen: int = 0
+    """Packed micro-batch: its longest segment (THD attention's ``max_seqlen``, the RoPE table length)."""
+
+    def to(self, device) -> MicroBatch:
+        """This micro-batch with every tensor on ``device`` (None: where they are)."""
+        if device is None:
+            return self
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), Tensor)})
 
     def take(self, seq: Tensor) -> Tensor:
         """Completion view ``[mb, width]`` of a sequence-view output ``seq`` ``[mb, seq_len]``
-        (the value predicting completion token t of row b at column t; 0 outside the completion)."""
+        (packed: ``[1, seq_len]``): the value predicting completion token t of row b at column t;
+        0 outside the completion. This is the one mapping from model positions to the loss's view."""
         cols = torch.arange(self.width, device=seq.device)
         index = (self.start.to(seq.device)[:, None] + cols).clamp(max=seq.shape[1] - 1)
-        out = seq.gather(1, index)
+        out = seq[0][index] if self.cu_seqlens is not None else seq.gather(1, index)
         return torch.where(cols < self.lengths.to(seq.device)[:, None], out,
                            torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def _rounded(length: int, multiple: int) -> int:
+    """``length`` (at least 1) rounded up to ``multiple``."""
+    return -(-max(length, 1) // multiple) * multiple
 
 
 def _model_input(batch: Batch, rows: Tensor, seq_len: int) -> Tensor:
@@ -121,16 +156,124 @@ def micro_batches(batch: Batch, rows: slice, *, micro_batch_size: int, common_le
     """
     ends = batch.prompt_lengths + batch.lengths
     all_rows = torch.arange(batch.size)[rows]
-
-    def rounded(length: int) -> int:
-        return -(-max(length, 1) // pad_to_multiple) * pad_to_multiple
-
-    shared = rounded(int(ends[all_rows].max())) if common_length else None
+    shared = _rounded(int(ends[all_rows].max()), pad_to_multiple) if common_length else None
     out = []
     for idx in all_rows.split(micro_batch_size):
-        seq_len = shared or rounded(int(ends[idx].max()))
+        seq_len = shared or _rounded(int(ends[idx].max()), pad_to_multiple)
         out.append(MicroBatch(rows=idx.to(device), input_ids=_model_input(batch, idx, seq_len).to(device),
                               position_ids=torch.arange(seq_len).expand(len(idx), seq_len).contiguous().to(device),
                               start=batch.prompt_lengths[idx].to(device), lengths=batch.lengths[idx].to(device),
                               width=max(int(batch.lengths[idx].max()), 1)))
     return out
+
+
+# ----------------------------------------------------------------------------- packed micro-batches
+
+
+def token_budget_problem(budget: int, longest: int, what: str = "the longest row") -> str | None:
+    """Why a token budget of ``budget`` cannot hold a row of ``longest`` tokens, or None. The one
+    home of the rule: config validation asks it with the longest possible row (data.max_prompt_tokens
+    + rollout.max_tokens), the packer with the rows it is given."""
+    if budget and longest > budget:
+        return (f"train.micro_batch_tokens={budget} cannot hold {what} ({longest} tokens, prompt + completion): "
+                f"raise train.micro_batch_tokens to at least {longest}, or set it to 0 for padded "
+                "micro-batches of train.micro_batch_size rows")
+    return None
+
+
+def row_tokens(batch: Batch) -> Tensor:
+    """``[B]`` long: model tokens of every row of the batch (prompt + completion, at least 1)."""
+    return (batch.prompt_lengths + batch.lengths).clamp(min=1)
+
+
+def balanced_partition(lengths: list[int], count: int) -> list[list[int]]:
+    """``count`` (<= len(lengths)) non-empty bins of indices into ``lengths`` whose token sums are
+    balanced: longest first, each into the bin with the fewest tokens so far (LPT, within 4/3 of the
+    best possible largest bin); ties go to the lower index, so the result is deterministic. Indices
+    ascend within a bin; bins are ordered by their first index."""
+    heap = [(0, b) for b in range(count)]
+    bins: list[list[int]] = [[] for _ in range(count)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        load, b = heapq.heappop(heap)  # the first `count` rows each open an empty bin (lengths >= 1)
+        bins[b].append(i)
+        heapq.heappush(heap, (load + lengths[i], b))
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def _largest_bin(lengths: list[int], bins: list[list[int]]) -> int:
+    return max(sum(lengths[i] for i in b) for b in bins)
+
+
+def fewest_bins(lengths: list[int], budget: int) -> int:
+    """The smallest count whose balanced partition keeps every bin within ``budget`` tokens (at most
+    ``len(lengths)``: one row per bin always fits); ValueError when one row alone does not fit."""
+    problem = token_budget_problem(budget, max(lengths))
+    if problem:
+        raise ValueError(problem)
+    count = max(1, -(-sum(lengths) // budget))
+    while _largest_bin(lengths, balanced_partition(lengths, count)) > budget:
+        count += 1
+    return count
+
+
+def pack_rows(lengths: list[int], count: int, budget: int) -> list[list[int]]:
+    """``count`` (``fewest_bins(lengths, budget) <= count <= len(lengths)``) bins of indices, each
+    within ``budget`` tokens, balanced. More bins than the fewest almost always balance within the
+    budget too; where LPT's greedy choice overshoots it, the fewest-bins partition is refined by
+    splitting its fullest bins in two (a part of a fitting bin fits)."""
+    bins = balanced_partition(lengths, count)
+    if _largest_bin(lengths, bins) <= budget:
+        return bins
+    bins = balanced_partition(lengths, fewest_bins(lengths, budget))
+    while len(bins) < count:
+        fullest = max((b for b in bins if len(b) > 1), key=lambda b: (sum(lengths[i] for i in b), -b[0]))
+        bins.remove(fullest)
+        halves = balanced_partition([lengths[i] for i in fullest], 2)
+        bins += [[fullest[i] for i in half] for half in halves]
+    return sorted(bins, key=lambda b: b[0])
+
+
+def micro_batch_count(batch: Batch, *, dp: int, token_budget: int, multiple: int = 1) -> int:
+    """Packed micro-batches per DP rank for this step: the most any DP rank needs (every rank holds
+    the whole Batch and computes every rank's need, so all agree without communicating), rounded up
+    to ``multiple`` (the interleaved pipeline schedule needs a multiple of PP) where the rows allow."""
+    lengths, per_rank = row_tokens(batch).tolist(), batch.size // dp
+    count = max(fewest_bins(lengths[r * per_rank:(r + 1) * per_rank], token_budget) for r in range(dp))
+    return min(-(-count // multiple) * multiple, per_rank)
+
+
+def packed_micro_batches(batch: Batch, rows: slice, *, token_budget: int, count: int, common_length: bool,
+                         pad_to_multiple: int = 1, device=None) -> list[MicroBatch]:
+    """``count`` packed micro-batches of ``rows`` (each one row of whole sequences, at most
+    ``token_budget`` real tokens; ``micro_batch_count`` gives the count every DP rank must use).
+
+    The packed length is rounded up to ``pad_to_multiple`` (FP8, sequence parallelism) with a
+    padding tail; ``common_length`` (pipeline parallel): every micro-batch takes the longest packed
+    length of the step. ``device``: where the tensors are placed (default: CPU).
+    """
+    all_rows = torch.arange(batch.size)[rows]
+    lengths = row_tokens(batch)[all_rows].tolist()
+    bins = pack_rows(lengths, count, token_budget)
+    totals = [sum(lengths[i] for i in b) for b in bins]
+    shared = _rounded(max(totals), pad_to_multiple) if common_length else None
+    return [_packed(batch, all_rows[torch.tensor(b)], shared or _rounded(total, pad_to_multiple)).to(device)
+            for b, total in zip(bins, totals)]
+
+
+def _packed(batch: Batch, idx: Tensor, seq_len: int) -> MicroBatch:
+    """One packed micro-batch of rows ``idx`` in a row of ``seq_len`` tokens (CPU)."""
+    if (batch.prompt_lengths[idx] < 1).any():  # its first completion token would be predicted from
+        raise ValueError("packed micro-batches need a prompt of >= 1 token in every row")  # the previous row
+    seqs = row_tokens(batch)[idx]  # [n]
+    padded = _model_input(batch, idx, int(seqs.max()))  # [n, longest]
+    tokens = padded[torch.arange(padded.shape[1])[None, :] < seqs[:, None]]  # row after row
+    tail = seq_len - int(seqs.sum())
+    segments = torch.cat([seqs, torch.tensor([tail] if tail else [], dtype=seqs.dtype)])
+    offsets = torch.cumsum(segments, 0) - segments
+    input_ids = torch.cat([tokens, torch.full((tail,), batch.pad_id, dtype=tokens.dtype)])[None, :]
+    positions = torch.arange(seq_len) - torch.repeat_interleave(offsets, segments)
+    return MicroBatch(rows=idx, input_ids=input_ids, position_ids=positions[None, :],
+                      start=offsets[:len(idx)] + batch.prompt_lengths[idx], lengths=batch.lengths[idx],
+                      width=max(int(batch.lengths[idx].max()), 1),
+                      cu_seqlens=torch.cat([offsets, offsets[-1:] + segments[-1:]]).to(torch.int32),
+                      max_seqlen=int(segments.max()))

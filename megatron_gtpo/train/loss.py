@@ -9,11 +9,17 @@ micro-batch. Here that function:
 3. calls the pure ``algo.compute_loss`` with this micro-batch's rows of the per-sequence inputs
    (advantages, GTPO lambda and scales) that were prepared ONCE for the whole global batch, and with
    the GLOBAL normalisers (masked tokens and completions of the global batch), so the per-micro-batch
-   losses of all micro-batches on all DP ranks add up to the single-process loss,
+   losses of all micro-batches on all DP ranks add up to the single-process loss; GTPO's rows are
+   shaped here first (``algo.shape_rows``: entropy filter and gamma shift) with the ``<H>_i`` of this
+   very forward at the first update (pi_old: the weights before any update), kept for the others,
 4. multiplies by the one Megatron rescale factor (``train/step.py::megatron_loss_scale``).
 
 Metrics leave as ``name -> tensor([sum, count])`` so that they can be summed over micro-batches and
 DP ranks (``parallel/collectives.py``); min/max metrics travel separately.
+
+One pass (the default, ``StepInputs.old_logp`` None): at mu > 1 pi_old is the detached log-prob of
+the first update's own forward, kept per micro-batch for the later updates; the step's separate
+no-grad forward (``StepSettings.pre_pass``) hands ``old_logp`` and shaped rows in instead.
 
 Per micro-batch, also: the train-inference mismatch weights (``algo.mismatch_correction``; at
 mu = 1 from this forward's detached log-probs, at mu > 1 once from pi_old at the first update and
@@ -24,6 +30,7 @@ counts: each row's detached log-ratio of inner step k is kept and compared at st
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +78,11 @@ class RowCache:
     """mu > 1: the mismatch weights of the first update ([mb, width]), reused by the others."""
     log_ratio: dict[int, Tensor] = field(default_factory=dict)
     """mu > 1: detached ``logp - old_logp`` [mb, width] of the previous update (D4 overshoot)."""
+    old_logp: dict[int, Tensor] = field(default_factory=dict)
+    """One pass, mu > 1: pi_old, the detached log-probs [mb, width] of the first update's forward."""
+    mean_entropy: dict[int, Tensor] = field(default_factory=dict)
+    """One pass, GTPO: the rows' <H>_i [mb] of the first update's forward (the step gathers them for
+    the whole-batch metrics and diagnostics; later updates reuse them)."""
 
 
 ZERO_WHEN_EMPTY = ("bias/clip_overshoot_rate",)
@@ -84,7 +96,9 @@ class StepInputs:
     spec: AlgoSpec
     """The resolved algorithm."""
     prepared: PreparedBatch
-    """Output of ``algo.prepare_batch`` for the whole global batch (on the device)."""
+    """Output of ``algo.prepare_groups`` for the whole global batch (on the device); GTPO rows still
+    ``needs_entropy`` until the step shapes the whole batch after the first update (one pass), or
+    already shaped by ``algo.prepare_batch`` (pre-pass)."""
     mask: Tensor  # [B, T] bool
     """Completion mask of the whole global batch (on the device)."""
     num_tokens: float
@@ -94,7 +108,8 @@ class StepInputs:
     local: slice
     """This DP rank's rows of the global batch: the rows of ``old_logp``/``ref_logp`` below."""
     old_logp: Tensor | None  # [local B, T]
-    """pi_old log-probs of this rank's rows when mu > 1; None: ratio = exp(logp - logp.detach())."""
+    """pi_old log-probs of this rank's rows from the pre-pass when mu > 1; None: one pass (update 0:
+    ratio = exp(logp - logp.detach()); mu > 1: later updates use ``cache.old_logp``)."""
     ref_logp: Tensor | None  # [local B, T]
     """Reference-model log-probs of this rank's rows for the KL term, or None."""
     sampler_logp: Tensor | None  # [B, T]
@@ -116,13 +131,17 @@ class StepInputs:
 
 def micro_batch_loss(inputs: StepInputs, settings: LogprobSettings, mb: MicroBatch, logits: Tensor):
     """Loss of one micro-batch, already rescaled for Megatron, and its metric pairs."""
+    rows, width = mb.rows, mb.width
+    prepared = inputs.prepared.rows(rows)
+    floor = _entropy_floor(inputs, settings, prepared)
     # The logits (the output layer's fresh output) have no other consumer: their storage can take
     # the gradient, so backward never holds two logits-sized buffers.
-    logp_seq, ent_seq = settings.token_stats(logits, mb.input_ids, inplace_backward=True)
-    rows, width = mb.rows, mb.width
+    logp_seq, ent_seq = settings.token_stats(logits, mb.input_ids, inplace_backward=True, entropy_prob_floor=floor)
     mask = inputs.mask[rows, :width]
-    prepared = inputs.prepared.rows(rows)
-    logp, old_logp = mb.take(logp_seq), inputs.local_rows(inputs.old_logp, rows, width)
+    if prepared.needs_entropy:  # one pass, GTPO: filter and shift from these rows' own <H>_i
+        prepared = algo.shape_rows(inputs.spec, prepared, _row_entropy(inputs, settings, mb, logits, ent_seq))
+    logp = mb.take(logp_seq)
+    old_logp = _old_logp(inputs, mb, logp)
     pairs: dict[str, Tensor] = {}
     tokens = algo.TokenInputs(logp=logp, mask=mask, old_logp=old_logp,
                               ref_logp=inputs.local_rows(inputs.ref_logp, rows, width),
@@ -131,7 +150,7 @@ def micro_batch_loss(inputs: StepInputs, settings: LogprobSettings, mb: MicroBat
                                       num_seqs=inputs.num_seqs)
     pairs.update(_metric_pairs(metrics, mask))
     pairs["loss"] = torch.stack([loss.detach().double(), _f64(inputs.metric_weight, loss.device)])
-    if not inputs.spec.needs_mean_entropy:  # GTPO's <H>_i pre-pass reports entropy/mean itself
+    if not inputs.spec.needs_mean_entropy:  # GTPO: entropy/mean comes with the whole batch's <H>_i
         mean_h = algo.completion_mean_entropy(mb.take(ent_seq.detach()), mask)
         pairs["entropy/mean"] = torch.stack([mean_h.sum().double(), _f64(mask.shape[0], mask.device)])
     if inputs.update == 0 and inputs.sampler_logp is not None:
@@ -141,6 +160,49 @@ def micro_batch_loss(inputs: StepInputs, settings: LogprobSettings, mb: MicroBat
     elif old_logp is not None:
         pairs.update(_overshoot_pairs(inputs, mb, tokens, prepared))
     return loss * inputs.scale, pairs
+
+
+def _entropy_floor(inputs: StepInputs, settings: LogprobSettings, prepared: PreparedBatch) -> float:
+    """The probability floor of the training forward's entropy output: GTPO's <H>_i statistic
+    (``spec.entropy_prob_floor``) when these rows are shaped from this forward and the statistic is
+    at the sampling temperature (the floor changes the entropy output only, never log p or its
+    gradient); 0 (the exact entropy) otherwise."""
+    spec = inputs.spec
+    same = spec.entropy_temperature(settings.temperature) == settings.temperature
+    return spec.entropy_prob_floor if prepared.needs_entropy and inputs.update == 0 and same else 0.0
+
+
+@torch.no_grad()
+def _row_entropy(inputs: StepInputs, settings: LogprobSettings, mb: MicroBatch, logits: Tensor,
+                 ent_seq: Tensor) -> Tensor:
+    """GTPO's <H>_i [mb] of pi_old: computed from this forward at the first update (the floored
+    entropy output, or one more no-grad pass at the statistic's own temperature, as ``forward_stats``
+    does), cached for the later updates. Taken in the global batch's width, like the pre-pass, so
+    the values are the same bit for bit."""
+    cache = inputs.cache.mean_entropy
+    if inputs.update > 0:
+        return cache[id(mb)]
+    spec = inputs.spec
+    temperature = spec.entropy_temperature(settings.temperature)
+    if temperature != settings.temperature:
+        _, ent_seq = settings.token_stats(logits.detach(), mb.input_ids, entropy_prob_floor=spec.entropy_prob_floor,
+                                          temperature=temperature)
+    view = dataclasses.replace(mb, width=inputs.mask.shape[1])
+    cache[id(mb)] = algo.completion_mean_entropy(view.take(ent_seq.detach().float()), inputs.mask[mb.rows])
+    return cache[id(mb)]
+
+
+def _old_logp(inputs: StepInputs, mb: MicroBatch, logp: Tensor) -> Tensor | None:
+    """pi_old of this micro-batch [mb, width]: the pre-pass's rows, or (one pass, mu > 1) None at the
+    first update, whose detached log-probs are kept as pi_old for the later ones."""
+    if inputs.old_logp is not None:
+        return inputs.local_rows(inputs.old_logp, mb.rows, mb.width)
+    if not inputs.spec.needs_old_logp:
+        return None
+    if inputs.update == 0:
+        inputs.cache.old_logp[id(mb)] = logp.detach()
+        return None
+    return inputs.cache.old_logp[id(mb)]
 
 
 @torch.no_grad()

@@ -1,19 +1,29 @@
 """One global ``Batch`` -> ``mu`` optimizer steps of the Megatron policy, and the no-grad forward
-passes the step needs (pi_old, GTPO's <H>_i, the reference model's log-probs).
+passes the step needs (the reference model's log-probs; the optional pre-pass below).
 
 Dataflow of :func:`train_step` (every rank holds the whole Batch; rows are split over DP)::
 
     rows of this DP rank --micro_batches--> [mb_0, mb_1, ...]   (model input [mb, S] built per micro-batch)
-    if GTPO or mu > 1:  no-grad forward (forward_stats)     -> pi_old logp [local B, T] (stays here),
-                                                               <H>_i [local B] (all-gathered: [B])
-    last stage: algo.prepare_batch(spec, whole batch, <H>)   -> A / A~, lambda, seq scales   (once)
-                D1 shared-prefix weights, D2 decomposition (train/diagnostics.py)   (once, CPU)
+    last stage: algo.prepare_groups(spec, whole batch)      -> A, GTPO lambda and seq scales   (once)
     repeat mu times:
         Megatron forward_backward_func(loss_func = loss.micro_batch_loss)   # TP/PP/VPP, DDP reduce
+            first update, per micro-batch: GTPO <H>_i of its rows -> algo.shape_rows (filter, shift);
+            mu > 1: its detached log-probs are pi_old for the later updates
         optimizer.step() (grad clip inside), scheduler.step()
+        after the first: GTPO <H>_i all-gathered over DP -> algo.shape_batch (whole-batch A~, metrics)
         mu > 1: the Adam update norm from the optimizer state (D4)
+    last stage: D1 shared-prefix weights, D2 decomposition (train/diagnostics.py)   (once, CPU)
     metrics: (sum, count) pairs summed over micro-batches and DP on the last stage, then handed to
              every rank; D2's gap needs the first update's loss
+
+One pass: GTPO's ``<H>_i`` depends only on completion i's own logits and its conflict weights only
+on token ids and the signs of the unshaped advantages, so nothing needs a forward over the whole
+batch before training: the first update's forward runs on the weights before any update (pi_old)
+and yields ``<H>_i`` and, for mu > 1, pi_old itself. ``StepSettings.pre_pass`` restores the former
+separate no-grad forward (``forward_stats``) before the updates; no algorithm needs it (the
+values are the same bit for bit, tests/dist/test_onepass_step.py): it is the reference the one-pass
+step is tested and benchmarked against (bench/step_time.py). ``forward_stats`` itself remains the
+reference model's forward (KL term, ``train/learner.py``), a different model.
 
 Only the last pipeline stage computes losses, so only it prepares the batch and holds per-token
 inputs. GTPO's ``<H>_i`` is the mean entropy of pi_old (before the first update) with the reference
@@ -31,12 +41,14 @@ from functools import partial
 import torch
 
 from megatron_gtpo import algo
-from megatron_gtpo.algo import AlgoSpec
+from megatron_gtpo.algo import AlgoSpec, PreparedBatch
 from megatron_gtpo.parallel import collectives
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.layout import pipeline_problem
-from megatron_gtpo.train.batching import MicroBatch, global_normalisers, local_rows, micro_batches
-from megatron_gtpo.train.diagnostics import BatchBias, adam_step, batch_bias, momentum_metrics
+from megatron_gtpo.train import model_input
+from megatron_gtpo.train.batching import (MicroBatch, global_normalisers, local_rows, micro_batch_count, micro_batches,
+                                          packed_micro_batches)
+from megatron_gtpo.train.diagnostics import adam_step, batch_bias, momentum_metrics
 from megatron_gtpo.train.loss import ZERO_WHEN_EMPTY, LogprobSettings, StepInputs, micro_batch_loss, split_extrema
 from megatron_gtpo.train.model import true_vocab_size
 from megatron_gtpo.train.optim import current_lr, zero_grads
@@ -78,6 +90,13 @@ class StepSettings:
     """Rows per chunk of the fused log-prob/entropy pass (None: automatic)."""
     pad_to_multiple: int = 1
     """Micro-batch sequence lengths are rounded up to this multiple."""
+    pre_pass: bool = False
+    """Run a separate no-grad forward over this rank's rows before the updates for pi_old (mu > 1)
+    and GTPO's <H>_i, as the step did before issue 16. No algorithm needs it (the first update's
+    forward gives the same values); kept as the reference of the one-pass step's tests and bench."""
+    micro_batch_tokens: int = 0
+    """> 0: packed micro-batches of at most this many tokens (``train.micro_batch_tokens``); 0: padded
+    micro-batches of ``micro_batch_size`` rows."""
 
 
 @dataclass(kw_only=True)
@@ -149,8 +168,7 @@ def run_schedule(model_chunks, mbs: list[MicroBatch], loss_for, *, forward_only:
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        output = model(mb.input_ids, mb.position_ids, None, **extra)  # None: causal mask (CPU shim on gloo)
-        return output, partial(loss_for, mb)
+        return model_input.forward(model, mb, **extra), partial(loss_for, mb)
 
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=[iter(mbs) for _ in model_chunks],
@@ -168,10 +186,18 @@ def logprob_settings(settings: StepSettings, dims: ParallelDims, groups: Groups,
 
 
 def rank_micro_batches(batch: Batch, settings: StepSettings, dims: ParallelDims) -> tuple[slice, list[MicroBatch]]:
-    """This DP rank's rows and their micro-batches (on the model's device)."""
-    rows = local_rows(batch.size, dp=dims.dp, dp_rank=dims.dp_rank, micro_batch_size=settings.micro_batch_size)
-    return rows, micro_batches(batch, rows, micro_batch_size=settings.micro_batch_size, common_length=dims.pp > 1,
-                               pad_to_multiple=settings.pad_to_multiple, device=collectives.comm_device())
+    """This DP rank's rows and their micro-batches (on the model's device): padded, or packed by
+    ``settings.micro_batch_tokens`` into as many micro-batches as the neediest DP rank requires."""
+    budget, device = settings.micro_batch_tokens, collectives.comm_device()
+    rows = local_rows(batch.size, dp=dims.dp, dp_rank=dims.dp_rank,
+                      micro_batch_size=1 if budget else settings.micro_batch_size)
+    if not budget:
+        return rows, micro_batches(batch, rows, micro_batch_size=settings.micro_batch_size,
+                                   common_length=dims.pp > 1, pad_to_multiple=settings.pad_to_multiple, device=device)
+    count = micro_batch_count(batch, dp=dims.dp, token_budget=budget,
+                              multiple=dims.pp if (dims.vpp and dims.pp > 1) else 1)
+    return rows, packed_micro_batches(batch, rows, token_budget=budget, count=count, common_length=dims.pp > 1,
+                                      pad_to_multiple=settings.pad_to_multiple, device=device)
 
 
 @torch.no_grad()
@@ -195,9 +221,9 @@ def forward_stats(model_chunks, batch: Batch, mbs: list[MicroBatch], settings: L
     store = run_schedule(model_chunks, mbs, loss_for, forward_only=True)
     if not store:
         return None
-    rows = torch.cat([mb.rows for mb in mbs])
-    entropy = torch.cat([out["entropy"] for out in store])
-    return ForwardStats(logp=torch.cat([out["logp"] for out in store]), entropy=entropy,
+    rows, order = torch.cat([mb.rows for mb in mbs]).sort()  # packing spreads the rows: back to row order
+    entropy = torch.cat([out["entropy"] for out in store])[order]
+    return ForwardStats(logp=torch.cat([out["logp"] for out in store])[order], entropy=entropy,
                         mean_entropy=algo.completion_mean_entropy(entropy, batch.mask[rows.cpu()].to(entropy.device)))
 
 
@@ -216,23 +242,26 @@ def train_step(policy, batch: Batch, settings: StepSettings, dims: ParallelDims,
     check_schedule(policy.chunks, len(mbs), dims)
     lp_settings = logprob_settings(settings, dims, groups, policy.chunks)
     stats = None
-    if spec.needs_old_logp or spec.needs_mean_entropy:  # pi_old and/or GTPO's <H>_i: forward first
+    if settings.pre_pass and (spec.needs_old_logp or spec.needs_mean_entropy):  # the reference path only
         stats = forward_stats(policy.chunks, batch, mbs, lp_settings, entropy_prob_floor=spec.entropy_prob_floor,
                               entropy_temperature=spec.entropy_temperature(settings.temperature))
-    inputs = bias = None
+    inputs = prepared = None
     if dims.is_last_stage:
-        inputs, bias = _step_inputs(batch, settings, dims, groups, rows=rows, stats=stats, ref_logp=ref_logp,
-                                    num_microbatches=len(mbs))
+        inputs, prepared = _step_inputs(batch, settings, dims, groups, rows=rows, stats=stats, ref_logp=ref_logp,
+                                        num_microbatches=len(mbs))
     per_update, adam = [], []
     for update in range(spec.mu):
         step_inputs = None if inputs is None else dataclasses.replace(inputs, update=update)
         per_update.append(_update(policy, mbs, step_inputs, lp_settings, dims, groups))
+        if update == 0 and prepared is not None and prepared.needs_entropy:
+            inputs, prepared = _shape_batch(inputs, prepared, mbs, groups)
         if spec.mu > 1:  # D4: every rank takes part in the reduction over the optimizer's shards
             adam.append(adam_step(policy.optimizer))
     result = None
     if dims.is_last_stage:
+        bias = batch_bias(spec, batch, prepared, num_tokens=inputs.num_tokens, num_seqs=inputs.num_seqs)
         result = _merge_updates(per_update)
-        result.update({k: float(v) for k, v in inputs.prepared.metrics.items()})
+        result.update({k: float(v) for k, v in prepared.metrics.items()})
         result.update(bias.metrics(per_update[0]))
         result.update(momentum_metrics(adam))
     return collectives.broadcast_from_last_stage(result, pp_group=groups.pp, last_stage_rank=groups.last_stage_rank)
@@ -240,29 +269,48 @@ def train_step(policy, batch: Batch, settings: StepSettings, dims: ParallelDims,
 
 def _step_inputs(batch: Batch, settings: StepSettings, dims: ParallelDims, groups: Groups, *, rows: slice,
                  stats: ForwardStats | None, ref_logp: Tensor | None,
-                 num_microbatches: int) -> tuple[StepInputs, BatchBias]:
-    """Prepares the whole global batch once (last stage), computes its D1/D2 diagnostics and places
-    the loss inputs on the device."""
+                 num_microbatches: int) -> tuple[StepInputs, PreparedBatch]:
+    """Prepares the whole global batch once (last stage) and places the loss inputs on the device.
+    Returns them with the CPU record (GTPO without the pre-pass: not yet shaped, see ``_shape_batch``)."""
     device = collectives.comm_device()
-    mean_entropy = None
-    if settings.spec.needs_mean_entropy:
-        mean_entropy = collectives.all_gather_rows(stats.mean_entropy.to(device), groups.dp).cpu()
-    prepared = algo.prepare_batch(settings.spec, token_ids=batch.token_ids, mask=batch.mask, rewards=batch.rewards,
-                                  group_ids=batch.group_ids, mean_entropy=mean_entropy)
-    old_logp = stats.logp.to(device) if settings.spec.needs_old_logp else None
-    algo.validate_loss_inputs(settings.spec, prepared.rows(torch.arange(batch.size)[rows]), mask=batch.mask[rows],
+    spec = settings.spec
+    if stats is None:  # one pass: GTPO's rows are shaped inside the first update's forward
+        prepared = algo.prepare_groups(spec, token_ids=batch.token_ids, mask=batch.mask, rewards=batch.rewards,
+                                       group_ids=batch.group_ids)
+    else:
+        mean_entropy = None
+        if spec.needs_mean_entropy:
+            mean_entropy = collectives.all_gather_rows(stats.mean_entropy.to(device), groups.dp).cpu()
+        prepared = algo.prepare_batch(spec, token_ids=batch.token_ids, mask=batch.mask, rewards=batch.rewards,
+                                      group_ids=batch.group_ids, mean_entropy=mean_entropy)
+    old_logp = stats.logp.to(device) if stats is not None and spec.needs_old_logp else None
+    algo.validate_loss_inputs(spec, prepared.rows(torch.arange(batch.size)[rows]), mask=batch.mask[rows],
                               old_logp=None if old_logp is None else old_logp.cpu(),
                               ref_logp=None if ref_logp is None else ref_logp.cpu(),
-                              sampler_logp=batch.sampler_logprobs[rows])
+                              sampler_logp=batch.sampler_logprobs[rows], old_logp_later=stats is None)
     num_tokens, num_seqs = global_normalisers(batch)
-    bias = batch_bias(settings.spec, batch, prepared, num_tokens=num_tokens, num_seqs=num_seqs)
-    inputs = StepInputs(spec=settings.spec, prepared=_to_device(prepared, device), mask=batch.mask.to(device),
+    inputs = StepInputs(spec=spec, prepared=_to_device(prepared, device), mask=batch.mask.to(device),
                         num_tokens=num_tokens, num_seqs=num_seqs, local=rows, old_logp=old_logp,
                         ref_logp=None if ref_logp is None else ref_logp.to(device),
                         sampler_logp=batch.sampler_logprobs.to(device),
                         scale=megatron_loss_scale(num_microbatches=num_microbatches, dp_size=dims.dp),
                         metric_weight=1.0 / (num_microbatches * dims.dp))
-    return inputs, bias
+    return inputs, prepared
+
+
+def _shape_batch(inputs: StepInputs, prepared: PreparedBatch, mbs: list[MicroBatch],
+                 groups: Groups) -> tuple[StepInputs, PreparedBatch]:
+    """One pass, GTPO, after the first update (last stage): the <H>_i its micro-batches computed
+    (``loss.py``), all-gathered over DP, shape the whole batch as the pre-pass did (the same values,
+    the whole-batch metrics ``entropy/mean`` and ``gtpo/filtered_frac``, the input of D1/D2); the
+    later updates take their rows already shaped."""
+    # [local B] in row order: packed micro-batches hold rows out of order, so place each by index
+    rows = torch.cat([mb.rows for mb in mbs])
+    values = torch.cat([inputs.cache.mean_entropy[id(mb)] for mb in mbs])
+    local = values.new_empty(values.shape).index_copy_(0, (rows - rows.min()).to(values.device), values)
+    mean_entropy = collectives.all_gather_rows(local, groups.dp).cpu()
+    prepared = algo.shape_batch(inputs.spec, prepared, mean_entropy)
+    return dataclasses.replace(inputs, prepared=_to_device(prepared, collectives.comm_device())), prepared
 
 
 def _update(policy, mbs, inputs: StepInputs | None, lp_settings, dims, groups) -> dict[str, float] | None:

@@ -49,7 +49,7 @@ def test_tp2_is_refused(smollm2, tmp_path, capsys):
     from megatron_gtpo.cli.convert import main
 
     assert main(["--to", "megatron", "--input", str(smollm2), "--output", str(tmp_path / "x"), "--tp", "2"]) == 2
-    assert "num_attention_heads=9 is not divisible by tp=2" in capsys.readouterr().err
+    assert "num_attention_heads=9 is not divisible by TP=2" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 

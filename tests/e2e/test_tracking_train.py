@@ -78,8 +78,9 @@ def test_training_survives_a_dead_tracking_server(tmp_path):
 
 def test_step_rerun_after_sigkill_is_stored_once(tmp_path):
     """Default SQLite store: SIGKILL right after step 5 was logged (checkpoint 4; steps 5 and maybe
-    6 already in MLflow), then --resume: every key has steps 1..8 exactly once, one MLflow run,
-    FINISHED, and the resume reported the run the killed process left RUNNING."""
+    6 already in MLflow), then --resume: every per-step key has steps 1..8 exactly once (data/* has
+    step 0 once), one MLflow run, FINISHED, and the resume reported the run the killed process left
+    RUNNING."""
     from mlflow.tracking import MlflowClient
 
     out, log_path = tmp_path / "run", tmp_path / "killed.log"
@@ -106,4 +107,6 @@ def test_step_rerun_after_sigkill_is_stored_once(tmp_path):
     print(f"loss steps in MLflow at the kill: {before}")
     for key in run.data.metrics:
         steps = sorted(m.step for m in client.get_metric_history(run_id, key))
-        assert steps == list(range(1, 9)), (key, steps)
+        # data/* describe the prompt set: logged once, at step 0 of the fresh run, never on resume
+        assert steps == ([0] if key.startswith("data/") else list(range(1, 9))), (key, steps)
+    assert "data/prompts" in run.data.metrics

@@ -3,18 +3,25 @@ grouping, DAPO's refill loop, the try budget, the divisibility cut and the per-s
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from megatron_gtpo.data.dataset import PromptDataset
 from megatron_gtpo.reward import RewardConfig, RewardOutput, RewardScorer
-from megatron_gtpo.rollout.collector import DynamicSampling, RolloutCollector, Sampling, rollout_metrics
+from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, RolloutCollector, Sampling, rollout_metrics
 from megatron_gtpo.types import Completion, Prompt
 
 
 class ScriptedEngines:
-    """Stands in for RolloutGroup.generate: prompt ``p<k>`` gets completions whose text is read from
-    SCRIPT[k] (one string per sample); records the seeds it was called with."""
+    """Stands in for RolloutGroup.generate/submit: prompt ``p<k>`` gets completions whose text is read
+    from SCRIPT[k] (one string per sample), tagged with the weight version ``version`` the engines
+    serve; records the seeds it was called with."""
 
     def __init__(self, script: dict[int, list[str]]):
-        self.script, self.seeds = script, []
+        self.script, self.seeds, self.version = script, [], 0
+
+    def submit(self, prompts, **kwargs):
+        done = self.generate(prompts, **kwargs)  # like engines in the trainer processes: generated now
+        return SimpleNamespace(wait=lambda: done)
 
     def generate(self, prompts, *, n, temperature, top_p, max_tokens, stop, seed):
         self.seeds.append(seed)
@@ -22,18 +29,18 @@ class ScriptedEngines:
         for i, prompt in enumerate(prompts):
             texts = self.script[int(prompt.uid[1:])]
             out += [Completion(prompt_index=i, prompt_token_ids=prompt.token_ids, token_ids=[7] * len(t),
-                               logprobs=[-1.0] * len(t), text=t) for t in texts[:n]]
+                               logprobs=[-1.0] * len(t), text=t, weight_version=self.version) for t in texts[:n]]
         return out
 
 
-def collector(script, *, dynamic=None, group_multiple=1):
+def collector(script, *, dynamic=None, group_multiple=1, off_policy=None):
     prompts = [Prompt(uid=f"p{k}", token_ids=[1, 2, k + 3], gold="", task="gsm8k") for k in range(len(script))]
     dataset = PromptDataset(prompts, shuffle=False)
     scorer = RewardScorer(RewardConfig(fn="tests.unit.test_collector.letter_a_reward", num_workers=0))
     engines = ScriptedEngines(script)
     sampling = Sampling(n=2, temperature=1.0, top_p=1.0, max_tokens=8)
     return RolloutCollector(engines, dataset, scorer, sampling=sampling, seed=5, dynamic=dynamic,
-                            group_multiple=group_multiple), engines
+                            group_multiple=group_multiple, off_policy=off_policy or OffPolicy()), engines
 
 
 def letter_a_reward(completion, gold, task):

@@ -73,7 +73,9 @@ def test_overrides_are_typed_and_nested():
     ("algo.entropy_threshold=-1", "algo.entropy_threshold=-1.0 is not allowed"),
     ("algo.name=ppo", "algo.name='ppo' is not allowed: expected one of"),
     ("rollout.n=1", "rollout.n=1 is not allowed"),
-    ("train.micro_batch_size=3", "is not divisible by parallel.dp x train.micro_batch_size = 1 x 3"),
+    (("train.micro_batch_tokens=0", "train.micro_batch_size=3"),
+     "is not divisible by parallel.dp x train.micro_batch_size = 1 x 3"),
+    ("train.micro_batch_tokens=64", "train.micro_batch_tokens=64 cannot hold the longest possible row"),
     ("parallel.tp=0", "parallel.tp=0 is not allowed"),
     ("model.make_vocab_size_divisible_by=0", "model.make_vocab_size_divisible_by=0 is not allowed"),
     ("optim.optimizer.adam_betas=0.9", "adam_betas"),
@@ -82,7 +84,7 @@ def test_overrides_are_typed_and_nested():
 ])
 def test_bad_values_name_the_key(override, fragment):
     with pytest.raises(ConfigError) as err:
-        load_config(REPO / "configs" / "gtpo.yaml", [override])
+        load_config(REPO / "configs" / "gtpo.yaml", [override] if isinstance(override, str) else list(override))
     assert fragment in str(err.value), str(err.value)
 
 

@@ -125,3 +125,57 @@ def test_a_failed_run_leaves_no_report_and_no_partial_samples(tmp_path):
     with pytest.raises(RuntimeError, match="engine died"):
         cli.run(config, generate=failing_generate, tokenizer=tiny_tokenizer())
     assert calls == [2, 2] and list(tmp_path.iterdir()) == []
+
+
+def test_run_uses_a_given_scorer_and_leaves_it_open(tmp_path):
+    from megatron_gtpo.reward import RewardConfig, RewardScorer
+
+    config = EvalConfig(model="scripted", benchmarks=["gsm8k"], n=2, k=[1, 2], limit=2, workers=0,
+                        output=str(tmp_path / "r.json"), data_root=str(SHIPPED_DATA))
+    with RewardScorer(RewardConfig(fn="correctness", num_workers=0)) as scorer:
+        calls = []
+        real = scorer.score
+        scorer.score = lambda items, **kw: calls.append(len(items)) or real(items, **kw)
+        report = cli.run(config, generate=scripted_generate, tokenizer=tiny_tokenizer(), scorer=scorer)
+        assert calls == [4] and report.results[0].metrics["pass@1"] == pytest.approx(0.5)
+        assert scorer.score([("\\boxed{1}", "1", "math")])[0].correct  # still open after the run
+
+
+def test_engine_defaults_on_cpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = EvalConfig(model="tiny", vllm={"max_model_len": 512})
+    assert cli.engine_vllm_kwargs(config) == {"block_size": cli.CPU_KV_BLOCK_TOKENS, "max_model_len": 512}
+    assert cli.engine_vllm_kwargs(EvalConfig(model="tiny", vllm={"block_size": 128}))["block_size"] == 128
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli.engine_vllm_kwargs(config) == {"max_model_len": 512}  # GPUs keep vLLM's own default
+
+
+SPY = """
+import os, sys
+class Spy:  # records the wait policy at the moment torch starts loading
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and "policy" not in globals():
+            globals()["policy"] = os.environ.get("OMP_WAIT_POLICY", "<unset>")
+        return None
+sys.meta_path.insert(0, Spy())
+import megatron_gtpo.cli.eval
+print(policy)
+"""
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_openmp_wait_policy_is_set_before_torch_loads(preset, expected):
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset  # the user's setting wins
+    out = subprocess.run([sys.executable, "-c", SPY], env={**env, "PYTHONPATH": str(REPO)}, capture_output=True,
+                         text=True, timeout=300, check=True).stdout.split()
+    assert out[-1:] == [expected]

@@ -131,3 +131,16 @@ def test_preemption_signal_during_worker_start_up_does_not_kill_it():
         os.kill(pool._workers[0].proc.pid, signal.SIGUSR1)  # noqa: SLF001
         scores = pool.score([("abcd", "1", "gsm8k")])
     assert scores[0].status == "ok" and scores[0].reward == 1.0
+
+
+def test_start_spawns_the_workers_before_the_first_score():
+    with RewardScorer(RewardConfig(fn="correctness", num_workers=2, start_method="fork")) as scorer:
+        scorer.start()
+        procs = [w.proc for w in scorer.pool._workers]
+        assert len(procs) == 2 and all(p.is_alive() for p in procs)  # running before anything is scored
+        assert [s.correct for s in scorer.score([("\\boxed{4}", "4", "math"), ("\\boxed{5}", "4", "math")])] \
+            == [True, False]
+        assert [w.proc for w in scorer.pool._workers] == procs  # the started workers did the scoring
+    with RewardScorer(RewardConfig(fn="correctness", num_workers=0)) as inline:
+        inline.start()  # nothing to start in-process
+        assert inline.pool._workers == [] and inline.score([("\\boxed{4}", "4", "math")])[0].correct

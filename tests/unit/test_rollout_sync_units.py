@@ -76,6 +76,20 @@ def test_engine_kwargs_pass_through_and_required_values():
         engine_kwargs("/m", {"model": "/other"}, 0)
 
 
+def test_engine_kwargs_serve_float32_on_cpus_without_native_bf16(monkeypatch):
+    import megatron_gtpo.rollout.engine as engine_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: False)
+    assert engine_kwargs("/m", {}, 0)["dtype"] == "float32"  # not vLLM's "auto" (-> emulated bf16)
+    assert engine_kwargs("/m", {"dtype": "bfloat16"}, 0)["dtype"] == "bfloat16"  # the caller's choice wins
+    monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: True)
+    assert "dtype" not in engine_kwargs("/m", {}, 0)  # vLLM decides where bf16 is native
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: False)
+    assert "dtype" not in engine_kwargs("/m", {}, 0)  # GPUs: untouched
+
+
 def test_prompt_seeds_never_collide_within_a_call():
     for seed in (0, 1, 12345):
         seeds = prompt_seeds(seed, 64, 8)

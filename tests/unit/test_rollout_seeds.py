@@ -1,0 +1,50 @@
+"""rollout.request_seeds: seeded requests on CPU (reproducible across layouts), vLLM's batched
+sampler (no per-request seed) on GPUs, where seeded requests take a per-request Python loop."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_gtpo.rollout.config import RolloutConfig
+from megatron_gtpo.rollout.engine import RolloutEngine
+from megatron_gtpo.types import Prompt
+
+
+class _FakeLLM:
+    """Records the SamplingParams vLLM would get; returns one empty sample per requested one."""
+
+    def __init__(self):
+        self.params = []
+
+    def generate(self, requests, params, use_tqdm=False):
+        self.params.extend(params)
+        return [SimpleNamespace(outputs=[SimpleNamespace(index=j, token_ids=[5], logprobs=[{5: SimpleNamespace(
+            logprob=-1.0)}], finish_reason="stop", text="") for j in range(p.n)]) for p in params]
+
+
+def _engine(monkeypatch, **kwargs) -> tuple[RolloutEngine, _FakeLLM]:
+    fake = _FakeLLM()
+    monkeypatch.setattr(RolloutEngine, "_make_llm", staticmethod(lambda kw: fake))
+    return RolloutEngine(model_dir="/nonexistent", vllm_kwargs={"skip_tokenizer_init": True}, seed=3, **kwargs), fake
+
+
+@pytest.mark.parametrize("request_seeds, expect_seeded", [(True, True), (False, False)])
+def test_engine_seeds_requests_only_when_asked(monkeypatch, request_seeds, expect_seeded):
+    engine, fake = _engine(monkeypatch, request_seeds=request_seeds)
+    prompts = [Prompt(uid=f"p{i}", token_ids=[1, 2, 3]) for i in range(3)]
+    engine.sample(prompts, seeds=[10, 20, 30], n=2, temperature=1.0, top_p=1.0, max_tokens=4)
+    seeds = [p.seed for p in fake.params]
+    assert seeds == ([10, 20, 30] if expect_seeded else [None, None, None])
+
+
+def test_auto_is_seeded_without_cuda_and_explicit_values_win(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert RolloutConfig().seeded_requests() is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert RolloutConfig().seeded_requests() is False
+    assert RolloutConfig(request_seeds=True).seeded_requests() is True
+    assert RolloutConfig(request_seeds=False).seeded_requests() is False

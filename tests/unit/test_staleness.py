@@ -1,0 +1,239 @@
+"""One-step-off rollouts (``rollout.staleness``): the version bookkeeping of rollout/staleness.py, the
+collector's schedule (rollout/collector.py) under a simulated driver loop, the prompt cursor a
+checkpoint saves, the config rule, and the pool's background generation against a serial stand-in
+for a rollout server (the weight push waits for the generate call in flight)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_gtpo.config import ConfigError, load_config
+from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, rollout_metrics
+from megatron_gtpo.rollout.group import RolloutGroup
+from megatron_gtpo.rollout.staleness import PolicyVersions, StalenessError, expected_versions, staleness_problem
+from megatron_gtpo.sync.base import WeightSync
+from megatron_gtpo.sync.pool import RolloutPool
+from megatron_gtpo.sync.separate import PoolSync
+from megatron_gtpo.types import Completion, Prompt
+from tests.unit.test_collector import collector
+
+MIXED = {k: ["a", "b"] for k in range(40)}  # every group has one right and one wrong answer
+
+
+def drive(c, engines, steps: int, *, start: int = 0, pushes_per_step: int = 1):
+    """The driver's calls: the start push, then per step collect, train (nothing here) and push the
+    step's weights (``pushes_per_step`` > 1 pushes extra versions: more than one step off)."""
+    engines.version = start
+    c.pushed(start)
+    batches = []
+    for step in range(start + 1, steps + 1):
+        batch = c.collect(step, prompts_per_step=2)
+        batches.append(batch)
+        if batch.groups:  # the driver skips training and the push when nothing was kept
+            for extra in range(pushes_per_step):
+                engines.version = step * 10 + extra if pushes_per_step > 1 else step
+                c.pushed(engines.version)
+    return batches
+
+
+def versions_of(batch) -> set[int]:
+    return {c.weight_version for g in batch.groups for c in g.completions}
+
+
+def uids(batch) -> list[str]:
+    return [g.prompt.uid for g in batch.groups]
+
+
+# ----------------------------------------------------------------------------- version bookkeeping
+
+def test_policy_versions_count_pushes_not_version_numbers():
+    v = PolicyVersions(bound=1)
+    v.pushed(0)  # the start push of version 0 again changes nothing
+    assert (v.current, v.history) == (0, [0])
+    v.pushed(3)
+    v.pushed(5)  # step 4 pushed nothing (DAPO kept no group): 3 is one push old, not two
+    assert (v.age(5), v.age(3), v.age(0)) == (0, 1, 2)
+    assert v.history == [0, 3, 5]
+    v.pushed(6)
+    assert v.history == [3, 5, 6] and v.age(0) > 1  # trimmed: anything older is out of bounds anyway
+    with pytest.raises(StalenessError, match="never pushed"):
+        v.age(4)
+    with pytest.raises(StalenessError, match="never decrease"):
+        v.pushed(2)
+
+
+def test_check_tags_and_bound_name_the_step_and_versions():
+    v = PolicyVersions(bound=1, history=[0, 1, 2])
+    tagged = lambda version: Completion(prompt_index=0, prompt_token_ids=[1], token_ids=[2], logprobs=[0.0],  # noqa: E731
+                                        weight_version=version)
+    v.check_tags([tagged(2), tagged(2)], expected=2, step=3)
+    with pytest.raises(StalenessError, match=r"step 3: completions generated while the engines served weight "
+                                             r"version 2 are tagged \[1\]"):
+        v.check_tags([tagged(2), tagged(1)], expected=2, step=3)
+    assert v.check_bound([tagged(2), tagged(1)], step=3) == 1
+    assert v.check_bound([], step=3) == 0
+    with pytest.raises(StalenessError, match=r"step 3: trains the weights of version 2 on completions of version 0, "
+                                             r"2 weight pushes old; rollout.staleness=1 allows at most 1"):
+        v.check_bound([tagged(0), tagged(2)], step=3)
+
+
+def test_expected_versions():
+    assert expected_versions(range(1, 6), start=0, staleness=1) == [0, 0, 1, 2, 3]
+    assert expected_versions(range(1, 6), start=0, staleness=0) == [0, 1, 2, 3, 4]
+    assert expected_versions(range(3, 6), start=2, staleness=1) == [2, 2, 3]
+
+
+# ----------------------------------------------------------------------------- config
+
+def test_staleness_needs_an_importance_correction():
+    assert staleness_problem(0, "none") is None and staleness_problem(1, "tis") is None
+    assert staleness_problem(1, "mis") is None
+    with pytest.raises(ConfigError, match=r"rollout.staleness=1 with algo.mismatch_correction='none' is not allowed.*"
+                                          r"set algo.mismatch_correction=tis"):
+        load_config(None, ["rollout.staleness=1"])
+    with pytest.raises(ConfigError, match=r"rollout.staleness=2 is not allowed: expected 0 \(on-policy\) or 1"):
+        load_config(None, ["rollout.staleness=2", "algo.mismatch_correction=tis"])
+    cfg = load_config(None, ["rollout.staleness=1", "algo.mismatch_correction=mis"])
+    assert cfg.rollout.staleness == 1
+
+
+# ----------------------------------------------------------------------------- the collector's schedule
+
+def test_one_step_off_trains_the_same_prompts_and_seeds_one_version_behind():
+    on, on_engines = collector(MIXED)
+    off, off_engines = collector(MIXED, off_policy=OffPolicy(staleness=1, last_step=5))
+    on_batches, off_batches = drive(on, on_engines, 5), drive(off, off_engines, 5)
+    assert [uids(b) for b in off_batches] == [uids(b) for b in on_batches]  # same prompts per step
+    assert off_engines.seeds == on_engines.seeds  # same seeds, in the same order
+    assert [versions_of(b) for b in on_batches] == [{v} for v in expected_versions(range(1, 6), start=0, staleness=0)]
+    assert [versions_of(b) for b in off_batches] == [{v} for v in expected_versions(range(1, 6), start=0, staleness=1)]
+    assert [b.staleness for b in on_batches] == [0] * 5
+    assert [b.staleness for b in off_batches] == [0, 1, 1, 1, 1]
+    m = rollout_metrics(off_batches[3])
+    assert (m["rollout/weight_version_min"], m["rollout/weight_version_max"], m["rollout/staleness_max"]) == (2, 2, 1)
+    assert off._ahead is None and len(off_engines.seeds) == 5  # nothing generated beyond the last step
+
+
+def test_more_than_one_push_behind_raises():
+    c, engines = collector(MIXED, off_policy=OffPolicy(staleness=1))
+    with pytest.raises(StalenessError, match=r"step 2: .* 2 weight pushes old; rollout.staleness=1 allows at most 1"):
+        drive(c, engines, 3, pushes_per_step=2)
+
+
+def test_a_push_that_did_not_reach_the_engines_is_caught_by_the_tags():
+    c, engines = collector(MIXED)
+    c.pushed(0)
+    c.collect(1, prompts_per_step=2)
+    c.pushed(1)  # the driver pushed version 1, the engines still serve 0
+    with pytest.raises(StalenessError, match=r"step 2: completions generated while the engines served weight "
+                                             r"version 1 are tagged \[0\]"):
+        c.collect(2, prompts_per_step=2)
+
+
+def test_collecting_out_of_order_while_a_batch_is_in_flight_raises():
+    c, engines = collector(MIXED, off_policy=OffPolicy(staleness=1))
+    c.collect(1, prompts_per_step=2)
+    with pytest.raises(RuntimeError, match=r"collect\(3\) called while the rollout batch of step 2 is in flight"):
+        c.collect(3, prompts_per_step=2)
+
+
+def test_checkpoint_cursor_leaves_out_the_batch_in_flight_and_a_resume_regenerates_it():
+    full, full_engines = collector(MIXED, off_policy=OffPolicy(staleness=1))
+    batches = drive(full, full_engines, 2)
+    saved = full.cursor.state_dict()  # what a checkpoint of step 2 holds; step 3's batch is in flight
+    assert full._ahead is not None and full._ahead.step == 3
+    assert saved["position"] == 4 and full.dataset.position == 6  # step 3's prompts are not in the cursor
+    step3 = full.collect(3, prompts_per_step=2)
+    resumed, engines = collector(MIXED, off_policy=OffPolicy(staleness=1))
+    resumed.cursor.load_state_dict(saved)
+    again = drive(resumed, engines, 4, start=2)
+    assert uids(again[0]) == uids(step3) and engines.seeds[0] == full_engines.seeds[2]  # regenerated, same draw
+    assert versions_of(again[0]) == {2} and again[0].staleness == 0  # with the restored weights
+    assert versions_of(again[1]) == {2} and again[1].staleness == 1  # then one step off again
+    assert [uids(b) for b in batches] == [["p0", "p1"], ["p2", "p3"]]
+
+
+def test_dynamic_sampling_refills_with_the_current_weights():
+    script = {**MIXED, 2: ["a", "a"]}  # step 2's first try: p2 is all right (dropped), p3 is kept
+    c, engines = collector(script, dynamic=DynamicSampling(metric="accuracy", max_tries=3),
+                           off_policy=OffPolicy(staleness=1))
+    batches = drive(c, engines, 2)
+    assert uids(batches[1]) == ["p3", "p4"] and batches[1].tries == 2
+    assert [{x.weight_version for x in g.completions} for g in batches[1].groups] == [{0}, {1}]
+    assert batches[1].staleness == 1
+
+
+# ----------------------------------------------------------------------------- the pool in the background
+
+class SerialServer:
+    """A rollout server's control link as the pool sees it (sync/server.py): requests are answered one
+    at a time, in the order sent; generate tags its completions with the version served; a commit
+    switches versions. ``log`` records what was sent and answered."""
+
+    def __init__(self, address: str, log: list):
+        self.address, self.info, self.version, self.queue, self.log = address, {"tp": 1}, 0, [], log
+
+    def send(self, message: tuple) -> None:
+        self.queue.append(message)
+        self.log.append((self.address, "send", message[0]))
+
+    def recv(self, timeout_s=None):
+        message = self.queue.pop(0)
+        self.log.append((self.address, "answer", message[0]))
+        if message[0] == "generate":
+            _, prompts, seeds, sampling = message
+            return self.version, [Completion(prompt_index=i, prompt_token_ids=p.token_ids, token_ids=[seeds[i]],
+                                             logprobs=[-0.5], weight_version=self.version)
+                                  for i, p in enumerate(prompts) for _ in range(sampling["n"])]
+        if message[0] == "commit":
+            self.version = message[1]
+            return message[1]
+        return 0 if message[0] == "receive" else None
+
+    def close(self, *, stop: bool) -> None:
+        self.log.append((self.address, "close", stop))
+
+
+def pool_sync(pool: RolloutPool) -> PoolSync:
+    """A PoolSync on rank 0 of a world of one over ``pool`` without transfer groups (an empty push
+    plan: no bucket moves, but every control step of a push runs: plan, receive, commit)."""
+    sync = PoolSync.__new__(PoolSync)
+    WeightSync.__init__(sync, SimpleNamespace(dims=SimpleNamespace(pp=1), bucket_bytes=1 << 20))
+    sync._pool, sync._timeout = pool, 10.0
+    sync.servers = [(link.address, link.info) for link in pool.links]
+    sync._stage, sync._groups = None, []
+    return sync
+
+
+def test_pool_generates_in_the_background_and_a_push_waits_for_it():
+    log: list = []
+    pool = RolloutPool([SerialServer("s0", log), SerialServer("s1", log)], model_dir="unused")
+    group, sync = RolloutGroup(pool, shard=False, model_dir="unused"), pool_sync(pool)
+    prompts = [Prompt(uid=f"p{k}", token_ids=[k]) for k in range(3)]
+    sampling = dict(n=2, temperature=1.0, top_p=1.0, max_tokens=4)
+    in_flight = group.submit(prompts, **sampling, seed=7)
+    assert [e[1] for e in log] == ["send", "send"]  # sent; nothing received yet: the trainer goes on
+    stats = sync.push(SimpleNamespace(buckets=lambda nbytes: []), version=1)
+    assert stats.version == 1
+    # the push first took both answers of the generate call, then planned, received, committed
+    assert [e[1:] for e in log if e[0] == "s0"] == [("send", "generate"), ("answer", "generate"), ("send", "plan"),
+                                                    ("answer", "plan"), ("send", "receive"), ("answer", "receive"),
+                                                    ("send", "commit"), ("answer", "commit")]
+    old = in_flight.wait()
+    assert [c.prompt_index for c in old] == [0, 0, 1, 1, 2, 2] and {c.weight_version for c in old} == {0}
+    assert {c.weight_version for c in group.generate(prompts, **sampling, seed=8)} == {1}
+
+
+def test_a_new_call_waits_for_the_one_in_flight_and_close_drains():
+    log: list = []
+    pool = RolloutPool([SerialServer("s0", log)], model_dir="unused")
+    prompts = [Prompt(uid="p0", token_ids=[0])]
+    first = pool.submit(prompts, seeds=[1], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+    second = pool.submit(prompts, seeds=[2], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+    assert [e[1:] for e in log] == [("send", "generate"), ("answer", "generate"), ("send", "generate")]
+    assert [c.token_ids for c in pool.wait(second)] == [[2]] and [c.token_ids for c in pool.wait(first)] == [[1]]
+    pool.submit(prompts, seeds=[3], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+    pool.close()
+    assert log[-2:] == [("s0", "answer", "generate"), ("s0", "close", False)]
