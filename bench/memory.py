@@ -19,6 +19,7 @@ their own, not part of a rank's memory.
 
     python bench/memory.py --quick                       # tiny model, 1 rank (about a minute on CPU)
     python bench/memory.py                               # SmolLM2-135M GRPO 8 x 8 x 128 fp32, 1 GiB KV
+    python bench/memory.py -- train.micro_batch_tokens=0 # the same, padded micro-batches of 8 rows
     python bench/memory.py --ranks 2 --prompts 2         # 2 ranks (DP=2) via torchrun
     python bench/memory.py --prompts 2 -- train.micro_batch_size=4   # any recipe override after --
 """
@@ -53,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=int, default=None, help="train.prompts_per_step (default 8, --quick 2)")
     parser.add_argument("--n", type=int, default=None, help="rollout.n: completions per prompt (default 8, --quick 4)")
     parser.add_argument("--max-tokens", type=int, default=None, help="rollout.max_tokens (default 128, --quick 24)")
-    parser.add_argument("--micro-batch-size", type=int, default=None, help="train.micro_batch_size (default 8)")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="train.micro_batch_size (default 8): rows of a padded micro-batch "
+                        "(train.micro_batch_tokens=0); packing, the default, ignores it")
     parser.add_argument("--max-prompt-tokens", type=int, default=None, help="data.max_prompt_tokens (default 256)")
     parser.add_argument("--kv-gib", type=float, default=None,
                         help="rollout.vllm.kv_cache_memory_bytes in GiB (default 1, --quick 1/16)")
@@ -99,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or os.path.join(tmp, "run")
         rows_dir = os.path.join(tmp, "rows")
         os.makedirs(rows_dir)
-        script = [str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:]), "--worker", rows_dir,
-                  "--out", out]
+        argv = argv if argv is not None else sys.argv[1:]
+        script = [str(Path(__file__).resolve()), *worker_args(argv, rows_dir, out)]
         if args.ranks == 1:
             cmd = [sys.executable, *script]
         else:
@@ -116,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def worker_args(argv: list[str], rows_dir: str, out: str) -> list[str]:
+    """A rank's arguments: ``--worker`` and ``--out`` first, so that overrides after ``--`` (which
+    take every later word as an override) cannot swallow them (a rank without ``--worker`` would
+    start ranks of its own)."""
+    return ["--worker", rows_dir, "--out", out, *argv]
 
 
 def worker(args: argparse.Namespace) -> int:

@@ -28,18 +28,21 @@ class Meter:
         self.current, self.baseline = "startup", 0
         self.calls: list[dict] = []
         """Every metered call in order: ``phase``, ``peak``, ``after`` (bytes in use when it ended)
-        and, for train calls, ``seq`` (the batch's longest sequence): growth from step to step."""
+        and, for train calls, ``seq`` (the batch's longest sequence) and ``packed`` (the longest
+        packed micro-batch in tokens, 0 on the padded path): growth from step to step."""
         self.children: dict[int, int] = {}
         """Peak resident set of each child process seen (reward workers, tracking, compile helpers)."""
         self.sequence = 0
         """Longest sequence (prompt + completion) of the batch the current train call trains on."""
+        self.packed = 0
+        """Tokens of the longest packed micro-batch of that call on this rank (0: padded path)."""
         self._block = PeakMemory().__enter__()
 
     def switch(self, name: str) -> None:
         self._block.__exit__(None, None, None)
         call = {"phase": self.current, "peak": self._block.peak, "after": in_use_bytes()}
         if self.current == "train":
-            call["seq"] = self.sequence
+            call["seq"], call["packed"] = self.sequence, self.packed
         self.calls.append(call)
         self._children()
         self.current, self._block = name, PeakMemory().__enter__()
@@ -95,8 +98,15 @@ def metered(meter: Meter, fn, name: str, before=None):
 
 def instrument(meter: Meter, parts):
     """Wraps the calls of ``parts`` (``trainer.Parts``) that make up a step, each as one phase."""
+    from megatron_gtpo.train.step import rank_micro_batches
+
+    learner = parts.learner
+
     def record(batch):
         meter.sequence = int((batch.prompt_lengths + batch.lengths).max())
+        if learner.settings.micro_batch_tokens:  # the micro-batches this rank's step will build
+            _, mbs = rank_micro_batches(batch, learner.settings, learner.dims)
+            meter.packed = max(mb.input_ids.shape[1] for mb in mbs)
 
     parts.collector.collect = metered(meter, parts.collector.collect, "rollout")
     parts.learner.step = metered(meter, parts.learner.step, "train", before=record)
@@ -150,10 +160,10 @@ def summarise(*, calls: list[dict], terms: dict[str, int], rank: int, extra: dic
             "peak_phase": worst, "terms": dict(terms), "phases": phases, **(extra or {})}
 
 
-def plan_estimate(cfg, *, world: int, longest_sequence: int):
+def plan_estimate(cfg, *, world: int, longest_sequence: int, packed: int = 0):
     """The memory plan (``plan/memory.py``, asked as the dry-run asks it) of ``cfg`` on one node of
-    ``world`` ranks, with the longest sequence the run actually trained on instead of the recipe's
-    worst case, and the layer spec the trainer really used."""
+    ``world`` ranks, with the longest sequence (and, packing, the longest packed micro-batch) the run
+    actually trained on instead of the recipe's worst case, and the layer spec the trainer really used."""
     import dataclasses
 
     from megatron_gtpo.models.resolve import resolve_model
@@ -167,6 +177,8 @@ def plan_estimate(cfg, *, world: int, longest_sequence: int):
     spec = "te" if te_available() else "local"  # what build_model picks (use_te=None)
     request, sizes, _ = recipe_request(cfg, shape=shape, nodes=1, gpus_per_node=world, layer_spec=spec)
     layout = dataclasses.replace(plan_layout(request), seq_len=longest_sequence)
+    if sizes.micro_batch_tokens and packed:
+        sizes = dataclasses.replace(sizes, micro_batch_tokens=packed)
     return estimate_memory(shape, layout, sizes)
 
 
@@ -187,17 +199,22 @@ def rank_row(meter: Meter, cfg) -> dict:
     sleeps = torch.cuda.is_available() and bool(cfg.rollout.vllm.get("enable_sleep_mode", True))
     plans = {}
 
-    def phases_at(seq: int) -> dict[str, int]:
-        if seq not in plans:
-            plans[seq] = plan_estimate(cfg, world=world, longest_sequence=seq)
-        return {name: meter.baseline + value for name, value in plans[seq].phases(engine_sleeps=sleeps).items()}
+    def plan_at(seq: int, packed: int):
+        if (seq, packed) not in plans:
+            plans[seq, packed] = plan_estimate(cfg, world=world, longest_sequence=seq, packed=packed)
+        return plans[seq, packed]
 
-    longest = meter.longest_sequence
-    calls = [dict(call, accounted=phases_at(call.get("seq", longest))[call["phase"]])
+    def phases_at(seq: int, packed: int) -> dict[str, int]:
+        phases = plan_at(seq, packed).phases(engine_sleeps=sleeps)
+        return {name: meter.baseline + value for name, value in phases.items()}
+
+    longest, packed = meter.longest_sequence, max((call.get("packed", 0) for call in meter.calls), default=0)
+    calls = [dict(call, accounted=phases_at(call.get("seq", longest), call.get("packed", packed))[call["phase"]])
              if call["phase"] in ("rollout", "train", "push") else call for call in meter.calls]
-    mem = plans[longest] if longest in plans else plan_estimate(cfg, world=world, longest_sequence=longest)
+    mem = plan_at(longest, packed)
     terms = {"baseline": meter.baseline, **{name: int(getattr(mem, name)) for name in TERMS}}
     extra = {"world": world, "device": "cuda" if torch.cuda.is_available() else "cpu", "longest_sequence": longest,
+             "longest_packed": packed,
              "children_peak": sum(meter.children.values()),
              "calls": [{k: v // MIB if k in ("peak", "after", "accounted") else v for k, v in call.items()}
                        for call in calls]}

@@ -8,13 +8,15 @@ Terms (bytes on the rank that holds them; trainer figures for the largest pipeli
   DP under the distributed optimizer;
 * reference: the frozen reference model of a KL term (``algo.kl_beta > 0``): one more copy of the
   weights in the model dtype, on every trainer rank for the whole run;
-* logits: one micro-batch of logits on the last stage, two copies in the dtype the output layer
-  returns (fp32, or the model dtype with ``fp32_output=False``: train/step.py): the output layer's
+* logits: one micro-batch of logits on the last stage (packed: one row of the token budget), two
+  copies in the dtype the output layer returns (fp32, or the model dtype with
+  ``fp32_output=False``: train/step.py): the output layer's
   ``[s, b, V]`` result and its ``[b, s, V]`` transpose during the forward; in backward the logits'
   own storage takes their gradient (train/logprobs.py) and Megatron's output layer makes it
   contiguous once more. Measured on CPU: 2.0 copies (bench/memory.py);
 * activations: what Megatron's layers keep for backward over one micro-batch
-  (:func:`activation_bytes`), times the micro-batches a pipeline keeps in flight;
+  (:func:`activation_bytes`; its size: :func:`micro_batch_dims`), times the micro-batches a
+  pipeline keeps in flight;
 * push: what a weight push holds on top (``sync.bucket_mb``): colocated engines receive tensors
   one at a time into vLLM's layer-wise reload, which keeps up to one decoder layer, plus one
   gathered tensor; a sender of the separate pool holds one bucket plus one gathered tensor;
@@ -85,6 +87,9 @@ class MemorySizes:
     logits_bytes: int = 2
     """Bytes of a logit as the output layer returns it: the model dtype (train/step.py forward_kwargs),
     4 with ``model.lm_head_fp32``."""
+    micro_batch_tokens: int = 0
+    """Packed micro-batches (``train.micro_batch_tokens`` resolved): one row of at most this many
+    tokens each; 0: padded micro-batches of ``micro_batch_size`` rows of the longest sequence."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,8 +207,8 @@ def largest_tensor(shape: ModelShape) -> int:
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> int:
-    """Bytes Megatron's layers keep for backward over one micro-batch of ``micro_batch_size x
-    seq_len`` tokens on one rank of the largest stage, times the micro-batches a pipeline keeps in
+    """Bytes Megatron's layers keep for backward over one micro-batch (``micro_batch_dims``: rows x
+    s tokens) on one rank of the largest stage, times the micro-batches a pipeline keeps in
     flight (1F1B: up to PP on the first stage; interleaving adds (PP - 1) / (PP x VPP) of that).
 
     Per token and layer, in elements (h hidden, f SwiGLU width, a query / g KV heads of width d per
@@ -224,7 +229,8 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
     each layer's input (h) plus one layer's whole set while it is recomputed. The last stage adds the
     final norm and the output layer's input (3h + 1).
     """
-    tp, s, h, d = layout.tp, layout.seq_len, shape.hidden, shape.head_dim
+    rows, s = micro_batch_dims(layout, sizes)
+    tp, h, d = layout.tp, shape.hidden, shape.head_dim
     a, g = shape.heads // tp, shape.kv_heads_per_rank(tp)
     if sizes.layer_spec == "local":
         core, rest = 3 * a * d + a * s, 6 * h + a * d + 5 * shape.ffn // tp + 2
@@ -235,9 +241,19 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
         kept = layout.layers_per_stage * h + layer
     else:
         kept = layout.layers_per_stage * layer
-    tokens = layout.micro_batch_size * s
-    scores = layout.micro_batch_size * a * s * s if sizes.layer_spec == "local" else 0
+    tokens = rows * s
+    scores = rows * a * s * s if sizes.layer_spec == "local" else 0
     return int((in_flight(layout) * tokens * (kept + 3 * h + 1) + scores) * sizes.param_bytes)
+
+
+def micro_batch_dims(layout: Layout, sizes: MemorySizes) -> tuple[int, int]:
+    """(rows, tokens per row) of the largest micro-batch: padded, ``micro_batch_size`` rows of the
+    longest sequence; packed, one row of the token budget. Megatron's local spec attends over a
+    packed row as a whole (a block-diagonal mask, train/model_input.py), so its scores and
+    probabilities are those of one ``budget``-token sequence; TE's THD attention keeps none."""
+    if sizes.micro_batch_tokens:
+        return 1, sizes.micro_batch_tokens
+    return layout.micro_batch_size, layout.seq_len
 
 
 def in_flight(layout: Layout) -> float:
@@ -255,7 +271,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> Me
     opt = params * optimizer_bytes_per_param(optimizer=sizes.optimizer, param_bytes=sizes.param_bytes)
     if sizes.distributed_optimizer:
         opt //= layout.dp
-    logits = 2 * layout.micro_batch_size * layout.seq_len * (shape.vocab // layout.tp) * sizes.logits_bytes
+    rows, tokens = micro_batch_dims(layout, sizes)
+    logits = 2 * rows * tokens * (shape.vocab // layout.tp) * sizes.logits_bytes
     rtp, colocated = layout.rollout_tp, layout.placement == "colocated"
     rollout_weights = (shape.layers * shape.layer_params(rtp)
                        + shape.embedding_params(rtp) * (1 if shape.tied_embeddings else 2)) * sizes.rollout_bytes

@@ -57,7 +57,7 @@ def recipe_request(cfg: Any, *, shape: ModelShape, nodes: int, gpus_per_node: in
         kv_cache_bytes=None if kv is None else int(kv), layer_spec=layer_spec,
         recompute=cfg.model.megatron.get("recompute_granularity"),
         # A half-precision output layer returns logits in the model dtype (train/step.py forward_kwargs)
-        logits_bytes=4 if cfg.model.lm_head_fp32 else param_bytes)
+        logits_bytes=4 if cfg.model.lm_head_fp32 else param_bytes, micro_batch_tokens=cfg.token_budget)
     return request, sizes, notes
 
 

@@ -82,3 +82,12 @@ def test_help_names_the_sizes(capsys):
     out = capsys.readouterr().out
     for flag in ("--quick", "--prompts", "--kv-gib", "--ranks", "--micro-batch-size", "peak_over_accounted"):
         assert flag in out
+
+
+def test_a_rank_is_told_it_is_a_worker_even_after_overrides():
+    """The ranks' command line: ``--worker`` must survive a ``--`` of recipe overrides (after which
+    argparse takes every word as an override), or each rank would start the bench again."""
+    argv = ["--steps", "1", "--", "train.micro_batch_tokens=0"]
+    args = bench.build_parser().parse_args(bench.worker_args(argv, "/rows", "/run"))
+    assert (args.worker, args.out, args.steps) == ("/rows", "/run", 1)
+    assert args.overrides == ["train.micro_batch_tokens=0"]

@@ -10,7 +10,7 @@ import torch
 
 from megatron_gtpo.models.shape import load_model_shape, shape_from_hf_config
 from megatron_gtpo.plan.layout import LayoutRequest, plan_layout
-from megatron_gtpo.plan.memory import MemorySizes, activation_bytes, estimate_memory
+from megatron_gtpo.plan.memory import MemorySizes, activation_bytes, estimate_memory, micro_batch_dims
 from tests.helpers import REPO
 
 LLAMA = load_model_shape(REPO / "configs" / "models" / "llama3-8b.json")
@@ -23,18 +23,19 @@ def layout_of(shape, *, micro_batch_size: int, seq_len: int, tp: int = 1, pp: in
     return plan_layout(request)
 
 
-@pytest.mark.parametrize("mb,seq_len", [(2, 40), (3, 64)])
-def test_local_spec_activations_are_exactly_what_megatron_saves_for_backward(mb, seq_len):
-    """Every tensor autograd keeps during the forward of the local-spec model (the CPU trainer),
-    counted once per storage, parameters excluded, equals the plan's term without the process-wide
-    scores buffer (which is not saved: Megatron reuses it from layer to layer)."""
+def _tiny_model():
     from megatron_gtpo.models.hf_config import read_hf_config
     from megatron_gtpo.models.tiny import ensure_tiny_char
     from megatron_gtpo.parallel.dims import init_distributed
     from megatron_gtpo.train.model import build_model
 
     hf = read_hf_config(ensure_tiny_char())
-    model = build_model(hf, dims=init_distributed(tp=1, seed=0))[0]
+    return build_model(hf, dims=init_distributed(tp=1, seed=0))[0], shape_from_hf_config(hf, name="tiny")
+
+
+def _saved_bytes(model, forward) -> int:
+    """Bytes of every floating tensor autograd keeps during ``forward()``, once per storage,
+    parameters and RoPE tables excluded."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 
@@ -44,13 +45,44 @@ def test_local_spec_activations_are_exactly_what_megatron_saves_for_backward(mb,
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    ids = torch.randint(0, 100, (mb, seq_len))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids, torch.arange(seq_len).expand(mb, seq_len), None)
-    shape = shape_from_hf_config(hf, name="tiny")
+        forward()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("mb,seq_len", [(2, 40), (3, 64)])
+def test_local_spec_activations_are_exactly_what_megatron_saves_for_backward(mb, seq_len):
+    """Every tensor autograd keeps during the forward of the local-spec model (the CPU trainer),
+    counted once per storage, parameters excluded, equals the plan's term without the process-wide
+    scores buffer (which is not saved: Megatron reuses it from layer to layer)."""
+    model, shape = _tiny_model()
+    ids = torch.randint(0, 100, (mb, seq_len))
+    saved = _saved_bytes(model, lambda: model(ids, torch.arange(seq_len).expand(mb, seq_len), None))
     lay = layout_of(shape, micro_batch_size=mb, seq_len=seq_len)
     scores = mb * shape.heads * seq_len * seq_len * 4
-    assert sum(saved.values()) == activation_bytes(shape, lay, MemorySizes(param_bytes=4, layer_spec="local")) - scores
+    assert saved == activation_bytes(shape, lay, MemorySizes(param_bytes=4, layer_spec="local")) - scores
+
+
+def test_packed_micro_batch_activations_are_those_of_one_budget_long_row():
+    """A packed micro-batch (the default) on the local spec keeps exactly what one sequence of its
+    packed length keeps (the block-diagonal mask attends over the whole row), whatever
+    ``micro_batch_size`` says; the padded plan of the same layout would be several times larger."""
+    from megatron_gtpo.train.batching import packed_micro_batches
+    from megatron_gtpo.train.model_input import forward
+    from tests.unit.test_train_batching import ROWS, batch_of
+
+    model, shape = _tiny_model()
+    (mb,) = packed_micro_batches(batch_of(ROWS * 3, pad=99), slice(0, 12), token_budget=60, count=1,
+                                 common_length=False)
+    tokens = mb.input_ids.shape[1]
+    assert tokens == 54  # 3 x (5 + 5 + 1 + 7) tokens back to back
+    saved = _saved_bytes(model, lambda: forward(model, mb))
+    lay = layout_of(shape, micro_batch_size=4, seq_len=16)
+    packed = MemorySizes(param_bytes=4, layer_spec="local", micro_batch_tokens=tokens)
+    assert saved == activation_bytes(shape, lay, packed) - shape.heads * tokens * tokens * 4
+    assert micro_batch_dims(lay, packed) == (1, 54) and micro_batch_dims(lay, MemorySizes()) == (4, 16)
+    mem = estimate_memory(shape, lay, packed)
+    assert mem.logits == 2 * 54 * shape.vocab * 2  # one packed row, two copies (logits_bytes 2)
 
 
 def test_activations_by_hand_for_llama3_8b_te_and_recompute():
