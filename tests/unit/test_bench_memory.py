@@ -91,3 +91,28 @@ def test_a_rank_is_told_it_is_a_worker_even_after_overrides():
     args = bench.build_parser().parse_args(bench.worker_args(argv, "/rows", "/run"))
     assert (args.worker, args.out, args.steps) == ("/rows", "/run", 1)
     assert args.overrides == ["train.micro_batch_tokens=0"]
+
+
+def test_train_calls_record_the_longest_row_and_packed_micro_batch():
+    """``instrument`` meters each learner step with its batch's longest row and (packing) the
+    longest packed micro-batch this rank builds: what the plan is asked with for that call."""
+    from types import SimpleNamespace
+
+    from bench.memory_meter import instrument
+    from tests.unit.test_train_batching import ROWS, batch_of
+
+    def parts(budget):
+        settings = SimpleNamespace(micro_batch_tokens=budget, micro_batch_size=4, pad_to_multiple=1)
+        dims = SimpleNamespace(dp=1, dp_rank=0, pp=1, vpp=None)
+        learner = SimpleNamespace(step=lambda batch: {}, settings=settings, dims=dims)
+        return SimpleNamespace(collector=SimpleNamespace(collect=lambda: None), learner=learner,
+                               checkpointer=SimpleNamespace(after_step=lambda: None))
+
+    batch = batch_of(ROWS * 2, pad=99)  # rows of 5, 5, 1, 7 tokens, twice (36 tokens)
+    # budget 13: three bins of 7+5, 7+5, 5+5+1+1 tokens (train/batching.py pack_rows), the longest 12, not
+    # the budget; 0: padded
+    for budget, packed in ((13, 12), (0, 0)):
+        meter = Meter()
+        instrument(meter, parts(budget)).learner.step(batch)
+        (train,) = [c for c in meter.calls if c["phase"] == "train"]
+        assert (train["seq"], train["packed"]) == (7, packed)
