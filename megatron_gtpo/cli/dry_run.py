@@ -26,8 +26,8 @@ from megatron_gtpo.models.resolve import resolve_model
 from megatron_gtpo.models.shape import ModelShape, load_model_shape
 from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
 from megatron_gtpo.plan.layout import Layout, LayoutError, LayoutRequest, plan_layout
-from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, \
-    optimizer_bytes_per_param
+from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, in_flight, \
+    micro_batch_dims, optimizer_bytes_per_param
 from megatron_gtpo.plan.recipe import recipe_request
 from megatron_gtpo.utils.configuration import ConfigError
 
@@ -95,7 +95,8 @@ def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (),
         return EXIT_IMPOSSIBLE
     mem = estimate_memory(request.shape, layout, sizes)
     problems, warnings = check_memory(mem, layout)
-    for line in [*_layout_lines(layout), _push_line(request.shape, layout, sizes), *_memory_lines(mem, layout, sizes)]:
+    lines = [*_layout_lines(layout, sizes), _push_line(request.shape, layout, sizes), *_memory_lines(mem, layout, sizes)]
+    for line in lines:
         print(line, file=out)
     for note in [*notes, *layout.warnings, *warnings]:
         print(f"warning  {note}", file=out)
@@ -112,7 +113,7 @@ def _model_line(shape: ModelShape) -> str:
             f"{shape.params_total() / 1e9:.2f} B parameters")
 
 
-def _layout_lines(lay: Layout) -> list[str]:
+def _layout_lines(lay: Layout, sizes: MemorySizes) -> list[str]:
     vpp = f" x VPP={lay.vpp}" if lay.vpp else ""
     stage = f"{lay.layers_per_stage} layers per PP stage" + (
         f" ({lay.layers_per_stage // lay.vpp} per virtual stage)" if lay.vpp else "")
@@ -128,8 +129,10 @@ def _layout_lines(lay: Layout) -> list[str]:
         f"trainer  TP={lay.tp} x PP={lay.pp}{vpp} x DP={lay.dp} = {lay.world} ranks on {lay.trainer_nodes} "
         f"node(s); {stage}",
         f"rollout  {rollout}; {lay.sequences_per_engine} sequences per engine per step",
-        f"batch    {lay.sequences} sequences per step; {lay.sequences // lay.dp} per DP rank = "
-        f"{lay.microbatches} micro-batch(es) of {lay.micro_batch_size}; up to {lay.seq_len} tokens each",
+        f"batch    {lay.sequences} sequences per step; {lay.sequences // lay.dp} per DP rank " + (
+            f"packed into micro-batches of <= {sizes.micro_batch_tokens} tokens (rows up to {lay.seq_len})"
+            if sizes.micro_batch_tokens else
+            f"= {lay.microbatches} micro-batch(es) of {lay.micro_batch_size}; up to {lay.seq_len} tokens each"),
     ]
 
 
@@ -160,17 +163,23 @@ def _memory_lines(mem: MemoryEstimate, lay: Layout, sizes: MemorySizes) -> list[
         (f"weights ({_dtype(sizes.param_bytes)})", mem.weights, ""),
         (f"gradients ({_dtype(sizes.grad_bytes)})", mem.grads, ""),
         (f"optimizer ({sizes.optimizer}, {opt_bytes} B/param)", mem.optimizer, sharded),
-        ("logits (1 micro-batch: fp32 + 2 copies)", mem.logits, "last stage"),
-        ("= train phase (trainer total)", mem.trainer_total, "activations not counted"),
+        ("reference model (KL term)", mem.reference, "" if mem.reference else "none: kl_beta = 0"),
+        (f"logits (1 micro-batch: 2 copies, {_dtype(sizes.logits_bytes)})", mem.logits,
+         f"last stage; {_micro_batch(lay, sizes)}"),
+        (f"activations ({sizes.layer_spec} layers)", mem.activations,
+         f"recompute: {sizes.recompute or 'none'}; {in_flight(lay):g} micro-batch(es) in flight"),
+        ("= train phase (trainer total)", mem.trainer_total, ""),
         ("push buffers", mem.push, f"{held} + one gathered tensor"),
         ("= push phase", mem.push_phase, "trainer + engine weights + push" if mem.colocated else "trainer + push"),
         (f"rollout weights ({_dtype(sizes.rollout_bytes)}, TP={lay.rollout_tp})", mem.rollout_weights, ""),
         (f"KV cache ({lay.sequences_per_engine} seqs x {lay.seq_len} tokens)", mem.kv_needed,
-         f"{mem.kv_available / GIB:.1f} GiB free for KV"),
+         f"{mem.kv_cache / GIB:.1f} GiB " + ("set: rollout.vllm.kv_cache_memory_bytes" if mem.kv_cache_bytes is not None
+                                             else "free for KV")),
         ("vLLM share", mem.engine_share, util),
     ]
     if mem.colocated:
-        resident = "weights only: rollout.offload_trainer" if mem.offload_trainer else "weights + gradients + optimizer"
+        resident = ("weights only: rollout.offload_trainer" if mem.offload_trainer else
+                    "weights + gradients + optimizer") + (" + reference" if mem.reference else "")
         rows.append(("= rollout phase (trainer resident + vLLM)", mem.trainer_resident + mem.engine_share,
                      f"trainer resident {mem.trainer_resident / GIB:.1f} ({resident})"))
     rows.append(("reserve (CUDA context, NCCL, fragmentation)", mem.reserve, ""))
@@ -179,6 +188,11 @@ def _memory_lines(mem: MemoryEstimate, lay: Layout, sizes: MemorySizes) -> list[
     lines = [f"memory   per GPU, {name} (largest pipeline stage; one GPU has {mem.gpu / GIB:.0f} GiB):"]
     lines += [f"  {label:<44}{value / unit:>8.1f}  {note}".rstrip() for label, value, note in rows]
     return lines
+
+
+def _micro_batch(lay: Layout, sizes: MemorySizes) -> str:
+    rows, tokens = micro_batch_dims(lay, sizes)
+    return f"packed: 1 row of {tokens} tokens" if sizes.micro_batch_tokens else f"{rows} rows x {tokens} tokens"
 
 
 def _dtype(nbytes: int) -> str:

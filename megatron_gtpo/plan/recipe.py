@@ -25,9 +25,10 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, 
 
 
 def recipe_request(cfg: Any, *, shape: ModelShape, nodes: int, gpus_per_node: int, rollout_nodes: int | None = None,
-                   gpu_memory_gib: float = 80.0) -> tuple[LayoutRequest, MemorySizes, list[str]]:
+                   gpu_memory_gib: float = 80.0, layer_spec: str = "te") -> tuple[LayoutRequest, MemorySizes, list[str]]:
     """The layout and memory inputs of a RunConfig (``rollout_nodes``: rollout servers of the
-    separate transport, one per node; None = one)."""
+    separate transport, one per node; None = one; ``layer_spec``: ``MemorySizes.layer_spec``, te on
+    GPUs, local for Megatron's local spec on CPU)."""
     vllm, optimizer, ddp = cfg.rollout.vllm, cfg.optim.optimizer, cfg.optim.ddp
     notes = []
     engine_dtype = str(vllm.get("dtype", "auto"))
@@ -44,14 +45,19 @@ def recipe_request(cfg: Any, *, shape: ModelShape, nodes: int, gpus_per_node: in
         prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.n,
         micro_batch_size=cfg.train.micro_batch_size, max_prompt_tokens=cfg.data.max_prompt_tokens,
         max_completion_tokens=cfg.rollout.max_tokens)
-    util = vllm.get("gpu_memory_utilization")
+    util, kv = vllm.get("gpu_memory_utilization"), vllm.get("kv_cache_memory_bytes")
+    spec = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
     sizes = MemorySizes(
         param_bytes=param_bytes, grad_bytes=4 if ddp.get("grad_reduce_in_fp32", False) else param_bytes,
         optimizer=str(optimizer.get("optimizer", "adam")),
         distributed_optimizer=bool(optimizer.get("use_distributed_optimizer", False)),
         rollout_bytes=DTYPE_BYTES[engine_dtype], gpu_memory_gib=gpu_memory_gib,
         gpu_memory_utilization=None if util is None else float(util), bucket_bytes=cfg.sync.bucket_size,
-        offload_trainer=bool(cfg.rollout.offload_trainer))
+        offload_trainer=bool(cfg.rollout.offload_trainer), reference=spec.needs_reference,
+        kv_cache_bytes=None if kv is None else int(kv), layer_spec=layer_spec,
+        recompute=cfg.model.megatron.get("recompute_granularity"),
+        # A half-precision output layer returns logits in the model dtype (train/step.py forward_kwargs)
+        logits_bytes=4 if cfg.model.lm_head_fp32 else param_bytes, micro_batch_tokens=cfg.token_budget)
     return request, sizes, notes
 
 

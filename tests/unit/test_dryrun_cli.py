@@ -42,17 +42,35 @@ def test_llama3_8b_on_2_nodes_of_8(capsys):
     assert code == 0, out
     for line in ["trainer  TP=2 x PP=1 x DP=8 = 16 ranks on 2 node(s)",
                  "rollout  colocated on the trainer's 16 GPUs: 16 vLLM engine(s) x TP=1; 32 sequences per engine",
-                 "batch    512 sequences per step; 64 per DP rank = 16 micro-batch(es) of 4; up to 2048 tokens each",
+                 "batch    512 sequences per step; 64 per DP rank packed into micro-batches of <= 2048 tokens",
                  "push     15.0 GiB per engine rank per step: full tensors gathered over TP/PP one at a time (one "
                  "whole-model engine per rank)",
                  "weights (bf16)                                   7.5",
                  "optimizer (adam, 12 B/param)                     5.6  sharded over DP=8",
                  "KV cache (32 seqs x 2048 tokens)                 8.0",
+                 # Packing (the default): one micro-batch is one row of the 2048-token budget.
+                 "logits (1 micro-batch: 2 copies, bf16)           0.5  last stage; packed: 1 row of 2048 tokens",
+                 "activations (te layers)                          5.3",
+                 "= train phase (trainer total)                   33.8",
                  "vLLM share                                      40.0  gpu_memory_utilization=0.5 (set by the recipe)",
                  "= rollout phase (trainer resident + vLLM)       68.0  trainer resident 28.0",
                  "OK       launch: sbatch --nodes=2 --gpus-per-node=8 slurm/train.sbatch"]:
-        assert line in out
+        assert line in out, line
     assert "warning" not in out
+
+
+def test_padded_micro_batches_are_planned_at_micro_batch_size_rows(capsys):
+    """``train.micro_batch_tokens=0``: micro-batches of micro_batch_size rows of the longest
+    sequence, four times the packed logits and activations of the same layout."""
+    code, out = run(capsys, "configs/gtpo.yaml", "--nodes", "2", "--gpus-per-node", "8",
+                    "--hf-config", f"{MODELS}/llama3-8b.json", *GPU, "parallel.tp=2", "parallel.dp=8",
+                    "train.micro_batch_size=4", "train.micro_batch_tokens=0")
+    assert code == 0, out
+    for line in ["batch    512 sequences per step; 64 per DP rank = 16 micro-batch(es) of 4; up to 2048 tokens each",
+                 "logits (1 micro-batch: 2 copies, bf16)           2.0  last stage; 4 rows x 2048 tokens",
+                 "activations (te layers)                         21.2",
+                 "= train phase (trainer total)                   51.2"]:
+        assert line in out, line
 
 
 def test_engine_tp4_qwen25_32b_on_4_nodes_of_8_is_valid_and_plans_the_vllm_share(capsys):
@@ -64,10 +82,11 @@ def test_engine_tp4_qwen25_32b_on_4_nodes_of_8_is_valid_and_plans_the_vllm_share
     assert "TP=4 x PP=2 x VPP=2 x DP=4 = 32 ranks on 4 node(s); 32 layers per PP stage (16 per virtual stage)" in out
     assert ("8 vLLM engine(s) x TP=4, each over 4 consecutive ranks = Megatron's TP groups; "
             "64 sequences per engine per step") in out
-    assert "128 per DP rank = 64 micro-batch(es) of 2" in out
+    assert "128 per DP rank packed into micro-batches of <= 2048 tokens" in out
     assert "push     17.4 GiB per engine rank per step: its own TP shards, no gather" in out
     for term in ["weights (bf16)", "gradients (fp32)", "optimizer (adam, 12 B/param)",
-                 "logits (1 micro-batch: fp32 + 2 copies)", "= train phase (trainer total)                   35.5",
+                 "logits (1 micro-batch: 2 copies, bf16)", "activations (te layers)",
+                 "recompute: none; 2.5 micro-batch(es) in flight", "= train phase (trainer total)                   48.3",
                  "push buffers", "= push phase", "rollout weights (bf16, TP=4)", "KV cache (64 seqs x 2048 tokens)",
                  "gpu_memory_utilization=0.52 (planned: what the rollout phase leaves)",
                  "= rollout phase (trainer resident + vLLM)", "reserve (CUDA context, NCCL, fragmentation)"]:

@@ -132,7 +132,7 @@ def test_memory_estimate_llama3_8b_tp2_by_hand():
     assert stage_params(LLAMA, lay) == params == 4_015_263_744
     mem = estimate_memory(LLAMA, lay, MemorySizes(distributed_optimizer=True, gpu_memory_utilization=0.5))
     assert (mem.weights, mem.grads, mem.optimizer) == (2 * params, 4 * params, 12 * params // 8)
-    assert mem.logits == 4 * 2048 * (128_256 // 2) * (4 + 2 * 2)  # fp32 + two bf16 copies
+    assert mem.logits == 2 * 4 * 2048 * (128_256 // 2) * 2  # two bf16 copies (the output layer returns bf16)
     assert mem.rollout_weights == 2 * 8_030_261_248 - 2 * 4096  # the engine keeps no final-norm-free copy
     # vLLM's layer-wise reload holds one TP=1 layer; one gathered tensor: the 128256 x 4096 embedding
     assert mem.push == 2 * LLAMA.layer_params(1) + 2 * 128_256 * 4096
@@ -172,9 +172,9 @@ def test_memory_that_cannot_fit_is_rejected_phase_by_phase():
     lay = plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 1, "dp": 32, "micro_batch_size": 2})
     mem = estimate_memory(QWEN, lay, MemorySizes())
     problems, _ = check_memory(mem, lay)
-    # Unsharded: 2 + 4 + 12 bytes per parameter plus one micro-batch of logits (fp32 + 2 bf16 copies).
-    assert mem.trainer_total == 18 * 32_763_876_352 + 2 * 2048 * 152_064 * 8
-    assert any("trainer needs 553.9 GiB per GPU" in p for p in problems)
+    # Unsharded: 2 + 4 + 12 bytes per parameter plus one micro-batch of logits (2 bf16 copies) and activations.
+    assert mem.trainer_total == 18 * 32_763_876_352 + 2 * 2 * 2048 * 152_064 * 2 + mem.activations
+    assert any(f"trainer needs {mem.trainer_total / GIB:.1f} GiB per GPU" in p for p in problems)
     assert any(p.startswith("weight push: trainer") for p in problems)
     # The engine alone: 61 GiB of bf16 weights fits 0.9 x 80 GiB, not 0.5 x 80 GiB.
     sep = plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 1, "dp": 24, "micro_batch_size": 2,

@@ -143,3 +143,44 @@ def test_peak_memory_sees_a_block_that_allocates_and_frees():
         block = torch.ones(64 << 20, dtype=torch.uint8)
         del block
     assert busy.extra_bytes >= 63 << 20 and quiet.extra_bytes < 4 << 20
+
+
+def test_release_host_memory_returns_freed_heap_blocks_to_the_os():
+    """Activation-sized blocks freed after a step stay in glibc's heap (resident) until released."""
+    from megatron_gtpo.sync.memory import in_use_bytes, release_host_memory
+
+    # A freed mmapped block of 24 MiB lifts glibc's mmap threshold to 24 MiB (as a train step's large
+    # tensors do): the 512 KiB blocks below then come from the heap.
+    torch.ones(24 << 20, dtype=torch.uint8)
+    blocks = [torch.ones(512 << 10, dtype=torch.uint8) for _ in range(512)]
+    held = in_use_bytes()
+    del blocks[::2]  # 128 MiB of holes between live blocks: nothing to coalesce, nothing at the heap top
+    assert in_use_bytes() > held - (32 << 20)  # freed, yet still resident
+    released = release_host_memory()
+    assert released >= 96 << 20 and in_use_bytes() < held - (96 << 20)
+    del blocks
+
+
+def test_step_memory_is_released_before_the_engine_weights_wake_and_after_the_push(monkeypatch, engine):
+    import megatron_gtpo.sync.memory as memory
+
+    calls = []
+    monkeypatch.setattr(memory, "release_cached_memory", lambda: calls.append("release"))
+    original = engine.wake_up
+    monkeypatch.setattr(engine, "wake_up", lambda tags: calls.append(f"wake:{tags[0]}") or original(tags))
+    generate(engine)
+    choreo = Choreography(engine)
+    choreo.after_rollout()
+    choreo.before_push()
+    choreo.after_push()
+    assert calls == ["release", "wake:weights", "release", "wake:kv_cache"]
+
+
+def test_release_cached_memory_trims_the_host_heap_on_cpu(monkeypatch):
+    import megatron_gtpo.sync.memory as memory
+
+    calls = []
+    monkeypatch.setattr(memory, "release_host_memory", lambda: calls.append("trim") or 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    memory.release_cached_memory()
+    assert calls == (["empty_cache"] if torch.cuda.is_available() else ["trim"])
