@@ -28,10 +28,11 @@ when the block starts), which counts every allocation the block touches, ours an
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
+
+from megatron_gtpo.utils.runtime import host_peak_rss_bytes, host_rss_bytes, reset_host_peak_rss
 
 
 class TrainerOffload:
@@ -199,7 +200,7 @@ def in_use_bytes() -> int:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         return torch.cuda.memory_allocated()
-    return _status_kib("VmRSS") << 10
+    return host_rss_bytes()
 
 
 def peak_bytes() -> int:
@@ -207,7 +208,7 @@ def peak_bytes() -> int:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
-    return _status_kib("VmHWM") << 10
+    return host_peak_rss_bytes()
 
 
 def reset_peak() -> None:
@@ -216,10 +217,4 @@ def reset_peak() -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident set
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
+        reset_host_peak_rss()
