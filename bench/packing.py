@@ -6,7 +6,7 @@ A global batch with a long-tail completion-length mix (log-normal, median ~100 t
 mask) once padded (``--micro-batch-size`` rows per micro-batch, each padded to its longest row) and
 once packed (``--budget`` tokens per micro-batch), alternating in one process. Every step starts
 from the same weights (a parameter snapshot is restored), so the two paths' losses are comparable;
-the train phase is ``train_step`` (GTPO: the no-grad <H>_i pass, forward/backward, optimizer step).
+the train phase is ``train_step`` (one-pass GTPO: forward/backward, optimizer step).
 Prints one JSON line: medians of the wall time per path, ``packed_vs_padded`` (packed / padded;
 goal <= 0.6 on CPU), the same ratio of this process's CPU time (steadier on a shared machine), the tokens each path computes (real + padding) and how far the packed
 step's loss and grad norm are from the padded step's.
