@@ -24,7 +24,11 @@ from tests.helpers import REPO, free_port
 
 pytestmark = [requires_slurm, pytest.mark.slow]
 
-CPU = ("--nodes=1", "--gpus-per-node=0", "--time=00:10:00")
+# 30 minutes: above train.sbatch's preemption lead (--signal=B:USR1@600), which SLURM would otherwise
+# send as soon as the job starts (with --time=00:10:00 it fired again in the requeued run of the USR1
+# test, a second restart)
+LIMIT = "--time=00:30:00"
+CPU = ("--nodes=1", "--gpus-per-node=0", LIMIT)
 
 
 @pytest.fixture
@@ -68,7 +72,7 @@ def test_train_two_nodes_rendezvous_and_pass_through(cluster, job_dir):
     env = standin_env(job_dir, NPROC_PER_NODE="1", STEPS="3", STANDIN_ALLREDUCE="1",
                       MLFLOW_TRACKING_URI="http://mlflow.example:5000")
     job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml", "train.seed=7",
-                 options=("--nodes=2", "--gpus-per-node=0", "--time=00:10:00"), env=env)
+                 options=("--nodes=2", "--gpus-per-node=0", LIMIT), env=env)
     info = cluster.wait(job, timeout=300)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), batch_log(job_dir, job)
     out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
@@ -89,7 +93,7 @@ def test_train_two_nodes_rendezvous_and_pass_through(cluster, job_dir):
 
 
 def test_train_usr1_checkpoints_requeues_and_resumes(cluster, job_dir):
-    """SIGUSR1 to the batch shell (what --signal=B:USR1@120 sends) reaches both ranks through srun
+    """SIGUSR1 to the batch shell (what --signal=B:USR1@600 sends) reaches both ranks through srun
     and torchrun; they checkpoint and exit; the job requeues itself and resumes with --resume."""
     env = standin_env(job_dir, NPROC_PER_NODE="2", STEPS="30", STANDIN_STEP_S="0.2")
     job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml", options=CPU, env=env)
@@ -127,7 +131,7 @@ def test_train_rollout_nodes_start_servers_and_point_the_trainer_at_them(cluster
     env = standin_env(job_dir, NPROC_PER_NODE="1", STEPS="2", ROLLOUT_NODES="1", ROLLOUT_PORT="41234",
                       NET_IFNAME="lo")
     job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml",
-                 options=("--nodes=2", "--gpus-per-node=0", "--time=00:10:00"), env=env)
+                 options=("--nodes=2", "--gpus-per-node=0", LIMIT), env=env)
     info = cluster.wait(job, timeout=300)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), batch_log(job_dir, job)
     out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
@@ -186,7 +190,7 @@ def test_convert_runs_the_real_converter(cluster, job_dir):
     src, dst = ensure_tiny(), job_dir / "mcore"
     env = {"MGTPO_REPO": str(REPO), "RUNS_DIR": str(job_dir / "runs"), "OMP_NUM_THREADS": "1"}
     job = submit(cluster, job_dir, "convert.sbatch", "--to", "megatron", "--input", str(src), "--output", str(dst),
-                 "--tp", "2", options=("--nodes=1", "--time=00:10:00"), env=env)
+                 "--tp", "2", options=("--nodes=1", LIMIT), env=env)
     info = cluster.wait(job, timeout=600)
     text = batch_log(job_dir, job)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text

@@ -2,7 +2,7 @@
 
 One job of ``configs/tiny.yaml`` (2 gloo ranks on one CPU node, GPUS_PER_NODE=0, NPROC_PER_NODE=2):
 once its first periodic checkpoint (step 2) is saved, the test sends SIGUSR1 to the batch shell (what
-``--signal=B:USR1@120`` does before the time limit); the ranks checkpoint and exit, the script
+``--signal=B:USR1@600`` does before the time limit); the ranks checkpoint and exit, the script
 requeues the job, and the requeued run resumes from that checkpoint with ``--resume`` and trains to
 the end. Signalling after a checkpoint matters: a real job is preempted long after its first save,
 when the save's helper processes already exist in each rank's process group (torchrun relays the
