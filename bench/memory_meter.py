@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from contextlib import contextmanager
 
 from megatron_gtpo.sync.memory import PeakMemory, in_use_bytes
+from megatron_gtpo.utils.runtime import host_peak_rss_bytes
 
 MIB = 1 << 20
 
@@ -77,9 +77,8 @@ class Meter:
 
         for child in psutil.Process().children(recursive=True):
             try:
-                with open(f"/proc/{child.pid}/status") as f:
-                    hwm = int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) << 10
-            except (OSError, AttributeError):
+                hwm = host_peak_rss_bytes(child.pid)
+            except (OSError, AttributeError):  # gone, or a zombie
                 continue
             self.children[child.pid] = max(self.children.get(child.pid, 0), hwm)
 

@@ -19,7 +19,8 @@ push into vLLM; 0 for transformers generation), step (all of it); cpu: the proce
 step, sampled when each step's record appears (steadier than wall time on a shared CPU: the ratios
 come for both). peak_rss_mb: the child's largest RSS sampled every 0.25 s until its last step;
 process_peak_rss_mb: ``wait4``'s peak of the whole process (ours includes the final checkpoint
-save). Both sides run everything in that one process (reward checking in-process, vLLM's engine
+save; Linux counts the parent's size at fork in it too, which is why this parent imports only the
+standard library). Both sides run everything in that one process (reward checking in-process, vLLM's engine
 core in-process). A variant that fails is reported with its error and left out of the ratios.
 
     .venv/bin/python bench/vs_trl.py                       # the full work: 8 prompts x 8, 128 tokens, 6 steps

@@ -28,6 +28,7 @@ when the block starts), which counts every allocation the block touches, ours an
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -185,6 +186,7 @@ def release_host_memory() -> int:
     return max(before - in_use_bytes(), 0)
 
 
+@functools.cache  # find_library runs ldconfig in a subprocess (~3 ms): once, not at every push
 def _malloc_trim():
     import ctypes
     import ctypes.util

@@ -105,12 +105,13 @@ def reset_host_peak_rss() -> int:
     return host_rss_bytes()
 
 
-def host_peak_rss_bytes() -> int:
-    """This process's peak resident set (``VmHWM``) since the last :func:`reset_host_peak_rss`
-    (or since it started)."""
-    return _status_kib("VmHWM") << 10
+def host_peak_rss_bytes(pid: int | None = None) -> int:
+    """Peak resident set (``VmHWM``) of this process since the last :func:`reset_host_peak_rss` (or
+    since it started), or of process ``pid`` since it started or last reset itself (OSError once it
+    is gone; AttributeError for a zombie, whose status has no memory fields)."""
+    return _status_kib("VmHWM", pid) << 10
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
+def _status_kib(field: str, pid: int | None = None) -> int:
+    with open(f"/proc/{'self' if pid is None else pid}/status") as f:
         return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from megatron_gtpo.utils.runtime import host_peak_rss_bytes, host_rss_bytes, reset_host_peak_rss
 from tests.helpers import REPO
 
@@ -39,3 +41,17 @@ def test_a_child_of_a_large_parent_measures_its_own_peak():
     del block
     assert child["ru_maxrss"] >= 500 * 2**20  # the kernel's carried-over figure: the parent's size
     assert child["peak"] - child["before"] < 32 * 2**20 and child["peak"] < 300 * 2**20, child
+
+
+def test_peak_of_another_process_is_its_own():
+    """What bench/memory_meter.py reads for the reward workers and other children of a rank."""
+    child = subprocess.Popen([sys.executable, "-c", "b = bytearray(64 * 2**20); b[::4096] = b'1' * len(b[::4096]); "
+                              "print('ok', flush=True); input()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "ok"
+        assert 64 * 2**20 <= host_peak_rss_bytes(child.pid) < 160 * 2**20  # the block + a bare interpreter
+    finally:
+        child.communicate("\n", timeout=60)
+    with pytest.raises(OSError):
+        host_peak_rss_bytes(child.pid)  # reaped: gone
