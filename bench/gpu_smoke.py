@@ -12,7 +12,7 @@ Parts, in order; each reports its status, seconds and peak GPU memory:
               DDP + Adam, ``--steps`` GTPO train steps (train/step.py's train_step) on a synthetic
               Batch made by train/batching.py's collate (groups share a prompt, completions share
               ``--shared-prefix`` tokens and end with EOS, so GTPO finds conflicts)
-  checkpoint  checkpoint.py: saved after step 1, loaded back after the last step; the weights must come
+  checkpoint  checkpoint/store.py: saved after step 1, loaded back after the last step; the weights must come
               back bit for bit, then the step is repeated and its loss compared with the original step 2
   export      sync/export.py's streaming exporter: every HF tensor, checked against the HF model's
               names and shapes (sync/checks.py, when transformers imports) and the Megatron parameters

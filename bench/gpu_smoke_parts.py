@@ -150,7 +150,7 @@ class Smoke:
 
     def _save_step1(self) -> None:
         """Checkpoint after step 1 and a copy of the weights it holds; an error is kept for part_checkpoint."""
-        from megatron_gtpo.checkpoint import save_checkpoint
+        from megatron_gtpo.checkpoint.store import save_checkpoint
         from megatron_gtpo.train.model import unwrap
 
         try:
@@ -166,7 +166,7 @@ class Smoke:
 
     def part_checkpoint(self) -> dict:
         """Load the step-1 checkpoint after the last step: weights bit for bit, then step 2 again."""
-        from megatron_gtpo.checkpoint import load_checkpoint
+        from megatron_gtpo.checkpoint.store import load_checkpoint
         from megatron_gtpo.train.model import unwrap
 
         if "error" in self.step1:
@@ -243,7 +243,7 @@ class Smoke:
         """The rollout pool's sender path (``Exporter.pack``) into one device buffer of 16 MiB
         buckets: its peak extra memory must stay within one bucket plus the largest tensor."""
         from megatron_gtpo.sync.export import Exporter
-        from megatron_gtpo.sync.memory import PeakMemory
+        from megatron_gtpo.utils.memory import PeakMemory
 
         exporter = Exporter(self.local.chunks, hf_config=self.hf, dims=self.dims)
         plan = exporter.buckets(16 << 20)
@@ -272,7 +272,7 @@ class Smoke:
 
     def _te_part(self, *, overrides: dict | None) -> dict:
         """TE-spec model with the step-1 weights: log-probs and one step against the local model's."""
-        from megatron_gtpo.checkpoint import load_model_weights
+        from megatron_gtpo.checkpoint.store import load_model_weights
 
         policy = build_policy(self.cfg, self.hf, self.dims, use_te=True, overrides=overrides)
         try:
@@ -300,7 +300,7 @@ class Smoke:
         """Packed micro-batches in Megatron's THD format (train/model_input.py: PackedSeqParams into
         TE attention) on the TE spec with the step-1 weights, against the same model's padded
         micro-batches: log-probs and one train step's loss and grad norm (bf16: reported, not judged)."""
-        from megatron_gtpo.checkpoint import load_model_weights
+        from megatron_gtpo.checkpoint.store import load_model_weights
         from megatron_gtpo.train.batching import row_tokens
         from megatron_gtpo.train.model_input import uses_te_attention
         from megatron_gtpo.train.step import rank_micro_batches

@@ -1,6 +1,6 @@
 """The metering half of ``bench/memory.py``: phase peaks of a running rank and its JSON row.
 
-:class:`Meter` splits a rank's life into phases and keeps each phase's peak (``sync.memory``'s
+:class:`Meter` splits a rank's life into phases and keeps each phase's peak (``utils.memory``'s
 ``PeakMemory``: VmHWM on CPU, the CUDA allocator's peak on GPU); :func:`instrument` wraps the run's
 parts so that each call of the collector, learner, weight sync and checkpointer is one phase;
 :func:`summarise` turns measured peaks and the memory plan's terms into the printed row (pure: unit
@@ -13,7 +13,7 @@ import functools
 import os
 from contextlib import contextmanager
 
-from megatron_gtpo.sync.memory import PeakMemory, in_use_bytes
+from megatron_gtpo.utils.memory import PeakMemory, in_use_bytes
 from megatron_gtpo.utils.runtime import host_peak_rss_bytes
 
 MIB = 1 << 20

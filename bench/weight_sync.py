@@ -146,7 +146,7 @@ def logprob_diff(engines, chunks, dims, hf_config: dict) -> dict[str, float]:
 
 def timed_pushes(syncer, exporter, repeats: int) -> tuple[list, int]:
     """Stats of each push and the largest peak extra memory over them."""
-    from megatron_gtpo.sync.memory import PeakMemory
+    from megatron_gtpo.utils.memory import PeakMemory
 
     stats, peak = [], 0
     for version in range(1, repeats + 1):

@@ -25,7 +25,7 @@ from megatron_gtpo.sync.config import SyncConfig
 from megatron_gtpo.tracking import TrackingConfig
 from megatron_gtpo.train.batching import token_budget_problem
 from megatron_gtpo.train.optim import OptimConfig
-from megatron_gtpo.trainer import TrainConfig
+from megatron_gtpo.train.config import TrainConfig
 from megatron_gtpo.utils.configuration import (ConfigError, apply_overrides, build, load_recipe, to_dict,
                                                write_yaml_atomic)
 

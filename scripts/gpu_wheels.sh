@@ -4,7 +4,7 @@
 #
 # The image (library/device KINDS.md) has Python 3.12.3, torch 2.11.0+cu130, numpy, packaging, pyyaml,
 # psutil, einops, setuptools, safetensors and transformers: everything megatron_gtpo's train/, sync/,
-# convert/ and checkpoint.py import except megatron-core. So one wheel travels. Transformer Engine (its CUDA 13
+# convert/ and checkpoint/ import except megatron-core. So one wheel travels. Transformer Engine (its CUDA 13
 # core library alone is a 179 MB wheel) and vLLM (326 MB) cannot fit the 64 MiB a device call carries:
 # the smoke prints SKIP for te_bf16, te_fp8 and vllm there.
 set -euo pipefail

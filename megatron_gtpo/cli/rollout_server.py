@@ -21,7 +21,7 @@ import os
 from megatron_gtpo.config import load_config
 from megatron_gtpo.models.hf_config import has_hf_weights
 from megatron_gtpo.models.resolve import resolve_model
-from megatron_gtpo.sync.server import RolloutServer, ServerSpec
+from megatron_gtpo.rollout.server import RolloutServer, ServerSpec
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_gtpo.checkpoint_files import CheckpointError, add_resume_options, check_resume
+from megatron_gtpo.checkpoint.files import CheckpointError, add_resume_options, check_resume
 from megatron_gtpo.utils.configuration import ConfigError
 
 EPILOG = """examples:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_gtpo.checkpoint_files import CheckpointError, add_resume_options
+from megatron_gtpo.checkpoint.files import CheckpointError, add_resume_options
 from megatron_gtpo.config import load_config
 from megatron_gtpo.reward import RewardFunctionCrashed, RewardFunctionFailing
 from megatron_gtpo.trainer import run

@@ -27,7 +27,7 @@ Terms (bytes on the rank that holds them; trainer figures for the largest pipeli
 * reserve: 5% of the GPU for the CUDA context, NCCL buffers and allocator fragmentation, outside
   both budgets.
 
-Phases of a colocated step (sync/memory.py runs them): *rollout* (trainer weights and reference,
+Phases of a colocated step (rollout/memory.py runs them): *rollout* (trainer weights and reference,
 plus gradients and optimizer unless ``rollout.offload_trainer``, next to vLLM's share); *train*
 (the engine asleep: trainer total); *push* (engine weights awake, KV cache still free: trainer +
 engine weights + push). vLLM's share (``gpu_memory_utilization``) is what the rollout phase leaves,

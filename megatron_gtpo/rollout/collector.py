@@ -12,7 +12,7 @@ uninterrupted run sampled.
 One-step-off rollouts (``OffPolicy.staleness`` = 1, ``rollout.staleness``): ``collect(k)`` also
 submits step k+1's first rollout batch, before step k trains, to the engines that serve the weights
 step k starts from. A pool of rollout servers generates it while the trainer trains (the weight push
-after step k waits for it: ``sync.pool.RolloutPool.drain``); engines inside the trainer processes
+after step k waits for it: ``rollout.pool.RolloutPool.drain``); engines inside the trainer processes
 generate it right away, one version behind, with nothing to overlap. ``collect(k + 1)`` then scores
 it. Prompts and seeds per step are those of ``staleness: 0``; only the weights differ. Every
 completion's weight version is checked (``rollout/staleness.py``). A checkpoint saves the prompt

@@ -6,7 +6,7 @@
 
 The engine always lives in the calling process (vLLM's V1 multiprocessing is switched off): a
 weight push then hands tensors to vLLM by reference instead of serialising them to an engine-core
-subprocess. Rollout servers (:mod:`megatron_gtpo.sync.server`) run one of these in their own
+subprocess. Rollout servers (:mod:`megatron_gtpo.rollout.server`) run one of these in their own
 process. Pushes are planned and checked before they get here, by the weight sync
 (:mod:`megatron_gtpo.sync.checks`): the engine only loads.
 

@@ -12,7 +12,7 @@ own slice). How the work is spread depends on the transport:
   Megatron's TP groups; the k ranks of an engine submit the same shard and only its first rank's
   copy is kept. Every prompt's seed is derived from the *whole* batch, so the completions do not
   depend on the number of engines.
-* separate: **global rank 0 holds the pool of rollout servers** (``sync.pool.RolloutPool``), which
+* separate: **global rank 0 holds the pool of rollout servers** (``rollout.pool.RolloutPool``), which
   spreads the prompts over the servers; rank 0 broadcasts the completions.
 
 ``generate`` is ``submit(...).wait()``. :meth:`RolloutGroup.submit` starts a call and returns a
@@ -55,7 +55,7 @@ class RolloutGroup:
                  seed: int = 0, ranks_per_engine: int = 1):
         self.engine = engine
         """This rank's engine (None on ranks without one): a ``RolloutEngine``, or any object with
-        its ``sample``/``tokenizer``/``sleep``/``wake_up``/``close`` API (``sync.pool.RolloutPool``)."""
+        its ``sample``/``tokenizer``/``sleep``/``wake_up``/``close`` API (``rollout.pool.RolloutPool``)."""
         self._shard, self._model_dir, self._seed, self._calls = shard, str(model_dir), seed, 0
         self._per_engine = ranks_per_engine
         self._tokenizer = None

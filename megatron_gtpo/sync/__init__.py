@@ -6,10 +6,9 @@
 ``shards.py`` plans a push (names, shapes, owners, buckets) before any byte moves; ``export.py``
 streams TP/PP-sharded Megatron chunks as HF tensors; ``checks.py`` checks the plan against the
 engine; ``colocated`` (engines in the trainer processes, TP=k over k ranks) and ``separate`` (a
-pool of rollout servers: ``pool.py`` on the trainer, ``server.py`` + ``receiver.py`` on the
-servers) are the transports; ``memory.py`` is the colocated memory choreography; ``placement``
-builds the engines and their weight sync. (``server``/``receiver`` import vLLM and are not
-imported here.)
+pool of rollout servers: ``rollout/pool.py`` on the trainer, ``rollout/server.py`` +
+``receiver.py`` on the servers) are the transports; ``placement`` builds the engines and their
+weight sync. (``receiver`` imports vLLM and is not imported here.)
 """
 
 from megatron_gtpo.sync.base import ExportPlan, ListSource, PushSource, SyncStats, WeightSync
@@ -17,8 +16,7 @@ from megatron_gtpo.sync.checks import WeightPushError, WeightSpec, check_plan
 from megatron_gtpo.sync.colocated import ColocatedSync
 from megatron_gtpo.sync.config import SyncConfig
 from megatron_gtpo.sync.placement import build_rollout
-from megatron_gtpo.sync.pool import RolloutPool, ServerError
 from megatron_gtpo.sync.separate import PoolSync
 
-__all__ = ["ColocatedSync", "ExportPlan", "ListSource", "PoolSync", "PushSource", "RolloutPool", "ServerError",
+__all__ = ["ColocatedSync", "ExportPlan", "ListSource", "PoolSync", "PushSource",
            "SyncConfig", "SyncStats", "WeightPushError", "WeightSpec", "WeightSync", "build_rollout", "check_plan"]

@@ -6,7 +6,7 @@
   ``rollout.vllm.tensor_parallel_size`` = k span k consecutive ranks (vLLM's external launcher),
   which are Megatron's TP groups when the trainer's TP is k too (then every rank receives only its
   own shard). A :class:`~megatron_gtpo.sync.colocated.ColocatedSync` on every rank.
-* separate: a pool of rollout servers (:mod:`megatron_gtpo.sync.pool`); rank 0 holds the control
+* separate: a pool of rollout servers (:mod:`megatron_gtpo.rollout.pool`); rank 0 holds the control
   connections and generates for all; a :class:`~megatron_gtpo.sync.separate.PoolSync` on every rank.
 """
 
@@ -22,7 +22,7 @@ from megatron_gtpo.parallel import control
 from megatron_gtpo.sync.base import ExportPlan, WeightSync
 from megatron_gtpo.sync.colocated import ColocatedSync
 from megatron_gtpo.sync.config import SyncConfig
-from megatron_gtpo.sync.pool import connect
+from megatron_gtpo.rollout.pool import connect
 from megatron_gtpo.sync.separate import PoolSync
 from megatron_gtpo.sync.shards import delivery_mode
 from megatron_gtpo.utils.configuration import ConfigError

@@ -30,7 +30,7 @@ from megatron_gtpo.parallel.collectives import comm_device
 from megatron_gtpo.parallel import control
 from megatron_gtpo.sync.base import ExportPlan, PushSource, PushTimer, SyncStats, WeightSync
 from megatron_gtpo.sync.checks import WeightPushError
-from megatron_gtpo.sync.pool import RolloutPool, ServerError
+from megatron_gtpo.rollout.pool import RolloutPool, ServerError
 from megatron_gtpo.sync.shards import BucketPlan, push_bytes
 from megatron_gtpo.sync.wire import open_group, tcp_store
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megatron_gtpo.checkpoint import load_model_weights
+from megatron_gtpo.checkpoint.store import load_model_weights
 from megatron_gtpo.convert.load import load_hf_weights
 from megatron_gtpo.models.config import DTYPES, ModelConfig
 from megatron_gtpo.models.hf_config import has_hf_weights, read_hf_config

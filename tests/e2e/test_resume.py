@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gtpo.checkpoint_files import step_dir, verify
+from megatron_gtpo.checkpoint.files import step_dir, verify
 from tests.e2e.test_train import CLI, history
 from tests.helpers import REPO, child_env, kill_tree
 

@@ -53,8 +53,9 @@ def test_rollout_server_with_an_engine_tp2_loads_pushes_in_every_worker():
 
 
 def test_rollout_server_start_failure_is_reported_with_its_log(tmp_path):
-    from megatron_gtpo.sync import ServerError, SyncConfig
-    from megatron_gtpo.sync.pool import connect
+    from megatron_gtpo.rollout.pool import ServerError
+    from megatron_gtpo.sync import SyncConfig
+    from megatron_gtpo.rollout.pool import connect
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"],
                                                       "model_type": "no_such_model"}))

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from megatron_gtpo import checkpoint_files as cf
-from megatron_gtpo.checkpoint_files import CheckpointError
+from megatron_gtpo.checkpoint import files as cf
+from megatron_gtpo.checkpoint.files import CheckpointError
 
 
 def fake_step(root, step, *, files=None):

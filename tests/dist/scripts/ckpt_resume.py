@@ -23,7 +23,7 @@ from megatron.core.distributed import DistributedDataParallelConfig, finalize_mo
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_gtpo.checkpoint import latest_step, load_checkpoint, save_checkpoint
+from megatron_gtpo.checkpoint.store import latest_step, load_checkpoint, save_checkpoint
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import model as M
 from tests.tiny_hf import tiny_hf_config

@@ -25,7 +25,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_gtpo.models.hf_config import read_hf_config
-from megatron_gtpo.checkpoint import load_model_weights
+from megatron_gtpo.checkpoint.store import load_model_weights
 from megatron_gtpo.sync.export import export_hf_weights
 from megatron_gtpo.convert.hf_io import HFReader
 from megatron_gtpo.convert.load import load_hf_weights

@@ -29,7 +29,7 @@ from megatron_gtpo.parallel.collectives import comm_device
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.sync.checks import WeightSpec, sharded_shapes
 from megatron_gtpo.sync.export import Exporter, view_of
-from megatron_gtpo.sync.memory import PeakMemory
+from megatron_gtpo.utils.memory import PeakMemory
 from megatron_gtpo.train.model import build_model
 
 BUCKET = 1 << 20

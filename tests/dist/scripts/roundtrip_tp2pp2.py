@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_gtpo.models.hf_config import read_hf_config
-from megatron_gtpo.checkpoint import load_model_weights
+from megatron_gtpo.checkpoint.store import load_model_weights
 from megatron_gtpo.sync.export import export_hf_weights
 from megatron_gtpo.convert.hf_io import HFWriter, copy_side_files
 from megatron_gtpo.parallel.dims import init_distributed

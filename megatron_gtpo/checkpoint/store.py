@@ -6,7 +6,7 @@ Layout under ``root`` (``<run dir>/checkpoints``)::
                           optimizer (Megatron's sharded format), per-rank RNG, in common.pt
                           the step and the caller's ``extra_state`` (data cursor, tracking run
                           id, scheduler state ...), and manifest.json (every file's size and
-                          sha256, see ``checkpoint_files``)
+                          sha256, see ``checkpoint.files``)
     root/.tmp_step_*/     a save in progress; renamed to step_* only once every rank finished
                           and the manifest is written
 
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_gtpo.checkpoint_files import (CHECKPOINTS, HASH, CheckpointError, FileRecord, ResumePoint, clean_stale,
+from megatron_gtpo.checkpoint.files import (CHECKPOINTS, HASH, CheckpointError, FileRecord, ResumePoint, clean_stale,
                                             clear_preempted, file_problems, fsync_dir, hash_files, list_files,
                                             mark_preempted, prunable, read_manifest, refuse_fresh_start_over,
                                             resolve_mode, resume_decision, select, share_of, step_dir, step_dirs,
