@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
+from megatron_gtpo.train import optim_state
 from megatron_gtpo.utils.memory import release_cached_memory
 
 
@@ -86,11 +87,10 @@ class TrainerOffload:
 
 
 def _optimizer_tensors(optimizer) -> Iterable[torch.Tensor]:
-    """Moments and fp32 master weights of a Megatron optimizer (chained or not)."""
+    """Moments and fp32 master weights of a Megatron optimizer (chained or not): the per-parameter
+    state by the rules of the optimizer in use (``train.optim_state``), then Megatron's main copies."""
+    yield from optim_state.state_tensors(optimizer)
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", opt)
-        for state in getattr(inner, "state", {}).values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1)
         for name in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
             for group in getattr(opt, name, None) or []:
                 yield from (p.data for p in group)
