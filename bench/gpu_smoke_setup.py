@@ -175,14 +175,17 @@ def build_policy(cfg: SmokeConfig, hf: dict, dims, *, use_te: bool, overrides: d
 
 def step_settings(cfg: SmokeConfig):
     """``StepSettings`` of every train step and log-prob pass here: GTPO with the entropy filter
-    disabled (threshold 777: every row trains), temperature 1, micro-batch lengths padded to a
-    multiple of 64 on CUDA (never past the batch's longest row, ``seq``). Pure: no CUDA call."""
+    disabled (threshold 777: every row trains), temperature 1, micro-batch lengths padded on CUDA
+    to what the te_fp8 part's recipe needs at TP=1 (train/model.py ``padding_multiple``, the rule
+    the trainer uses; 16 for tensorwise/delayed, never past the batch's longest row, ``seq``).
+    Pure: no CUDA call."""
     from megatron_gtpo.algo import AlgoConfig
+    from megatron_gtpo.train.model import padding_multiple
     from megatron_gtpo.train.step import StepSettings
 
     spec = AlgoConfig(name="gtpo", entropy_threshold=777.0).resolve(max_completion_tokens=cfg.completion_width)
-    return StepSettings(spec=spec, micro_batch_size=cfg.micro_batch, temperature=1.0,
-                        pad_to_multiple=64 if cfg.device == "cuda" else 1)
+    pad = padding_multiple(recipe=cfg.fp8_recipe, tp=1, sequence_parallel=False) if cfg.device == "cuda" else 1
+    return StepSettings(spec=spec, micro_batch_size=cfg.micro_batch, temperature=1.0, pad_to_multiple=pad)
 
 
 def gtpo_train_step(policy: Policy, batch, settings, dims) -> dict[str, float]:

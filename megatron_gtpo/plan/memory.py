@@ -90,6 +90,9 @@ class MemorySizes:
     micro_batch_tokens: int = 0
     """Packed micro-batches (``train.micro_batch_tokens`` resolved): one row of at most this many
     tokens each; 0: padded micro-batches of ``micro_batch_size`` rows of the longest sequence."""
+    sequence_multiple: int = 1
+    """What micro-batch lengths are padded to (train/model.py ``padding_multiple``: FP8 recipe, TP,
+    sequence parallelism): a packed row or a padded row can be up to this minus one token longer."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,12 +251,13 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
 
 def micro_batch_dims(layout: Layout, sizes: MemorySizes) -> tuple[int, int]:
     """(rows, tokens per row) of the largest micro-batch: padded, ``micro_batch_size`` rows of the
-    longest sequence; packed, one row of the token budget. Megatron's local spec attends over a
+    longest sequence; packed, one row of the token budget; either rounded up to the padding multiple. Megatron's local spec attends over a
     packed row as a whole (a block-diagonal mask, train/model_input.py), so its scores and
     probabilities are those of one ``budget``-token sequence; TE's THD attention keeps none."""
+    multiple = sizes.sequence_multiple
     if sizes.micro_batch_tokens:
-        return 1, sizes.micro_batch_tokens
-    return layout.micro_batch_size, layout.seq_len
+        return 1, -(-sizes.micro_batch_tokens // multiple) * multiple
+    return layout.micro_batch_size, -(-layout.seq_len // multiple) * multiple
 
 
 def in_flight(layout: Layout) -> float:
