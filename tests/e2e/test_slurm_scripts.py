@@ -78,7 +78,7 @@ def test_train_two_nodes_rendezvous_and_pass_through(cluster, job_dir):
     out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
     [prep] = records(job_dir, "prepare")
     assert prep["argv"] == ["train", "configs/tiny.yaml", "train.seed=7", "--output-dir", str(out_dir),
-                            "--prepare-only", "--steps", "3"]
+                            "--world-size", "2", "--prepare-only", "--steps", "3"]  # 2 nodes x 1 rank
     starts = sorted(records(job_dir, "start"), key=lambda r: r["env"]["RANK"])
     # c10d numbers the nodes in the order their agents join, so rank 0 may be on either node.
     assert [(r["env"]["RANK"], r["env"]["WORLD_SIZE"]) for r in starts] == [("0", "2"), ("1", "2")]
