@@ -2,7 +2,7 @@
 
 The driver's step, with colocated engines (:class:`Choreography`, three calls)::
 
-    generate --after_rollout()--> engine sleeps (vLLM level 1: weights to host, KV cache freed);
+    generate --after_rollout()--> engine sleeps (vLLM level 2: weights and KV cache freed);
                                   trainer state back on the GPU (rollout.offload_trainer)
     train step
     --before_push()--> trainer releases its step memory (release_cached_memory: CUDA's allocator

@@ -110,7 +110,9 @@ def validate_overrides(overrides: dict | None) -> dict:
 
 def _cpu_safe_defaults(*, on_gpu: bool) -> dict:
     """Fusion flags: the CUDA-only kernels stay off on CPU (megatron_cpu.md section 4). On GPU the
-    recipes turn on what their stack provides (configs/gpu/*.yaml: TE's RoPE fusion, ...)."""
+    recipes turn on what their stack provides: configs/gpu/*.yaml set ``apply_rope_fusion`` (TE's
+    fused RoPE; Megatron refuses it without TE). ``gradient_accumulation_fusion`` stays off: Megatron's
+    output layer needs apex's ``fused_weight_gradient_mlp_cuda`` for it (plan/preflight.check_fusions)."""
     return {
         "masked_softmax_fusion": False, "persist_layer_norm": False,
         "gradient_accumulation_fusion": False, "apply_rope_fusion": False,
