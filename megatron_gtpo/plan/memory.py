@@ -25,7 +25,11 @@ Terms (bytes on the rank that holds them; trainer figures for the largest pipeli
   share leaves after its weights (``kv_needed``: the KV of all of an engine's sequences at full
   length, for the warning when that is less);
 * reserve: 5% of the GPU for the CUDA context, NCCL buffers and allocator fragmentation, outside
-  both budgets.
+  both budgets;
+* host staging (separate transport, host memory of one rollout node, not GPU memory): each rollout
+  server receives one copy of the push into one node-local staging area, from which each of its
+  engine's workers copies only its own shards to its GPU, so a node holds one copy of the model in
+  the push dtype (:func:`push_bytes`), whatever the engine's TP (not one per worker).
 
 Phases of a colocated step (rollout/memory.py runs them): *rollout* (trainer weights and reference,
 plus gradients and optimizer unless ``rollout.offload_trainer``, next to vLLM's share); *train*
@@ -113,6 +117,8 @@ class MemoryEstimate:
     """Tensors the layers keep for backward: one micro-batch x those in flight (see activation_bytes)."""
     push: int
     """Extra memory of a weight push (buffers and in-flight tensors)."""
+    host_staging: int
+    """Host memory of one rollout node for a push (separate transport; 0 colocated): one copy."""
     rollout_weights: int
     """vLLM engine weights on one GPU."""
     kv_per_sequence: int
@@ -196,6 +202,11 @@ def stage_params(shape: ModelShape, layout: Layout) -> int:
         return blocks + vocab * (1 if shape.tied_embeddings else 2) + shape.hidden
     # With PP > 1 the last stage keeps its own output matrix even when embeddings are tied.
     return blocks + vocab + shape.hidden
+
+
+def push_bytes(shape: ModelShape, sizes: MemorySizes) -> int:
+    """Bytes of one whole weight push: every HF tensor in the trainer's dtype."""
+    return shape.params_total() * sizes.param_bytes
 
 
 def optimizer_bytes_per_param(*, optimizer: str, param_bytes: int) -> int:
@@ -292,7 +303,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> Me
     return MemoryEstimate(
         weights=params * sizes.param_bytes, grads=params * sizes.grad_bytes, optimizer=opt,
         reference=params * sizes.param_bytes if sizes.reference else 0, logits=logits,
-        activations=activation_bytes(shape, layout, sizes), push=push, rollout_weights=rollout_weights,
+        activations=activation_bytes(shape, layout, sizes), push=push,
+        host_staging=0 if colocated else push_bytes(shape, sizes), rollout_weights=rollout_weights,
         kv_per_sequence=kv_sequence, kv_needed=layout.sequences_per_engine * kv_sequence,
         kv_cache_bytes=sizes.kv_cache_bytes, gpu=gpu, gpu_memory_utilization=util,
         planned=sizes.gpu_memory_utilization is None, offload_trainer=sizes.offload_trainer, colocated=colocated)
