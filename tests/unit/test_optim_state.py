@@ -154,3 +154,18 @@ def test_te_optimizer_state_update_matches_torch_adamw():
     ref = results.pop("AdamW")
     for name, got in results.items():
         assert torch.allclose(got, ref, atol=1e-6), (name, got, ref)
+
+
+def test_te_optimizer_state_gpu_smoke_part_on_cpu(tmp_path):
+    """bench/gpu_smoke.py's optim_state part (what the GPU machine runs with the Adam it has) on CPU with
+    the TE stand-in: it must report TE's layout (step in the param group, moments only)."""
+    from bench.gpu_smoke_parts import Smoke
+    from bench.gpu_smoke_setup import TINY, SmokeConfig
+
+    cfg = SmokeConfig(**{**TINY, "layers": 1, "rows": 4, "group": 2, "micro_batch": 2}, device="cpu")
+    with megatron_uses("te"):
+        smoke = Smoke(cfg, init_distributed(tp=1, seed=0), tmp_path)
+        report = smoke.part_optim_state()
+    assert report["rules"] == optim_state.TE.name and report["step_in"] == "param group"
+    assert report["state_keys"] == ["exp_avg", "exp_avg_sq"] and report["optimizer"].endswith("TEFusedAdam")
+    assert report["abs_loss_resumed_vs_uninterrupted"] == 0.0 and report["adam_norm_loaded"] == report["adam_norm_saved"]
