@@ -61,9 +61,12 @@ def _adam_update(p, grad, exp_avg, exp_avg_sq, *, group: dict, step: int, adam_w
     p.sub_(lr * update)
 
 
-def _advance_step(group: dict) -> int:
-    group["step"] = group.get("step", 0) + 1
-    return group["step"]
+def _stepped_groups(optimizer) -> Iterator[tuple[dict, int]]:
+    """Each non-empty param group with its step count advanced (both keep it as an int in the group)."""
+    for group in optimizer.param_groups:
+        if group["params"]:
+            group["step"] = group.get("step", 0) + 1
+            yield group, group["step"]
 
 
 class TEFusedAdam(torch.optim.Optimizer):
@@ -138,10 +141,7 @@ class TEFusedAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            if not group["params"]:
-                continue
-            step = _advance_step(group)
+        for group, step in _stepped_groups(self):
             for p in group["params"]:
                 if len(self.state[p]) == 0:
                     self.initialize_state(p, self.store_param_remainders)
@@ -180,10 +180,7 @@ class ApexFusedAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None, grad_scaler=None):
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            if not group["params"]:
-                continue
-            step = _advance_step(group)
+        for group, step in _stepped_groups(self):
             for p in group["params"]:
                 if p.grad is None:
                     continue
