@@ -70,7 +70,7 @@ class RunConfig:
             raise ConfigError(f"rollout.n={self.rollout.n} is not allowed: group-relative advantages need >= 2 "
                               "completions per prompt")
         problem = batch_split_problem(self.train.prompts_per_step * self.rollout.n, dp=self.parallel.dp,
-                                      micro_batch_size=self.train.rows_per_micro_batch)
+                                      rows_per_micro_batch=self.train.rows_per_micro_batch)
         problem = problem or token_budget_problem(
             self.token_budget, self.longest_row, "the longest possible row, data.max_prompt_tokens + rollout.max_tokens")
         if problem:

@@ -7,6 +7,7 @@ Other modules receive a :class:`ParallelDims` (sizes and this rank's coordinates
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -19,7 +20,8 @@ from megatron_gtpo.utils.configuration import require
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """Parallel layout of the trainer (the ``parallel:`` block); world size = tp * pp * dp."""
+    """Parallel layout of the trainer (the ``parallel:`` block); world size = tp * pp * dp
+    (``world_size``, checked against the launched world by ``world_size_problem``)."""
 
     tp: int = 1
     """Tensor-parallel size: must divide attention heads, KV heads and intermediate_size (the vocabulary is
@@ -42,9 +44,29 @@ class ParallelConfig:
         require(self.vpp is None or (self.vpp >= 2 and self.pp >= 2), "vpp", self.vpp,
                 "null, or an integer >= 2 together with pp >= 2")
 
+    def sizes(self) -> dict[str, int]:
+        """Every parallel size whose product is the world: tp, pp, dp (context and expert parallelism
+        join here when they land; ``world_size`` and ``world_size_problem`` follow)."""
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        """Ranks the layout needs: the product of ``sizes()``."""
+        return math.prod(self.sizes().values())
+
+    def world_size_problem(self, world: int, *, launcher: str) -> str | None:
+        """Why ``world`` launched ranks cannot run this layout, or None: the world must equal the
+        product of the parallel sizes. The one start-up check of the world size, made before
+        anything loads (``megatron-gtpo train --world-size`` in slurm/train.sbatch's prepare step,
+        and every rank before it builds anything); ``launcher`` says who chose ``world``."""
+        need = self.world_size
+        if world == need:
+            return None
+        product = " x ".join(f"parallel.{name}={size}" for name, size in self.sizes().items())
+        model = math.prod(size for name, size in self.sizes().items() if name != "dp")
+        fix = (f"set parallel.dp={world // model}, or launch {need} rank(s)" if world % model == 0 else
+               f"launch {need} rank(s) (a multiple of {model} for this model split)")
+        return f"{launcher} starts {world} rank(s), but {product} = {need}: {fix}"
 
 
 @dataclass(frozen=True, kw_only=True)

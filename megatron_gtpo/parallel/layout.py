@@ -43,14 +43,20 @@ def model_split_problems(shape: ModelShape, *, tp: int, pp: int, vpp: int | None
     return problems
 
 
-def batch_split_problem(sequences: int, *, dp: int, micro_batch_size: int) -> str | None:
+def batch_split_problem(sequences: int, *, dp: int, rows_per_micro_batch: int) -> str | None:
     """Why a global batch of ``sequences`` rows cannot be cut into DP ranks x equal micro-batches
-    (Megatron's schedules need equally sized micro-batches), or None."""
-    if sequences % (dp * micro_batch_size):
-        return (f"global batch of {sequences} sequences (train.prompts_per_step x rollout.n) is not divisible by "
-                f"parallel.dp x train.micro_batch_size = {dp} x {micro_batch_size} = {dp * micro_batch_size}: "
-                "change the prompts per step, the group size or the micro-batch size")
-    return None
+    (Megatron's schedules need equally sized micro-batches), or None. ``rows_per_micro_batch`` is
+    ``train.rows_per_micro_batch``: ``train.micro_batch_size`` for padded micro-batches
+    (``train.micro_batch_tokens: 0``), 1 when packing (the default: a packed micro-batch takes any
+    number of whole rows). The config, the dry-run and the train step all ask this one rule with it."""
+    if not sequences % (dp * rows_per_micro_batch):
+        return None
+    what = f"global batch of {sequences} sequences (train.prompts_per_step x rollout.n) is not divisible by "
+    if rows_per_micro_batch == 1:
+        return what + f"parallel.dp = {dp}: change the prompts per step or the group size"
+    return (what + f"parallel.dp x train.micro_batch_size = {dp} x {rows_per_micro_batch} = "
+            f"{dp * rows_per_micro_batch} (padded micro-batches, train.micro_batch_tokens: 0): change the prompts "
+            "per step, the group size or the micro-batch size, or pack (train.micro_batch_tokens: null)")
 
 
 def pipeline_problem(microbatches: int, *, pp: int, vpp: int | None) -> str | None:

@@ -67,9 +67,10 @@ class Layout:
     sequences_per_engine: int
     """Sequences one engine generates per step (the largest share)."""
     micro_batch_size: int
-    """Sequences per micro-batch."""
+    """Sequences per padded micro-batch; 1 when packing (``LayoutRequest.rows_per_micro_batch``)."""
     microbatches: int
-    """Micro-batches each DP rank runs per step: sequences / (DP * micro_batch_size)."""
+    """Micro-batches each DP rank runs per step: sequences / (DP * micro_batch_size); when packing the
+    most it can run (one row each), fewer when rows share a packed micro-batch."""
     seq_len: int
     """Longest sequence: max prompt tokens + max completion tokens."""
     warnings: list[str] = field(default_factory=list)
@@ -114,8 +115,9 @@ class LayoutRequest:
     """train.prompts_per_step"""
     group_size: int = 8
     """rollout.n"""
-    micro_batch_size: int = 1
-    """train.micro_batch_size"""
+    rows_per_micro_batch: int = 1
+    """``train.rows_per_micro_batch``: train.micro_batch_size for padded micro-batches
+    (train.micro_batch_tokens: 0), 1 when packing (the default), which ignores micro_batch_size."""
     max_prompt_tokens: int = 1024
     """data.max_prompt_tokens"""
     max_completion_tokens: int = 1024
@@ -127,7 +129,7 @@ def plan_layout(req: LayoutRequest) -> Layout:
     problems: list[str] = []
     _check_positive(problems, nodes=req.nodes, gpus_per_node=req.gpus_per_node, tp=req.tp, pp=req.pp,
                     rollout_tp=req.rollout_tp, prompts_per_step=req.prompts_per_step, group_size=req.group_size,
-                    micro_batch_size=req.micro_batch_size)
+                    rows_per_micro_batch=req.rows_per_micro_batch)
     if problems:  # every rule below divides by these
         raise LayoutError(problems)
     shape, tp, pp, gpus_per_node = req.shape, req.tp, req.pp, req.gpus_per_node
@@ -145,7 +147,7 @@ def plan_layout(req: LayoutRequest) -> Layout:
         problems.append(f"parallel.dp={req.dp}, but {trainer_gpus} trainer GPUs / (TP*PP = {tp * pp}) give "
                         f"{dp} data-parallel ranks: set parallel.dp={dp}")
     sequences = req.prompts_per_step * req.group_size
-    microbatches = _check_batch(problems, warnings, sequences=sequences, dp=dp, mbs=req.micro_batch_size,
+    microbatches = _check_batch(problems, warnings, sequences=sequences, dp=dp, mbs=req.rows_per_micro_batch,
                                 pp=pp, vpp=vpp)
     seq_len = req.max_prompt_tokens + req.max_completion_tokens
     too_long = context_problem(context=shape.max_positions, source="the model's max_position_embeddings",
@@ -162,7 +164,7 @@ def plan_layout(req: LayoutRequest) -> Layout:
         nodes=req.nodes, gpus_per_node=gpus_per_node, placement=req.placement,  # type: ignore[arg-type]
         trainer_nodes=req.nodes - rollout_nodes, rollout_nodes=rollout_nodes, tp=tp, pp=pp, vpp=vpp,
         dp=dp, layers_per_stage=shape.layers // pp, rollout_tp=req.rollout_tp, engines=engines, sequences=sequences,
-        sequences_per_engine=math.ceil(sequences / engines), micro_batch_size=req.micro_batch_size,
+        sequences_per_engine=math.ceil(sequences / engines), micro_batch_size=req.rows_per_micro_batch,
         microbatches=microbatches, seq_len=seq_len, warnings=warnings)
 
 
@@ -175,7 +177,7 @@ def _check_positive(problems: list[str], **values: int) -> None:
 def _check_batch(problems: list[str], warnings: list[str], *, sequences: int, dp: int, mbs: int,
                  pp: int, vpp: int | None) -> int:
     """Micro-batches per DP rank; the global batch must split evenly into DP * micro-batch."""
-    problem = batch_split_problem(sequences, dp=dp, micro_batch_size=mbs)
+    problem = batch_split_problem(sequences, dp=dp, rows_per_micro_batch=mbs)
     if problem:
         problems.append(problem)
         return 0

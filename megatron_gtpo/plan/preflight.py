@@ -19,6 +19,7 @@ from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.models.resolve import resolve_model
 from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
 from megatron_gtpo.reward.functions import resolve_reward
+from megatron_gtpo.rollout.pool import server_addresses
 from megatron_gtpo.tracking import check_tracking_uri, resolve_uri
 from megatron_gtpo.train.model import transformer_config_from_hf
 from megatron_gtpo.utils.configuration import ConfigError
@@ -30,6 +31,9 @@ def preflight(cfg) -> str:
     tc = cfg.tracking  # early: a tracking server that does not answer fails in seconds, not after engine start
     tracking = check_tracking_uri(resolve_uri(tc.uri, cfg.output_dir), tc.request_timeout_s) if tc.enabled else "off"
     check_vllm_kwargs(cfg.rollout.vllm)
+    on_gpu = torch.cuda.is_available()
+    check_rollout_servers(cfg.sync, on_gpu=on_gpu)
+    check_fusions(cfg.model.megatron, on_gpu=on_gpu)
     par = cfg.parallel
     model_dir = resolve_model(cfg.model.path)
     hf_config = read_hf_config(model_dir)
@@ -46,6 +50,37 @@ def preflight(cfg) -> str:
         raise ConfigError(f"reward.fn={cfg.reward.fn!r}: {err}") from None
     return _summary(cfg, model_dir=model_dir, hf_config=hf_config, context=context, stats=stats) + \
         f"\ntracking   {tracking}"
+
+
+def check_rollout_servers(sync, *, on_gpu: bool) -> None:
+    """``sync.transport: separate`` on GPUs needs rollout servers on GPUs of their own. With no
+    address known (``sync.servers``, or ``MGTPO_ROLLOUT_HOSTS`` from ``ROLLOUT_NODES``), trainer rank
+    0 would start one on its own node, on the GPUs its trainer ranks hold, and vLLM refuses to start
+    there (it needs its share of the GPU free): refused now, in seconds, instead."""
+    if sync.transport != "separate" or not on_gpu or server_addresses(sync):
+        return
+    raise ConfigError(
+        "sync.transport=separate on GPUs, but no rollout server is known: submit with ROLLOUT_NODES=N "
+        "(slurm/train.sbatch starts one `megatron-gtpo rollout-server` on each of the last N nodes and exports "
+        "MGTPO_ROLLOUT_HOSTS), or set sync.servers=[host:port, ...] to running servers; without either, trainer "
+        "rank 0 would start the server on its own node, on GPUs the trainer ranks hold, where vLLM refuses to start")
+
+
+def check_fusions(megatron: dict, *, on_gpu: bool) -> None:
+    """Fusions Megatron-Core 0.16.1 can only build with a kernel it imports: refused here, naming the
+    setting, instead of at model build. ``gradient_accumulation_fusion`` needs apex's
+    ``fused_weight_gradient_mlp_cuda`` even with Transformer Engine: the output layer is Megatron's own
+    ``ColumnParallelLinear`` (tensor_parallel/layers.py), which raises without it; TE's linears fuse the
+    wgrad accumulation themselves. (``apply_rope_fusion`` needs TE >= 1.4: TransformerConfig checks it.)"""
+    if not megatron.get("gradient_accumulation_fusion"):
+        return
+    from megatron.core.tensor_parallel import layers
+
+    if not (on_gpu and layers._grad_accum_fusion_available):
+        raise ConfigError(
+            "model.megatron.gradient_accumulation_fusion=true needs apex's fused_weight_gradient_mlp_cuda "
+            "extension (apex built with --cpp_ext --cuda_ext, not in requirements/gpu.lock) and a GPU: Megatron's "
+            "output layer refuses to build without it; remove the setting")
 
 
 def check_output_dir(output_dir: str) -> None:

@@ -75,7 +75,7 @@ def collate(groups: list[ScoredGroup], *, pad_id: int) -> Batch:
 def local_rows(batch_size: int, *, dp: int, dp_rank: int, micro_batch_size: int) -> slice:
     """This DP rank's contiguous block of global rows; the global batch must split evenly into DP
     ranks and micro-batches (Megatron's pipeline schedules need equally sized micro-batches)."""
-    problem = batch_split_problem(batch_size, dp=dp, micro_batch_size=micro_batch_size)
+    problem = batch_split_problem(batch_size, dp=dp, rows_per_micro_batch=micro_batch_size)
     if problem:
         raise ValueError(problem)
     per_rank = batch_size // dp

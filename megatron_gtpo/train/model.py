@@ -110,7 +110,9 @@ def validate_overrides(overrides: dict | None) -> dict:
 
 def _cpu_safe_defaults(*, on_gpu: bool) -> dict:
     """Fusion flags: the CUDA-only kernels stay off on CPU (megatron_cpu.md section 4). On GPU the
-    recipes turn on what their stack provides (configs/gpu/*.yaml: TE's RoPE fusion, ...)."""
+    recipes turn on what their stack provides: configs/gpu/*.yaml set ``apply_rope_fusion`` (TE's
+    fused RoPE; Megatron refuses it without TE). ``gradient_accumulation_fusion`` stays off: Megatron's
+    output layer needs apex's ``fused_weight_gradient_mlp_cuda`` for it (plan/preflight.check_fusions)."""
     return {
         "masked_softmax_fusion": False, "persist_layer_norm": False,
         "gradient_accumulation_fusion": False, "apply_rope_fusion": False,
@@ -172,14 +174,56 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         raise ConfigError(f"TransformerConfig rejected the settings (overrides {sorted(overrides)}): {err}") from None
 
 
+# Token counts Transformer Engine 2.11 needs per low-precision recipe (Megatron's fp8_recipe names;
+# "nvfp4" is the fp4 recipe): (the whole micro-batch, each sequence-parallel shard).
+#  * the whole micro-batch: the token dimension is a leading dimension of the FP8 weight-gradient
+#    GEMM, which cuBLASLt needs 16-byte aligned (TE common/gemm/cublaslt_gemm.cu "ld % 16 ... Caller
+#    must pad"; Megatron's get_fp8_align_size: 16, 32 for mxfp8) and a whole number of scaling blocks
+#    for the block-scaled recipes;
+#  * each shard: with sequence parallelism TE checks the local input of a column-parallel linear
+#    *before* its all-gather (module/layernorm_linear.py, layernorm_mlp.py, linear.py):
+#    assert_dim_for_fp8_exec wants the product of all but the last dimension divisible by 8, and
+#    assert_dim_for_all_gather wants it quantizable: rows divisible by the scaling block,
+#    MXFP8_BLOCK_SCALING_SIZE = 32, Float8BlockQuantizer.block_len = 128, NVFP4 16.
+# "custom" recipes get the largest TE block (128): their quantizer is not known here.
+LOW_PRECISION_TOKEN_MULTIPLES = {"delayed": (16, 8), "tensorwise": (16, 8), "mxfp8": (32, 32),
+                                 "blockwise": (128, 128), "nvfp4": (32, 16), "custom": (128, 128)}
+
+
+def padding_multiple(*, recipe: str | None, tp: int, sequence_parallel: bool) -> int:
+    """The multiple every micro-batch's token count must be padded to: the one home of the rule.
+    ``recipe``: the FP8 (or FP4) recipe in use, None for bf16/fp32; with sequence parallelism the
+    sequence is split over the ``tp`` ranks and every shard must satisfy the per-shard rule, so
+    ``T % (shard x tp) == 0`` (delayed/tensorwise: 8 x tp, mxfp8: 32 x tp, blockwise: 128 x tp)."""
+    if recipe is None:
+        whole, shard = 1, 1
+    elif recipe in LOW_PRECISION_TOKEN_MULTIPLES:
+        whole, shard = LOW_PRECISION_TOKEN_MULTIPLES[recipe]
+    else:
+        raise ConfigError(f"model.megatron.fp8_recipe={recipe!r}: no padding rule for it; use one of "
+                          f"{', '.join(LOW_PRECISION_TOKEN_MULTIPLES)}")
+    return math.lcm(whole, shard * tp) if sequence_parallel and tp > 1 else whole
+
+
+def low_precision_recipe(settings) -> str | None:
+    """The FP8/FP4 recipe name of a TransformerConfig or of ``model.megatron`` overrides (a dict),
+    None when neither ``fp8`` nor ``fp4`` is set (Megatron's default recipes: delayed, nvfp4)."""
+    get = settings.get if isinstance(settings, dict) else lambda key, default=None: getattr(settings, key, default)
+    if get("fp8"):
+        recipe = get("fp8_recipe") or "delayed"
+    elif get("fp4"):
+        name = str(getattr(get("fp4_recipe"), "value", get("fp4_recipe") or "nvfp4"))
+        return "nvfp4" if name == "nvfp4" else "custom"
+    else:
+        return None
+    return str(getattr(recipe, "value", recipe))
+
+
 def sequence_multiple(config) -> int:
-    """The multiple every micro-batch's sequence length must be padded to for this TransformerConfig:
-    16 with FP8 (Transformer Engine's FP8 GEMMs need token counts divisible by 16), times the TP
-    size with sequence parallelism (the sequence is split over the TP ranks); 1 otherwise."""
-    multiple = 16 if getattr(config, "fp8", None) else 1
-    if getattr(config, "sequence_parallel", False):
-        multiple = math.lcm(multiple, int(config.tensor_model_parallel_size))
-    return multiple
+    """The multiple every micro-batch's sequence length must be padded to for this TransformerConfig
+    (``padding_multiple`` of its FP8/FP4 recipe, TP size and sequence parallelism)."""
+    return padding_multiple(recipe=low_precision_recipe(config), tp=int(config.tensor_model_parallel_size),
+                            sequence_parallel=bool(getattr(config, "sequence_parallel", False)))
 
 
 def te_available() -> bool:
