@@ -68,7 +68,8 @@ def thd_partitioned_index(cu_seqlens_padded: Tensor, cp: int, rank: int) -> Tens
     half = lengths // cp_multiple(cp)  # chunk length of each sequence
     local = half * 2  # tokens each rank holds of each sequence
     seq = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), local)
-    j = torch.arange(int(local.sum()), device=cu.device) - torch.repeat_interleave(torch.cumsum(local, 0) - local, local)
+    starts = torch.repeat_interleave(torch.cumsum(local, 0) - local, local)
+    j = torch.arange(int(local.sum()), device=cu.device) - starts  # index within the rank's share of its sequence
     second = j >= half[seq]
     chunk_id = torch.where(second, torch.full_like(j, 2 * cp - 1 - rank), torch.full_like(j, rank))
     return cu[:-1][seq] + chunk_id * half[seq] + j - second.long() * half[seq]

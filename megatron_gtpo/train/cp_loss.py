@@ -114,7 +114,7 @@ def split_rows(spec: AlgoSpec, prepared: PreparedBatch, mask: Tensor) -> tuple[A
         return spec, prepared
     lengths = mask.sum(dim=1).clamp(min=1).to(torch.float64)
     scale = 1.0 / lengths if prepared.seq_scale is None else prepared.seq_scale.to(torch.float64) / lengths
-    rows = dataclasses.replace(prepared, seq_scale=scale.to(prepared.advantages.dtype))
+    rows = dataclasses.replace(prepared, seq_scale=scale)  # fp64: compute_loss casts it to the log-probs' dtype
     return dataclasses.replace(spec, agg_mode="seq-mean-token-sum"), rows
 
 

@@ -8,8 +8,9 @@ per layout, from the same weights:
 * ``attention``: the CPU stand-in (parallel/cp_attention.py) against Megatron's local
   DotProductAttention at CP=1, padded (load-balanced causal mask) and packed (per-sequence THD
   split, block-diagonal mask): outputs and the gradients of q, k, v (k/v: reduce-scattered back);
-* ``logits``: GPTModel (local spec, stand-in attention) on each padded micro-batch's shard against
-  the CP=1 logits at the same global positions (vocabulary-sharded under TP);
+* ``logits``: GPTModel (local spec, stand-in attention; fp64, see DTYPE) on each padded
+  micro-batch's shard against the CP=1 logits at the same global positions (vocabulary-sharded
+  under TP);
 * ``step``: for GTPO (entropy filter active), GRPO with KL and DAPO, padded and packed, Megatron's
   schedule + DDP over DP x CP with ``cp_loss.megatron_loss_scale``: loss, DDP-reduced gradients,
   per-token log-probs, GTPO's <H>_i and its filter decisions against the CP=1 run, plus where the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -52,13 +54,22 @@ from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp, ze
 from tests.dist.scripts import _trainstep_common as C
 from tests.dist.scripts.trainstep_equivalence import emit, rel_err, synthetic_ref_logp
 
-TEMPERATURE, MBS, BUDGET = 0.8, 2, 40
+TEMPERATURE, MBS, BUDGET = 0.8, 4, 64
+DTYPE = torch.float64
+"""The model's dtype in the logits and step checks: fp64 leaves no rounding to hide a CP error behind
+(the CP code paths are dtype-agnostic); the attention check runs in fp32."""
+
+
+def model_config() -> dict:
+    """The train-step tests' tiny GQA model with 2 layers (every check here is per layer)."""
+    return {**C.tiny_config(tied=False), "num_hidden_layers": 2}
 
 
 def cases(threshold: float) -> list[dict]:
-    return [dict(name="gtpo", spec=AlgoConfig(name="gtpo", entropy_threshold=threshold).resolve(max_completion_tokens=16)),
-            dict(name="grpo_kl", spec=AlgoConfig(name="grpo", kl_beta=0.04).resolve(max_completion_tokens=16)),
-            dict(name="dapo", spec=AlgoConfig(name="dapo").resolve(max_completion_tokens=16))]
+    """GTPO with an entropy threshold between the rows' <H>_i, GRPO with a KL term, DAPO (mu = 1)."""
+    configs = {"gtpo": AlgoConfig(name="gtpo", entropy_threshold=threshold),
+               "grpo_kl": AlgoConfig(name="grpo", kl_beta=0.04), "dapo": AlgoConfig(name="dapo")}
+    return [dict(name=name, spec=cfg.resolve(max_completion_tokens=16)) for name, cfg in configs.items()]
 
 
 def rank_mbs(batch, rows: slice, *, packed: bool, multiple: int, dp: int):
@@ -81,10 +92,11 @@ class Loss:
                                             rewards=batch.rewards, group_ids=batch.group_ids)
         self.ref_logp = ref_logp if self.spec.kl_beta > 0 else None
         self.num_tokens, self.num_seqs = global_normalisers(batch)
-        self.logp = torch.zeros(batch.mask.shape)
-        self.mean_h = torch.zeros(batch.size)
+        self.logp = torch.zeros(batch.mask.shape, dtype=torch.float64)
+        self.mean_h = torch.zeros(batch.size, dtype=torch.float64)
         self.delta = torch.full((batch.size,), -1.0)
         self.total = torch.zeros((), dtype=torch.float64, device=comm_device())
+        self.magnitude = torch.zeros((), dtype=torch.float64, device=comm_device())
 
     def __call__(self, shard, logits):
         rows, width = shard.mb.rows, shard.mb.width
@@ -95,11 +107,15 @@ class Loss:
         if prepared.needs_entropy:
             h = mean_entropy(ent, held, mask, self.cp_group)
             prepared = algo.shape_rows(self.spec, prepared, h)
-            self.mean_h[rows], self.delta[rows] = h.float(), prepared.delta.float()
+            self.mean_h[rows], self.delta[rows] = h.double().cpu(), prepared.delta.float().cpu()
         ref = None if self.ref_logp is None else self.ref_logp[rows, :width]
-        loss, _ = shard_loss(self.spec, TokenInputs(logp=logp, mask=mask, ref_logp=ref), prepared, held,
-                             num_tokens=self.num_tokens, num_seqs=self.num_seqs)
-        self.logp[rows, :width] = completion_view(logp, held, self.cp_group).float()
+        tokens = TokenInputs(logp=logp, mask=mask, ref_logp=ref)
+        loss, _ = shard_loss(self.spec, tokens, prepared, held, num_tokens=self.num_tokens, num_seqs=self.num_seqs)
+        with torch.no_grad():  # the loss's magnitude (|A|: no cancellation), the scale its rounding is judged on
+            size = dataclasses.replace(prepared, advantages=prepared.advantages.abs())
+            self.magnitude -= shard_loss(self.spec, tokens, size, held, num_tokens=self.num_tokens,
+                                         num_seqs=self.num_seqs)[0].double()
+        self.logp[rows.cpu(), :width] = completion_view(logp, held, self.cp_group).double().cpu()
         self.total += loss.detach().double()
         return loss * self.scale, {}
 
@@ -110,7 +126,7 @@ class Loss:
 def reference(batch) -> dict:
     dims = init_distributed(tp=1, pp=1, seed=7)
     torch.manual_seed(0)
-    model = M.build_model(C.tiny_config(tied=False), dims=dims)[0]
+    model = M.build_model(model_config(), dims=dims, dtype=DTYPE)[0]
     with torch.no_grad():  # sharper distributions: <H>_i spread around the entropy threshold
         model.output_layer.weight.mul_(40.0)
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -123,8 +139,8 @@ def reference(batch) -> dict:
         with torch.no_grad():
             ref["logits"][tuple(mb.rows.tolist())] = model_input.forward(model, mb)
     for case in cases(threshold):
-        dense, _, _, _ = C.reference_loss(model, batch, spec=case["spec"], temperature=TEMPERATURE,
-                                          ref_logp=ref["ref_logp"])
+        dense, dense_logp, dense_h, _ = C.reference_loss(model, batch, spec=case["spec"], temperature=TEMPERATURE,
+                                                         ref_logp=ref["ref_logp"])
         for packed in (False, True):
             model.zero_grad()
             loss = Loss(batch, case, lp, cp_group=None, scale=1.0, ref_logp=ref["ref_logp"])
@@ -133,6 +149,7 @@ def reference(batch) -> dict:
                 loss(shard, model_input.forward(model, shard.mb))[0].backward()
             ref[case["name"], packed] = {"loss": float(loss.total), "dense": float(dense), "logp": loss.logp,
                                          "mean_h": loss.mean_h, "delta": loss.delta,
+                                         "dense_logp": dense_logp, "dense_h": dense_h,
                                          "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
     ps.destroy_model_parallel()
     return ref
@@ -207,11 +224,12 @@ def run_step(ddp, optimizer, batch, case, dims, *, packed: bool, ref: dict) -> d
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=[iter(shards)], model=ddp,
                                 num_microbatches=len(shards), seq_length=shards[0].seq_len,
                                 micro_batch_size=shards[0].input_ids.shape[0], forward_only=False)
-    total = loss.total.clone()
+    total = torch.stack([loss.total, loss.magnitude])
     dist.all_reduce(total, group=dp_cp_group)
     owned = torch.zeros(batch.size, dtype=torch.bool)
     owned[rows] = True
-    return {"loss": float(total), "logp": loss.logp, "mean_h": loss.mean_h, "delta": loss.delta, "owned": owned,
+    return {"loss": float(total[0]), "magnitude": float(total[1]), "logp": loss.logp, "mean_h": loss.mean_h,
+            "delta": loss.delta, "owned": owned,
             "grads": {g: p.main_grad.detach().clone() for g, _, p in C.named_local_params(ddp, tied=False)},
             "split": split_report(mbs, loss.prepared, batch.mask, dims.cp)}
 
@@ -244,35 +262,38 @@ def split_report(mbs, prepared, mask, cp: int) -> dict:
 
 
 def compare(got: dict, want: dict, chunks, dims) -> dict:
-    """Errors of a CP step against the CP=1 reference (rows this DP rank owns)."""
+    """Errors of a CP step against the one-process CP=1 run (rows this DP rank owns; gradients:
+    this rank's TP slices of the TP1 ones)."""
     rows = got["owned"]
     diff = norm = 0.0
     for gname, name, param in C.named_local_params(chunks, tied=False):
         ref_grad = C.local_piece(want["grads"][gname], name, param, tp=dims.tp, tp_rank=dims.tp_rank)
-        diff += float(((got["grads"][gname].double().cpu() - ref_grad.double()) ** 2).sum())
+        diff += float(((got["grads"][gname].double().cpu() - ref_grad.double().cpu()) ** 2).sum())
         norm += float((ref_grad.double() ** 2).sum())
     delta = got["delta"][rows]
-    return {"loss": got["loss"], "loss_ref": want["loss"], "grad_err": (diff / max(norm, 1e-30)) ** 0.5,
+    return {"loss": got["loss"], "loss_ref": want["loss"], "magnitude": got["magnitude"],
+            "grad_err": (diff / max(norm, 1e-30)) ** 0.5,
             "logp_err": rel_err(got["logp"][rows], want["logp"][rows]),
             "mean_h_err": rel_err(got["mean_h"][rows], want["mean_h"][rows]) if bool((delta >= 0).any()) else 0.0,
             "delta_equal": bool((delta == want["delta"][rows]).all()), "filtered": int((delta == 0).sum()),
-            "kept": int((delta == 1).sum()), "split": got["split"]}
+            "kept": int((delta == 1).sum())}
 
 
 def layout_phase(batch, ref: dict, tp: int, cp: int) -> None:
+    """Every check of one TP x CP (x DP) layout against the CP=1 run of the whole batch."""
     dims = init_distributed(tp=tp, cp=cp, seed=7)
-    chunks = M.build_model(C.tiny_config(tied=False), dims=dims)
+    chunks = M.build_model(model_config(), dims=dims, dtype=DTYPE)
     check_attention(chunks[0], dims)
-    ddp = wrap_ddp(chunks, OptimConfig())
+    ddp = wrap_ddp(chunks, OptimConfig(ddp={"grad_reduce_in_fp32": False}))  # fp64 gradients
     sgd = {"optimizer": "sgd", "lr": 0.0, "sgd_momentum": 0.0, "weight_decay": 0.0, "clip_grad": 0.0}
     optimizer, _ = build_optimizer(ddp, OptimConfig(optimizer=sgd), total_steps=1)
     C.load_full(ddp, ref["full"], tied=False, tp=tp, tp_rank=dims.tp_rank)
-    rows = local_rows(batch.size, dp=dims.dp, dp_rank=dims.dp_rank, micro_batch_size=MBS)
-    check_logits(ddp, batch, ref, dims, rows)
-    for case in cases(ref["threshold"]):
+    check_logits(ddp, batch, ref, dims, local_rows(batch.size, dp=dims.dp, dp_rank=dims.dp_rank, micro_batch_size=MBS))
+    # GRPO's KL term is per token and TP-independent: checked in the TP=1 layout only (time budget)
+    for case in [c for c in cases(ref["threshold"]) if tp == 1 or c["name"] != "grpo_kl"]:
         for packed in (False, True):
             got = run_step(ddp, optimizer, batch, case, dims, packed=packed, ref=ref)
-            emit(check="step", layout=layout_name(dims), case=case["name"], packed=packed,
+            emit(check="step", layout=layout_name(dims), case=case["name"], packed=packed, split=got["split"],
                  **compare(got, ref[case["name"], packed], ddp, dims))
     ps.destroy_model_parallel()
 
@@ -287,7 +308,9 @@ def main() -> None:
     for case in cases(ref["threshold"]):
         for packed in (False, True):
             r = ref[case["name"], packed]
-            emit(check="reference", case=case["name"], packed=packed, loss=r["loss"], dense=r["dense"])
+            emit(check="reference", case=case["name"], packed=packed, loss=r["loss"], dense=r["dense"],
+                 logp_err=rel_err(r["logp"], r["dense_logp"]), mean_h_err=rel_err(r["mean_h"], r["dense_h"])
+                 if case["spec"].needs_mean_entropy else 0.0)
     for item in args.layouts:
         tp, cp = (int(x) for x in item.split(","))
         layout_phase(batch, ref, tp, cp)
