@@ -33,7 +33,7 @@ from megatron_gtpo.tracking import Reporter, step_metrics
 from megatron_gtpo.train.batching import collate
 from megatron_gtpo.train.learner import Learner
 from megatron_gtpo.train.step import StepSettings
-from megatron_gtpo.utils.configuration import to_dict
+from megatron_gtpo.utils.configuration import ConfigError, to_dict
 from megatron_gtpo.utils.runtime import PreemptionFlag, setup_logging, signals_blocked, start_checkpoint_helpers
 
 log = logging.getLogger("megatron_gtpo")
@@ -109,6 +109,10 @@ class Parts:
 def build(cfg, *, resume: bool | str) -> Parts:
     """Builds every part in an order that fails fast: groups, the checkpoint to resume (verified),
     policy, engines, data, reward, tracking; then pushes the (restored) weights into the engines."""
+    if cfg.parallel.cp > 1:  # issue 23 phase B wires the CP building blocks into the step; until then, refuse
+        raise ConfigError(f"parallel.cp={cfg.parallel.cp}: the train step does not use context parallelism yet "
+                          "(its building blocks, parallel/cp_*.py and train/cp_*.py, are tested against CP=1; "
+                          "the step, memory plan and recipes follow); set parallel.cp=1")
     preempt = PreemptionFlag()  # first: a preemption signal during start-up must not kill the job
     dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, seed=cfg.train.seed,
                             timeout_s=cfg.parallel.timeout_s)

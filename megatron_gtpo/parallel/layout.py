@@ -69,19 +69,19 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 def context_parallel_problems(shape: ModelShape, *, tp: int, cp: int, comm_type=None,
-                              layer_spec: str = "te") -> list[str]:
+                              cp_attention: bool = True) -> list[str]:
     """Every reason the model cannot run with ``cp`` context-parallel ranks.
 
     ``comm_type``: Megatron's ``cp_comm_type`` (``model.megatron``). ``a2a`` (Ulysses) scatters a TP
     rank's attention heads over the CP ranks, so ``cp`` must divide them; p2p and all_gather exchange
-    K/V chunks and take any head count. ``layer_spec``: ``te`` (Transformer Engine's CP attention),
-    ``local-cpu`` (Megatron's local spec with the exact CPU stand-in, parallel/cp_attention.py) or
-    ``local`` (Megatron's local spec on GPU: no CP attention).
+    K/V chunks and take any head count. ``cp_attention``: the layer spec has a context-parallel
+    attention (Transformer Engine's on GPU, the exact stand-in of parallel/cp_attention.py for
+    Megatron's local spec on CPU); False for Megatron's local spec on a GPU.
     """
     if cp == 1:
         return []
     problems = []
-    if layer_spec == "local":
+    if not cp_attention:
         problems.append(f"parallel.cp={cp} needs a context-parallel attention: Megatron's local layer spec on GPU "
                         "has none (its DotProductAttention refuses CP); use Transformer Engine's layer spec, or "
                         "parallel.cp=1")

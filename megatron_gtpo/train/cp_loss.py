@@ -16,7 +16,9 @@ Under CP each rank holds 1/cp of every completion (``train/cp_shard.py``). What 
   unchanged. The one per-row normaliser, ``|o_i|`` of ``seq-mean-token-mean`` (GRPO, GTPO), would
   otherwise count a row's held tokens only: :func:`split_rows` moves the global ``1/|o_i|`` into
   the per-row scale, so the per-rank losses add up to the one-process loss (:func:`shard_loss`).
-  The same rows feed ``algo.token_omega`` / ``algo.kl_penalty`` (D2) with the held mask.
+  D2's ``algo.kl_penalty`` and ``algo.token_omega`` take prefix masks only: give them the whole
+  mask with these rows (``split_rows``), the held tokens' values (k3 zeroed elsewhere), and keep
+  the held tokens of ``token_omega``'s result; the shares then add up over CP like the loss.
 * **Conflict weights** (GTPO's lambda) are computed once per global batch in the completion view
   (``algo.prepare_groups``) and used there with the held mask; ``CPShard.to_shard`` puts them on the
   shard's positions where a per-position form is wanted.
@@ -58,9 +60,8 @@ def megatron_loss_scale(*, num_microbatches: int, dp_size: int, cp_size: int = 1
     if num_microbatches < 1 or dp_size < 1 or cp_size < 1:
         raise ValueError(f"num_microbatches={num_microbatches}, dp_size={dp_size} and cp_size={cp_size} "
                          "must all be >= 1")
-    schedule_factor = cp_size / num_microbatches
-    ddp_factor = 1.0 / (dp_size * cp_size)
-    return 1.0 / (schedule_factor * ddp_factor)
+    # 1 / (schedule's cp / num_microbatches x DDP's 1 / (dp * cp)), in integers: exact
+    return float(num_microbatches * dp_size * cp_size) / cp_size
 
 
 def cp_groups():

@@ -94,7 +94,7 @@ def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None, cp: int 
     shape = shape_from_hf_config(hf_config, name="model")
     problems = model_split_problems(shape, tp=tp, pp=pp, vpp=vpp)
     problems += context_parallel_problems(shape, tp=tp, cp=cp, comm_type=cp_comm_type,
-                                          layer_spec="te" if torch.cuda.is_available() else "local-cpu")
+                                          cp_attention=te_available() or not torch.cuda.is_available())
     if problems:
         raise ConfigError("config.json: " + "; ".join(problems))
 
