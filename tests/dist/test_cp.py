@@ -44,6 +44,11 @@ def test_cp_building_blocks_equal_one_process():
     assert len(by["attention"]) == 2 * 4 * 2, by["attention"]  # (padded, packed) x 4 ranks x 2 CP layouts
     for r in by["attention"]:
         assert r["out_err"] <= FP32 and r["grad_err"] <= FP32, r
+    assert len(by["ddp"]) == 8, by["ddp"]
+    for r in by["ddp"]:  # DDP over DP x CP, gradients scaled by 1 / |DP x CP| (megatron_loss_scale's premise)
+        expected = {"tp2_cp2_dp1": 2, "tp1_cp2_dp2": 4}[r["layout"]]
+        assert r["dp_cp_group"] == r["dp_cp"] == expected and r["scaling"], r
+        assert all(abs(f - 1.0 / expected) < 1e-15 for f in r["scaling"]), r
     assert len(by["logits"]) == 8 and all(r["logits_err"] <= FP64 for r in by["logits"]), by["logits"]
     steps = by["step"]
     layouts = {"tp2_cp2_dp1": ("gtpo", "dapo"), "tp1_cp2_dp2": ("gtpo", "grpo_kl", "dapo")}

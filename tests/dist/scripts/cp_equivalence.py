@@ -287,6 +287,9 @@ def layout_phase(batch, ref: dict, tp: int, cp: int) -> None:
     ddp = wrap_ddp(chunks, OptimConfig(ddp={"grad_reduce_in_fp32": False}))  # fp64 gradients
     sgd = {"optimizer": "sgd", "lr": 0.0, "sgd_momentum": 0.0, "weight_decay": 0.0, "clip_grad": 0.0}
     optimizer, _ = build_optimizer(ddp, OptimConfig(optimizer=sgd), total_steps=1)
+    # Megatron's DDP scales gradients by 1 / |DP x CP| (megatron_loss_scale relies on it)
+    emit(check="ddp", layout=layout_name(dims), scaling=[b.gradient_scaling_factor for b in ddp[0].buffers],
+         dp_cp=dims.dp * dims.cp, dp_cp_group=ps.get_data_parallel_world_size(with_context_parallel=True))
     C.load_full(ddp, ref["full"], tied=False, tp=tp, tp_rank=dims.tp_rank)
     check_logits(ddp, batch, ref, dims, local_rows(batch.size, dp=dims.dp, dp_rank=dims.dp_rank, micro_batch_size=MBS))
     # GRPO's KL term is per token and TP-independent: checked in the TP=1 layout only (time budget)
