@@ -22,7 +22,6 @@ Prints one ``RESULT {json}`` line per check; tests/dist/test_cp.py judges.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 
@@ -302,11 +301,7 @@ def layout_phase(batch, ref: dict, tp: int, cp: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("layouts", nargs="+")
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    batch = C.make_batch(5, num_groups=4, group_size=4)  # 16 rows of 7..20 tokens
+    layouts, batch = C.start_layouts()
     ref = reference(batch)
     for case in cases(ref["threshold"]):
         for packed in (False, True):
@@ -314,7 +309,7 @@ def main() -> None:
             emit(check="reference", case=case["name"], packed=packed, loss=r["loss"], dense=r["dense"],
                  logp_err=rel_err(r["logp"], r["dense_logp"]), mean_h_err=rel_err(r["mean_h"], r["dense_h"])
                  if case["spec"].needs_mean_entropy else 0.0)
-    for item in args.layouts:
+    for item in layouts:
         tp, cp = (int(x) for x in item.split(","))
         layout_phase(batch, ref, tp, cp)
 
