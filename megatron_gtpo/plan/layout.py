@@ -146,12 +146,15 @@ def plan_layout(req: LayoutRequest) -> Layout:
     problems += model_split_problems(shape, tp=tp, pp=pp, vpp=vpp)
     problems += context_parallel_problems(shape, tp=tp, cp=cp, comm_type=req.cp_comm_type)
     model = tp * cp * pp
+    # the sizes as the recipe sets them: CP named only when it is used
+    names, sizes, keys = ("TP*CP*PP", f"{tp}*{cp}*{pp}", "parallel.tp/parallel.cp/parallel.pp") if cp > 1 else \
+        ("TP*PP", f"{tp}*{pp}", "parallel.tp/parallel.pp")
     if trainer_gpus and trainer_gpus % model:
-        problems.append(f"{trainer_gpus} trainer GPUs are not divisible by TP*CP*PP = {tp}*{cp}*{pp} = {model}: "
-                        f"change parallel.tp/parallel.cp/parallel.pp or the GPU count")
+        problems.append(f"{trainer_gpus} trainer GPUs are not divisible by {names} = {sizes} = {model}: "
+                        f"change {keys} or the GPU count")
     dp = max(trainer_gpus // model, 1)
     if req.dp is not None and req.dp != dp and not trainer_gpus % model:
-        problems.append(f"parallel.dp={req.dp}, but {trainer_gpus} trainer GPUs / (TP*CP*PP = {model}) give "
+        problems.append(f"parallel.dp={req.dp}, but {trainer_gpus} trainer GPUs / ({names} = {model}) give "
                         f"{dp} data-parallel ranks: set parallel.dp={dp}")
     sequences = req.prompts_per_step * req.group_size
     microbatches = _check_batch(problems, warnings, sequences=sequences, dp=dp, mbs=req.micro_batch_size,
