@@ -17,9 +17,10 @@ chunks), so a query must see keys and values that other ranks hold.
   both), then runs Megatron's local attention on the local queries against the whole sequence with
   the causal mask built from global positions (``cp_index.cp_attention_mask``): each query sees
   exactly the keys it sees without CP, so the result is the same math as TE's ring (p2p) or
-  all-gather CP attention, up to fp32 summation order. It costs the full K/V per rank (the
-  all-gather variant's memory), which is what the CPU benchmark measures. ``cp_comm_type`` does not
-  change it: every setting gives the same values.
+  all-gather CP attention, up to fp32 summation order. It holds the whole sequence's K/V on every
+  rank (the all-gather variant's memory) and, as Megatron's local attention does, a score matrix
+  of the local queries against all keys (``[heads, s/cp, s]``: 1/cp of the CP=1 one).
+  ``cp_comm_type`` does not change it: every setting gives the same values.
 
 ``cp_layer_spec`` hooks the stand-in into Megatron's local layer spec when cp > 1 (CPU only).
 """
@@ -34,6 +35,7 @@ import torch
 from megatron_gtpo.parallel.cp_index import cp_attention_mask, gathered_index, load_balanced_index
 
 Tensor = torch.Tensor
+
 
 def _dot_product_attention():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -63,7 +65,7 @@ def _make_standin_class():
             self.config = config
             from megatron.core import parallel_state as ps
 
-            self.cp_group = ps.get_context_parallel_group()
+            self.cp_group = getattr(pg_collection, "cp", None) or ps.get_context_parallel_group()
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
@@ -96,7 +98,7 @@ def gather_sequence(tensor: Tensor, group) -> Tensor:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_balanced_mask(local_len: int, cp: int, rank: int, device_type: str) -> Tensor:
+def _load_balanced_mask(local_len: int, cp: int, rank: int) -> Tensor:
     seq_len = local_len * cp
     keys = gathered_index([load_balanced_index(seq_len, cp, r) for r in range(cp)])
     return cp_attention_mask(load_balanced_index(seq_len, cp, rank), keys)
@@ -105,7 +107,7 @@ def _load_balanced_mask(local_len: int, cp: int, rank: int, device_type: str) ->
 def load_balanced_mask(local_len: int, cp: int, rank: int, device) -> Tensor:
     """``[1, 1, s/cp, s]`` causal mask of a padded row in Megatron's load-balanced layout, keys in
     all-gather order (cached: every layer of a micro-batch asks for the same one)."""
-    return _load_balanced_mask(local_len, cp, rank, torch.device(device).type).to(device)
+    return _load_balanced_mask(local_len, cp, rank).to(device)
 
 
 def cp_layer_spec(spec, *, cp: int, on_gpu: bool):
