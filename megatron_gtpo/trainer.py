@@ -33,7 +33,7 @@ from megatron_gtpo.tracking import Reporter, step_metrics
 from megatron_gtpo.train.batching import collate
 from megatron_gtpo.train.learner import Learner
 from megatron_gtpo.train.step import StepSettings
-from megatron_gtpo.utils.configuration import to_dict
+from megatron_gtpo.utils.configuration import ConfigError, to_dict
 from megatron_gtpo.utils.runtime import PreemptionFlag, setup_logging, signals_blocked, start_checkpoint_helpers
 
 log = logging.getLogger("megatron_gtpo")
@@ -106,9 +106,19 @@ class Parts:
     start_step: int
 
 
+def _refuse_context_parallel(cp: int) -> None:
+    """Issue 23 phase B wires the CP building blocks into the train step; until then a CP run is
+    refused before anything starts (the dry-runs plan and validate it)."""
+    if cp > 1:
+        raise ConfigError(f"parallel.cp={cp}: the train step does not use context parallelism yet (its building "
+                          "blocks, parallel/cp_*.py and train/cp_*.py, are tested against CP=1; the step, memory "
+                          "plan and recipes follow); set parallel.cp=1")
+
+
 def build(cfg, *, resume: bool | str) -> Parts:
     """Builds every part in an order that fails fast: groups, the checkpoint to resume (verified),
     policy, engines, data, reward, tracking; then pushes the (restored) weights into the engines."""
+    _refuse_context_parallel(cfg.parallel.cp)
     preempt = PreemptionFlag()  # first: a preemption signal during start-up must not kill the job
     dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, seed=cfg.train.seed,
                             timeout_s=cfg.parallel.timeout_s)

@@ -116,6 +116,7 @@ def _model_line(shape: ModelShape) -> str:
 
 def _layout_lines(lay: Layout, sizes: MemorySizes) -> list[str]:
     vpp = f" x VPP={lay.vpp}" if lay.vpp else ""
+    cp = f" x CP={lay.cp}" if lay.cp > 1 else ""
     stage = f"{lay.layers_per_stage} layers per PP stage" + (
         f" ({lay.layers_per_stage // lay.vpp} per virtual stage)" if lay.vpp else "")
     if lay.placement == "colocated":
@@ -127,7 +128,7 @@ def _layout_lines(lay: Layout, sizes: MemorySizes) -> list[str]:
         rollout = (f"separate: {lay.engines} rollout server(s) x TP={lay.rollout_tp}, one per rollout node "
                    f"({lay.rollout_nodes} node(s) of their own)")
     return [
-        f"trainer  TP={lay.tp} x PP={lay.pp}{vpp} x DP={lay.dp} = {lay.world} ranks on {lay.trainer_nodes} "
+        f"trainer  TP={lay.tp}{cp} x PP={lay.pp}{vpp} x DP={lay.dp} = {lay.world} ranks on {lay.trainer_nodes} "
         f"node(s); {stage}",
         f"rollout  {rollout}; {lay.sequences_per_engine} sequences per engine per step",
         f"batch    {lay.sequences} sequences per step; {lay.sequences // lay.dp} per DP rank " + (

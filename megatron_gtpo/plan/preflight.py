@@ -39,9 +39,10 @@ def preflight(cfg) -> str:
     hf_config = read_hf_config(model_dir)
     try:
         transformer_config_from_hf(hf_config, tp=par.tp, pp=par.pp, vpp=par.vpp, dtype=DTYPES[cfg.model.dtype],
-                                   overrides=cfg.model.megatron)
+                                   overrides=cfg.model.megatron, cp=par.cp)
     except ConfigError as err:
-        raise ConfigError(f"model {model_dir} at parallel.tp={par.tp} pp={par.pp} vpp={par.vpp}: {err}") from None
+        raise ConfigError(f"model {model_dir} at parallel.tp={par.tp} cp={par.cp} pp={par.pp} vpp={par.vpp}: "
+                          f"{err}") from None
     context = check_context(cfg, hf_config)
     stats = check_prompts(cfg.data, tokenizer_dir=cfg.rollout.vllm.get("tokenizer") or model_dir)
     try:
@@ -161,8 +162,8 @@ def _summary(cfg, *, model_dir, hf_config: dict, context: int, stats) -> str:
         f"model      {model_dir} ({hf_config.get('architectures', ['?'])[0]}, {hf_config['num_hidden_layers']} layers, "
         f"{hf_config['num_attention_heads']} heads / {hf_config.get('num_key_value_heads')} kv, "
         f"vocab {hf_config['vocab_size']}), dtype {cfg.model.dtype}",
-        f"layout     tp={par.tp} pp={par.pp} vpp={par.vpp} dp={par.dp} -> {par.world_size} rank(s), "
-        f"{'CUDA' if torch.cuda.is_available() else 'CPU/gloo'}",
+        f"layout     tp={par.tp} cp={par.cp} pp={par.pp} vpp={par.vpp} dp={par.dp} -> {par.world_size} rank(s), "
+        f"{'CUDA' if torch.cuda.is_available() else 'CPU/gloo'}" + _cp_note(par.cp),
         f"algorithm  {algo.name}: agg={algo.agg_mode} std_scale={algo.std_scale} kl_beta={algo.kl_beta} mu={algo.mu}"
         + (f" W={algo.conflict_weight} overlap={algo.conflict_overlap} H*={algo.entropy_threshold} "
            f"gamma={algo.entropy_gamma} norm={algo.gtpo_normalization}" if algo.conflict_aware else ""),
@@ -177,3 +178,11 @@ def _summary(cfg, *, model_dir, hf_config: dict, context: int, stats) -> str:
                                             else "in the training process (num_workers=0: no crash protection)"),
         f"run        {cfg.train.steps} steps -> {cfg.output_dir}",
     ])
+
+
+def _cp_note(cp: int) -> str:
+    if cp == 1:
+        return ""
+    attention = "Transformer Engine's CP attention" if torch.cuda.is_available() else \
+        "the exact CPU stand-in for TE's CP attention"
+    return f"; context parallel over {cp} ranks with {attention} (training with it: issue 23 phase B)"

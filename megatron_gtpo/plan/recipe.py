@@ -45,7 +45,8 @@ def recipe_request(cfg: Any, *, shape: ModelShape, nodes: int, gpus_per_node: in
         engines=rollout_nodes if cfg.sync.transport == "separate" else None,
         prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.n,
         rows_per_micro_batch=cfg.train.rows_per_micro_batch, max_prompt_tokens=cfg.data.max_prompt_tokens,
-        max_completion_tokens=cfg.rollout.max_tokens)
+        max_completion_tokens=cfg.rollout.max_tokens, cp=cfg.parallel.cp,
+        cp_comm_type=cfg.model.megatron.get("cp_comm_type"))
     util, kv = vllm.get("gpu_memory_utilization"), vllm.get("kv_cache_memory_bytes")
     spec = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
     sizes = MemorySizes(

@@ -56,8 +56,10 @@ from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, architecture_o
                                             rope_settings, tied_embeddings)
 from megatron_gtpo.models.shape import shape_from_hf_config
 from megatron_gtpo.parallel import strict
+from megatron_gtpo.parallel.cp_attention import cp_layer_spec
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.parallel.layout import model_split_problems
+from megatron_gtpo.parallel.cp_index import cp_multiple
+from megatron_gtpo.parallel.layout import context_parallel_problems, model_split_problems
 from megatron_gtpo.utils.configuration import ConfigError
 
 def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
@@ -86,10 +88,13 @@ def _check_supported(hf_config: dict, family: str) -> None:
                           "Megatron's local attention has no per-layer sliding window")
 
 
-def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None) -> None:
+def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None, cp: int = 1, cp_comm_type=None) -> None:
     """Raises ConfigError with every reason ``hf_config`` cannot be split into this layout
     (``parallel.layout.model_split_problems``: the rules the dry-run reports too)."""
-    problems = model_split_problems(shape_from_hf_config(hf_config, name="model"), tp=tp, pp=pp, vpp=vpp)
+    shape = shape_from_hf_config(hf_config, name="model")
+    problems = model_split_problems(shape, tp=tp, pp=pp, vpp=vpp)
+    problems += context_parallel_problems(shape, tp=tp, cp=cp, comm_type=cp_comm_type,
+                                          cp_attention=te_available() or not torch.cuda.is_available())
     if problems:
         raise ConfigError("config.json: " + "; ".join(problems))
 
@@ -128,21 +133,22 @@ def init_settings(*, on_gpu: bool, weights_loaded: bool) -> dict:
     return {"use_cpu_initialization": not on_gpu, "perform_initialization": not (on_gpu and weights_loaded)}
 
 
-def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | None,
-                               dtype: torch.dtype, overrides: dict | None = None, weights_loaded: bool = False):
+def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | None, dtype: torch.dtype,
+                               overrides: dict | None = None, weights_loaded: bool = False, cp: int = 1):
     """``TransformerConfig`` for an HF Llama/Qwen2/Qwen3/Mistral config at layout (tp, pp, vpp).
 
-    ``overrides`` are native TransformerConfig fields applied last (e.g. recompute, fp8); an
-    unknown key or a value TransformerConfig rejects raises ConfigError. ``weights_loaded``: real
-    weights are loaded after the build (see ``init_settings``).
+    ``overrides`` are native TransformerConfig fields applied last (e.g. recompute, fp8,
+    ``cp_comm_type``); an unknown key or a value TransformerConfig rejects raises ConfigError.
+    ``weights_loaded``: real weights are loaded after the build (see ``init_settings``). ``cp``:
+    context-parallel size (``context_parallel_size``).
     """
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
     family = architecture_of(hf_config)
     _check_supported(hf_config, family)
-    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp)
     overrides = validate_overrides(overrides)
+    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp, cp=cp, cp_comm_type=overrides.get("cp_comm_type"))
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
         num_layers=int(hf_config["num_hidden_layers"]), hidden_size=int(hf_config["hidden_size"]),
@@ -154,7 +160,7 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         add_qkv_bias=(family == "qwen2"), qk_layernorm=(family == "qwen3"),
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
+        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
         params_dtype=dtype, pipeline_dtype=dtype,
         bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16), sequence_parallel=False,
         **init_settings(on_gpu=on_gpu, weights_loaded=weights_loaded),
@@ -220,10 +226,14 @@ def low_precision_recipe(settings) -> str | None:
 
 
 def sequence_multiple(config) -> int:
-    """The multiple every micro-batch's sequence length must be padded to for this TransformerConfig
-    (``padding_multiple`` of its FP8/FP4 recipe, TP size and sequence parallelism)."""
-    return padding_multiple(recipe=low_precision_recipe(config), tp=int(config.tensor_model_parallel_size),
-                            sequence_parallel=bool(getattr(config, "sequence_parallel", False)))
+    """The multiple every micro-batch's sequence length must be padded to for this TransformerConfig:
+    ``padding_multiple`` of its FP8/FP4 recipe, TP size and sequence parallelism. With context
+    parallelism that rule holds for each rank's 1/cp share, and the sequence itself splits into
+    2 x cp chunks (parallel/cp_index.py)."""
+    per_rank = padding_multiple(recipe=low_precision_recipe(config), tp=int(config.tensor_model_parallel_size),
+                                sequence_parallel=bool(getattr(config, "sequence_parallel", False)))
+    cp = int(getattr(config, "context_parallel_size", 1) or 1)
+    return math.lcm(per_rank * cp, cp_multiple(cp)) if cp > 1 else per_rank
 
 
 def te_available() -> bool:
@@ -235,14 +245,20 @@ def te_available() -> bool:
     return bool(gpt_layer_specs.HAVE_TE)
 
 
-def layer_spec(*, qk_layernorm: bool, use_te: bool):
-    """Megatron layer spec: the TE spec on CUDA with TE, otherwise the pure-PyTorch local spec."""
+def layer_spec(*, qk_layernorm: bool, use_te: bool, cp: int = 1):
+    """Megatron layer spec: the TE spec on CUDA with TE, otherwise the pure-PyTorch local spec
+    (with cp > 1 on CPU: its attention swapped for the exact CP stand-in, parallel/cp_attention.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    try:
+        return cp_layer_spec(spec, cp=cp, on_gpu=torch.cuda.is_available())
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _resolve_use_te(use_te: bool | None) -> bool:
@@ -271,9 +287,9 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
-    config = transformer_config_from_hf(hf_config, tp=dims.tp, pp=dims.pp, vpp=dims.vpp,
-                                        dtype=dtype, overrides=overrides, weights_loaded=weights_loaded)
-    spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=_resolve_use_te(use_te))
+    config = transformer_config_from_hf(hf_config, tp=dims.tp, pp=dims.pp, vpp=dims.vpp, dtype=dtype,
+                                        overrides=overrides, weights_loaded=weights_loaded, cp=dims.cp)
+    spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=_resolve_use_te(use_te), cp=dims.cp)
     rope = rope_settings(hf_config)
     vocab = int(hf_config["vocab_size"])
     padded = padded_vocab_size(vocab, tp=dims.tp, divisible_by=vocab_divisible_by)

@@ -14,10 +14,10 @@ RECIPE_3B = str(REPO / "configs" / "gpu" / "gtpo_qwen2.5-3b_1x8.yaml")
 
 def test_world_must_equal_tp_x_pp_x_dp():
     par = ParallelConfig(tp=2, pp=2, dp=2)
-    assert par.sizes() == {"tp": 2, "pp": 2, "dp": 2} and par.world_size == 8
+    assert par.sizes() == {"tp": 2, "cp": 1, "pp": 2, "dp": 2} and par.world_size == 8
     assert par.world_size_problem(8, launcher="x") is None
     assert par.world_size_problem(16, launcher="sbatch") == (
-        "sbatch starts 16 rank(s), but parallel.tp=2 x parallel.pp=2 x parallel.dp=2 = 8: "
+        "sbatch starts 16 rank(s), but parallel.tp=2 x parallel.cp=1 x parallel.pp=2 x parallel.dp=2 = 8: "
         "set parallel.dp=4, or launch 8 rank(s)")
     assert "launch 8 rank(s) (a multiple of 4 for this model split)" in par.world_size_problem(6, launcher="x")
 
@@ -31,8 +31,8 @@ def test_prepare_step_refuses_the_wrong_world_before_anything_loads(monkeypatch,
     monkeypatch.setattr(preflight, "preflight", lambda cfg: pytest.fail("preflight ran before the world check"))
     code = train.main([RECIPE_3B, "--world-size", "16", "--output-dir", str(tmp_path / "run"), "--prepare-only"])
     err = capsys.readouterr().err
-    assert code == 2 and "the launcher (--world-size 16) starts 16 rank(s), but parallel.tp=1 x parallel.pp=1 x " \
-                          "parallel.dp=8 = 8: set parallel.dp=16, or launch 8 rank(s)" in err, err
+    assert code == 2 and "the launcher (--world-size 16) starts 16 rank(s), but parallel.tp=1 x parallel.cp=1 x " \
+                          "parallel.pp=1 x parallel.dp=8 = 8: set parallel.dp=16, or launch 8 rank(s)" in err, err
     assert not (tmp_path / "run").exists()
 
 
