@@ -26,11 +26,9 @@ from __future__ import annotations
 import torch
 
 from megatron_gtpo.algo.checks import as_mask
+from megatron_gtpo.algo.choices import AGG_MODES
 
 Tensor = torch.Tensor
-
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
 
 def aggregate(per_token_loss: Tensor, mask: Tensor, *, mode: str, num_tokens: float | Tensor | None = None,
               num_seqs: float | Tensor | None = None, constant: float | None = None) -> Tensor:
@@ -98,3 +96,13 @@ def _normaliser(value, local):
     if isinstance(value, Tensor):
         return value.clamp(min=1)
     return max(float(value), 1.0)
+
+
+def masked_extremum(values: Tensor, mask: Tensor, *, largest: bool) -> Tensor:
+    """0-d max (``largest``) or min of ``values`` over ``mask``, 1 when the mask is empty, computed
+    without reading a device value back (no host sync: the emptiness test stays on the device)."""
+    one = torch.ones((), dtype=values.dtype, device=values.device)
+    if not mask.numel():
+        return one
+    masked = torch.where(mask, values, float("-inf") if largest else float("inf"))
+    return torch.where(mask.any(), masked.max() if largest else masked.min(), one)

@@ -46,7 +46,7 @@ def recipe_request(cfg: Any, *, shape: ModelShape, nodes: int, gpus_per_node: in
         micro_batch_size=cfg.train.micro_batch_size, max_prompt_tokens=cfg.data.max_prompt_tokens,
         max_completion_tokens=cfg.rollout.max_tokens)
     util, kv = vllm.get("gpu_memory_utilization"), vllm.get("kv_cache_memory_bytes")
-    spec = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
+    spec = cfg.algorithm
     sizes = MemorySizes(
         param_bytes=param_bytes, grad_bytes=4 if ddp.get("grad_reduce_in_fp32", False) else param_bytes,
         optimizer=str(optimizer.get("optimizer", "adam")),
