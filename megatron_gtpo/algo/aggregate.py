@@ -60,12 +60,14 @@ def aggregation_weights(mask: Tensor, *, mode: str, num_tokens: float | Tensor |
     * token-mean: ``1 / num_tokens``; seq-mean-token-mean: ``1 / (|o_i| num_seqs)``;
     * seq-mean-token-sum: ``1 / num_seqs``; seq-mean-token-sum-norm: ``1 / (num_seqs L)``.
 
-    Used by the diagnostics (``algo/diagnostics.py``): the algorithm's own token weights omega.
+    Used by the diagnostics (``algo/diagnostics.py``): the algorithm's own token weights omega. A bool
+    ``mask`` is the caller's contract, as in ``aggregate`` (a 0/1 mask is checked and converted).
     """
-    mask = as_mask(mask)
+    if mask.dtype != torch.bool:
+        mask = as_mask(mask)
     row_div, denom = _divisors(mask, mode=mode, num_tokens=num_tokens, num_seqs=num_seqs, constant=constant)
-    row = torch.ones(mask.shape[0], dtype=dtype, device=mask.device) / torch.as_tensor(denom, dtype=dtype,
-                                                                                        device=mask.device)
+    # a Python denominator divides as a scalar: no host data copied to the device
+    row = torch.ones(mask.shape[0], dtype=dtype, device=mask.device) / denom
     if row_div is not None:
         row = row / row_div.to(dtype)
     return torch.where(mask, row[:, None], torch.zeros((), dtype=dtype, device=mask.device))

@@ -1,5 +1,5 @@
 """Issue 16: the one-pass train step (GTPO's <H>_i and, at mu > 1, pi_old from the first update's
-own forward) equals the former pre-pass step (``StepSettings(pre_pass=True)``) to 1e-6 in loss,
+own forward) equals the former pre-pass step (``tests/prepass.py``) to 1e-6 in loss,
 metrics, gradients and updated weights, in TP=2, PP=2 and DP=2 layouts on 2 gloo ranks
 (tests/dist/scripts/onepass_step.py)."""
 
