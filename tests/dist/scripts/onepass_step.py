@@ -146,7 +146,27 @@ def layout_phase(batch, full, threshold: dict[float, float], layout: tuple[int, 
              loss=m_one["loss"], filtered=m_one["gtpo/filtered_frac"], entropy=m_one["entropy/mean"],
              ratio_max=m_one["train/ratio_max"], clip=m_one["clip/low_frac"] + m_one["clip/high_frac"],
              nonfinite=[k for k, v in m_one.items() if not math.isfinite(v)])
+    nonfinite_phase(ddp, batch, full, cases(threshold)[1], dims, name)  # GTPO at mu = 2, no KL term
     ps.destroy_model_parallel()
+
+
+def nonfinite_phase(ddp, batch, full, case, dims, name) -> None:
+    """NaN output-layer weights (NaN logits, <H>_i and loss on the last stage): every rank raises
+    before the optimizer step, so no parameter changes (issue 20's one finiteness flag per update)."""
+    nan_full = {k: torch.full_like(v, float("nan")) if "output_layer" in k else v for k, v in full.items()}
+    C.load_full(ddp, nan_full, tied=False, tp=dims.tp, tp_rank=dims.tp_rank)
+    before = {g: p.detach().clone() for g, _, p in C.named_local_params(ddp, tied=False)}
+    optimizer, scheduler = build_optimizer(ddp, OptimConfig(optimizer=case["opt"]), total_steps=4)
+    settings = S.StepSettings(spec=case["cfg"].resolve(max_completion_tokens=16), micro_batch_size=MBS,
+                              temperature=TEMPERATURE)
+    error = ""
+    try:
+        S.train_step(SimpleNamespace(chunks=ddp, optimizer=optimizer, scheduler=scheduler), batch, settings, dims)
+    except FloatingPointError as err:
+        error = str(err)
+    after = {g: p.detach() for g, _, p in C.named_local_params(ddp, tied=False)}
+    unchanged = all(torch.equal(before[g], after[g]) or bool(before[g].isnan().all()) for g in before)
+    emit(check="nonfinite", layout=name, error=error[:300], unchanged=unchanged)
 
 
 def main() -> None:
