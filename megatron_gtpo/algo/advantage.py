@@ -1,4 +1,4 @@
-"""Group-relative advantages and GTPO's sequence-level shaping (spec algorithms.md sections 2-5).
+"""Group-relative advantages and GTPO's sequence-level shaping (docs/algorithms.md sections 2-5).
 
 Dataflow for one global batch (many prompts, ``group_ids`` says which completions share a prompt)::
 

@@ -1,4 +1,4 @@
-"""GTPO conflict tokens and their weights lambda (spec algorithms.md sections 5.3-5.4, 5.8).
+"""GTPO conflict tokens and their weights lambda (docs/algorithms.md sections 5.3-5.4, 5.8).
 
 Definition (from the official code, semantics confirmed by the spec's port):
 

@@ -1,4 +1,4 @@
-"""Hidden-objective-bias diagnostics D2-D4 of spec algorithms.md section 6 (S4, arXiv 2601.05002),
+"""Hidden-objective-bias diagnostics D2-D4 of docs/algorithms.md section 6 (S4, arXiv 2601.05002),
 and the algorithm's own token weights omega that D1 (``algo/prefix.py``) and D2 share.
 
 Everything is a pure tensor function of what one training step already holds::
