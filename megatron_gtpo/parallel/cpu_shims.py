@@ -2,8 +2,8 @@
 
 Every shim here replaces one CUDA assumption inside megatron-core. They are installed once per
 process by :func:`install`, and only when ``torch.cuda.is_available()`` is False: on a GPU machine
-this module does nothing and Megatron runs untouched. Measured facts behind each shim are in
-``../shared/spec/megatron_cpu.md``; with all of them in place TP/PP/VPP, DDP, the distributed
+this module does nothing and Megatron runs untouched. Each shim's docstring names the CUDA
+assumption it replaces; with all of them in place TP/PP/VPP, DDP, the distributed
 optimizer and dist-checkpointing give the same fp32 numbers as a single-process reference.
 """
 

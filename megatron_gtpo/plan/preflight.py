@@ -155,7 +155,7 @@ def check_prompts(data_cfg, *, tokenizer_dir):
 
 def _summary(cfg, *, model_dir, hf_config: dict, context: int, stats) -> str:
     par = cfg.parallel
-    algo = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
+    algo = cfg.algorithm
     rows = cfg.train.prompts_per_step * cfg.rollout.n
     per_rank = rows // par.dp
     return "\n".join([
@@ -164,7 +164,7 @@ def _summary(cfg, *, model_dir, hf_config: dict, context: int, stats) -> str:
         f"vocab {hf_config['vocab_size']}), dtype {cfg.model.dtype}",
         f"layout     tp={par.tp} cp={par.cp} pp={par.pp} vpp={par.vpp} dp={par.dp} -> {par.world_size} rank(s), "
         f"{'CUDA' if torch.cuda.is_available() else 'CPU/gloo'}" + _cp_note(par.cp),
-        f"algorithm  {algo.name}: agg={algo.agg_mode} std_scale={algo.std_scale} kl_beta={algo.kl_beta} mu={algo.mu}"
+        f"algorithm  {algo.name}: agg={algo.agg_mode} adv_std_scale={algo.adv_std_scale} kl_beta={algo.kl_beta} mu={algo.mu}"
         + (f" W={algo.conflict_weight} overlap={algo.conflict_overlap} H*={algo.entropy_threshold} "
            f"gamma={algo.entropy_gamma} norm={algo.gtpo_normalization}" if algo.conflict_aware else ""),
         f"batch      {cfg.train.prompts_per_step} prompts x {cfg.rollout.n} completions = {rows} rows; "

@@ -48,7 +48,7 @@ def recipe_request(cfg: Any, *, shape: ModelShape, nodes: int, gpus_per_node: in
         max_completion_tokens=cfg.rollout.max_tokens, cp=cfg.parallel.cp,
         cp_comm_type=cfg.model.megatron.get("cp_comm_type"))
     util, kv = vllm.get("gpu_memory_utilization"), vllm.get("kv_cache_memory_bytes")
-    spec = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
+    spec = cfg.algorithm
     sizes = MemorySizes(
         param_bytes=param_bytes, grad_bytes=4 if ddp.get("grad_reduce_in_fp32", False) else param_bytes,
         optimizer=str(optimizer.get("optimizer", "adam")),

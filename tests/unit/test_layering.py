@@ -4,7 +4,9 @@
 * only parallel/, train/, sync/ and convert/ touch Megatron's parallel state;
 * no import circles between the package's modules (function-level imports included);
 * own-module imports sit at the top of files, except the few listed below with the reason;
-* no function takes more than 8 parameters; files stay under 500 lines, functions under 60.
+* no function takes more than 8 parameters; files stay under 500 lines, functions under 60;
+* no ``pre_pass`` under megatron_gtpo/ (the pre-pass step is a test reference, tests/prepass.py);
+* the algorithm is resolved once, by ``RunConfig.algorithm`` (config.py), and nowhere else.
 """
 
 from __future__ import annotations
@@ -140,3 +142,19 @@ def test_files_and_functions_stay_small(limit):
     long_functions = [(rel(f), node.name, node.end_lineno - node.lineno + 1) for f, node in _functions()
                       if node.end_lineno - node.lineno + 1 > 60]
     assert long_files == [] and long_functions == []
+
+
+def test_no_pre_pass_in_the_package():
+    hits = [(rel(f), n) for f in FILES for n, line in enumerate(f.read_text().splitlines(), 1)
+            if "pre_pass" in line or "prepass" in line]
+    assert hits == [], "the pre-pass step lives in tests/prepass.py only"
+
+
+def test_the_algorithm_is_resolved_once_on_the_run_config():
+    calls = []
+    for f in FILES:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "resolve" \
+                    and any(k.arg == "max_completion_tokens" for k in node.keywords):
+                calls.append(rel(f))
+    assert calls == ["megatron_gtpo/config.py"], calls
