@@ -79,6 +79,26 @@ def test_lora_adapter_counts_equal_the_built_model(share_a):
         L.apply_lora(chunks, cfg, seed=0)  # a second adapter on the same layer
 
 
+def test_lora_dropout_acts_in_training_only():
+    from megatron_gtpo.parallel.dims import init_distributed
+    from megatron_gtpo.train.model import build_model, causal_mask
+
+    chunks = build_model(tiny_hf_config("qwen2"), dims=init_distributed(tp=1, seed=0))
+    L.apply_lora(chunks, LoraConfig(rank=4, dropout=0.5), seed=0)
+    for _, adapter, _ in L.adapters(chunks):
+        torch.nn.init.normal_(adapter.b, std=0.1)
+    model, ids = chunks[0], torch.randint(0, 200, (2, 8))
+
+    def run(train: bool):
+        model.train(train)
+        with torch.no_grad():
+            return model(ids, torch.arange(8).expand(2, 8), causal_mask(8))
+
+    assert torch.equal(run(False), run(False)) and not torch.equal(run(True), run(True))
+    with L.lora_disabled(chunks):
+        assert torch.equal(run(True), run(False))  # only the adapters' inputs are dropped
+
+
 def test_lora_hook_unpacks_every_linear_return_shape():
     """Local and TE linears return (out, bias); TE's LayerNormLinear with return_layernorm_output
     ((out, ln_out), None) or (out, bias, ln_out): the adapter must see ln_out there, x otherwise."""
