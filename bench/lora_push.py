@@ -31,8 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -188,12 +190,13 @@ def measure(args, hf_dir: str, hf_config: dict, adapters: dict, cfg) -> dict:
     prompts = prompts_of(engines[0], args.prompts)
     calls = {**push["calls"], **generations(args, engines, prompts, push["request"])}
     push["calls"]["adapter_push"]()
-    for fn in list(calls.values())[-3:]:
+    for fn in generations(SimpleNamespace(n=1, max_tokens=2), engines, prompts[:1], push["request"]).values():
         fn()  # warm-up
     rounds = {name: [] for name in calls}
-    for _ in range(args.repeats):
+    for index in range(args.repeats):
         for name, fn in calls.items():
             rounds[name].append(timed(fn))
+            print(f"[round {index + 1}/{args.repeats}] {name}: {rounds[name][-1][0]:.3f} s", file=sys.stderr, flush=True)
     agreement = greedy(engines[0]._llm, prompts, args), greedy(engines[1]._llm, prompts, args, push["request"]), \
         greedy(engines[1]._llm, prompts, args)
     for engine in engines:
