@@ -39,7 +39,7 @@ def tiny_hf_config(family: str) -> dict:
     elif family == "mistral":
         cfg = transformers.MistralConfig(**_BASE, head_dim=16, tie_word_embeddings=False, rope_parameters=dict(_ROPE))
     elif family == "phi3":
-        cfg = transformers.Phi3Config(**_BASE, tie_word_embeddings=False, pad_token_id=0,
+        cfg = transformers.Phi3Config(**_BASE, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                                       rope_parameters={**_ROPE, "partial_rotary_factor": 0.5})
     else:
         raise ValueError(family)

@@ -271,23 +271,3 @@ def _pp_broadcast(tensor: torch.Tensor | None, meta: TensorMeta, *, owner: int, 
     tensor = _empty(meta) if tensor is None else tensor.contiguous()
     dist.broadcast(tensor, src=dist.get_process_group_ranks(pp_group)[owner], group=pp_group)
     return tensor
-
-
-def export_hf_weights(model_chunks: list[torch.nn.Module], *, hf_config: dict, dims: ParallelDims,
-                      bucket_bytes: int = 256 << 20,
-                      dst_ranks: Literal["all", "first"] = "all") -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The whole model as buckets of ``(hf_name, full_tensor)`` (about ``bucket_bytes`` each, a
-    larger tensor alone), in HF order: on every rank (``all``) or on global rank 0 (``first``);
-    other ranks take part in the collectives and yield nothing. No ``lm_head`` when tied."""
-    if dst_ranks not in ("all", "first"):
-        raise ValueError(f"dst_ranks={dst_ranks!r}: expected 'all' or 'first'")
-    bucket, size = [], 0
-    for name, tensor in Exporter(model_chunks, hf_config=hf_config, dims=dims).tensors(
-            "full" if dst_ranks == "all" else "first"):
-        bucket.append((name, tensor))
-        size += tensor.nbytes
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket

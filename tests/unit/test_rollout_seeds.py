@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_gtpo.rollout.config import RolloutConfig
+from megatron_gtpo.rollout.config import RolloutConfig, Sampling
 from megatron_gtpo.rollout.engine import RolloutEngine
 from megatron_gtpo.types import Prompt
 
@@ -34,7 +34,7 @@ def _engine(monkeypatch, **kwargs) -> tuple[RolloutEngine, _FakeLLM]:
 def test_engine_seeds_requests_only_when_asked(monkeypatch, request_seeds, expect_seeded):
     engine, fake = _engine(monkeypatch, request_seeds=request_seeds)
     prompts = [Prompt(uid=f"p{i}", token_ids=[1, 2, 3]) for i in range(3)]
-    engine.sample(prompts, seeds=[10, 20, 30], n=2, temperature=1.0, top_p=1.0, max_tokens=4)
+    engine.sample(prompts, seeds=[10, 20, 30], sampling=Sampling(n=2, temperature=1.0, top_p=1.0, max_tokens=4))
     seeds = [p.seed for p in fake.params]
     assert seeds == ([10, 20, 30] if expect_seeded else [None, None, None])
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_gtpo.rollout import RolloutConfig, prompt_seeds
+from megatron_gtpo.rollout.config import EnginePlacement, Sampling
 from megatron_gtpo.rollout.engine import engine_kwargs
 from megatron_gtpo.sync import SyncConfig, WeightPushError, WeightSpec, check_plan
 from megatron_gtpo.sync.base import agree
@@ -43,7 +44,7 @@ def test_mismatch_pairs_masked_mean_max_and_k3():
 
 def test_rollout_config_validation():
     cfg = build(RolloutConfig, {"n": 4, "temperature": 0.7, "stop": ["</answer>"], "vllm": {"dtype": "bfloat16"}})
-    assert cfg.sampling() == {"n": 4, "temperature": 0.7, "top_p": 1.0, "max_tokens": 1024, "stop": ["</answer>"]}
+    assert cfg.sampling() == Sampling(n=4, temperature=0.7, top_p=1.0, max_tokens=1024, stop=("</answer>",))
     for bad, field in [({"n": 0}, "n"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
                        ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop"),
                        ({"vllm": {"model": "x"}}, "vllm.model")]:
