@@ -62,6 +62,11 @@ def test_sync_config_validation():
     for bad in ({"bucket_mb": 0}, {"servers": ["nohost"]}, {"local_servers": 0}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             build(SyncConfig, bad)
+    # the transport and the servers' addresses place the engines (rollout.placement.build_engines)
+    cfg = SyncConfig(transport="separate", servers=["a:1", "b:2"], server_port=30000, local_servers=3, timeout_s=5.0)
+    assert cfg.placement() == EnginePlacement(kind="separate", servers=("a:1", "b:2"), server_port=30000,
+                                              local_servers=3, timeout_s=5.0)
+    assert SyncConfig().placement() == EnginePlacement()
 
 
 def test_engine_kwargs_pass_through_and_required_values():
