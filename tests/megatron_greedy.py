@@ -24,7 +24,7 @@ def greedy_generate(model_chunks, prompt_ids: list[list[int]], max_new_tokens: i
     for prompt in prompt_ids:
         tokens, new = list(prompt), []
         for _ in range(max_new_tokens):
-            device = collectives.comm_device()
+            device = comm_device()
             ids = torch.tensor([tokens], dtype=torch.long, device=device)
             one = torch.ones(1, dtype=torch.long, device=device)
             mb = MicroBatch(rows=torch.zeros(1, dtype=torch.long), input_ids=ids,
