@@ -383,6 +383,7 @@ class Smoke:
         """Exported weights into an in-process vLLM engine through the driver's weight-sync call
         (``WeightSync.sync``: export + checks + push), then greedy tokens against Megatron's."""
         from megatron_gtpo.rollout import RolloutEngine
+        from megatron_gtpo.rollout.config import Sampling
         from megatron_gtpo.sync import ColocatedSync, ExportPlan
         from megatron_gtpo.types import Prompt
 
@@ -393,7 +394,7 @@ class Smoke:
             itemsize = torch.empty((), dtype=engine.dtype).element_size()
             prompts = [Prompt(uid=f"p{i}", token_ids=self.batch.prompt_ids[i * self.cfg.group, :8].tolist())
                        for i in range(2)]
-            got = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=16)
+            got = engine.generate(prompts, Sampling(n=1, temperature=0.0, max_tokens=16))
         finally:
             engine.close()
         push_bytes, want_bytes = round(push["sync/gigabytes"] * 1e9), itemsize * param_count(self.hf)

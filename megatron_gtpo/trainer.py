@@ -26,9 +26,11 @@ from megatron_gtpo.parallel.control import barrier
 from megatron_gtpo.plan.recipe import plan_engine_memory
 from megatron_gtpo.reward.functions import OverlongPunishment
 from megatron_gtpo.reward.score import RewardScorer
-from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, RolloutCollector, Sampling, rollout_metrics
+from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, RolloutCollector, rollout_metrics
 from megatron_gtpo.rollout.memory import Choreography, TrainerOffload
-from megatron_gtpo.sync import ExportPlan, WeightSync, build_rollout
+from megatron_gtpo.rollout.placement import build_engines
+from megatron_gtpo.sync import ExportPlan, WeightSync
+from megatron_gtpo.sync.build import build_weight_sync
 from megatron_gtpo.tracking import Reporter, step_metrics
 from megatron_gtpo.train.batching import collate
 from megatron_gtpo.train.learner import Learner
@@ -163,9 +165,9 @@ def build(cfg, *, resume: bool | str) -> Parts:
     if not policy.has_hf_weights:  # Megatron checkpoint: the engine starts empty, the first push fills it
         rollout_cfg = dataclasses.replace(rollout_cfg, vllm={"load_format": "dummy", **rollout_cfg.vllm})
     log.info("starting %s rollout engine(s)", cfg.sync.transport)
+    engines = build_engines(rollout_cfg, cfg.sync.placement(), model_dir=str(policy.model_dir), budget=budget)
     export = ExportPlan(hf_config=policy.hf_config, dims=dims, bucket_bytes=cfg.sync.bucket_size)
-    engines, weight_sync = build_rollout(rollout_cfg, cfg.sync, model_dir=str(policy.model_dir), export=export,
-                                         budget=budget)
+    weight_sync = build_weight_sync(cfg.sync, export, engines.engine)
     if offload is not None:
         offload.reload()  # a checkpoint restore writes into the optimizer state
     dataset = build_dataset(cfg.data, tokenizer=engines.tokenizer, progress=dims.rank == 0)
@@ -176,7 +178,7 @@ def build(cfg, *, resume: bool | str) -> Parts:
     start_checkpoint_helpers()
     rows_unit = dims.dp * cfg.train.rows_per_micro_batch
     collector = RolloutCollector(
-        engines, dataset, scorer, sampling=Sampling(**cfg.rollout.sampling()), seed=cfg.rollout.seed,
+        engines, dataset, scorer, sampling=cfg.rollout.sampling(), seed=cfg.rollout.seed,
         dynamic=dynamic_sampling(spec), group_multiple=rows_unit // math.gcd(cfg.rollout.n, rows_unit),
         off_policy=OffPolicy(staleness=cfg.rollout.staleness, last_step=cfg.train.steps))
     checkpointer = Checkpointer(Path(cfg.output_dir) / "checkpoints", policy=policy, dataset=collector.cursor,

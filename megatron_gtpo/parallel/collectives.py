@@ -53,16 +53,3 @@ def broadcast_from_last_stage(obj, *, pp_group, last_stage_rank: int):
     """Returns the last pipeline stage's ``obj`` (any picklable value, e.g. a metrics dict) on every
     stage of ``pp_group`` (over its gloo twin); ``last_stage_rank`` is that stage's global rank."""
     return control.broadcast_object(obj, src=last_stage_rank, over=pp_group)
-
-
-def broadcast_tensor_from_last_stage(tensor: Tensor | None, *, shape, dtype, pp_group,
-                                     last_stage_rank: int) -> Tensor:
-    """Tensor version of :func:`broadcast_from_last_stage`: stages other than the last pass None
-    and receive a ``shape``/``dtype`` tensor."""
-    if _size(pp_group) == 1:
-        return tensor
-    if dist.get_rank() != last_stage_rank:
-        tensor = torch.empty(shape, dtype=dtype, device=comm_device())
-    tensor = tensor.to(comm_device()).contiguous()
-    dist.broadcast(tensor, src=last_stage_rank, group=pp_group)
-    return tensor

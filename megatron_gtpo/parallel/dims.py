@@ -105,10 +105,6 @@ class ParallelDims:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
 
 def init_distributed(*, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, seed: int = 1234,
                      timeout_s: float = ParallelConfig.timeout_s) -> ParallelDims:
@@ -178,18 +174,6 @@ def current_dims(vpp: int | None = None) -> ParallelDims:
         cp=ps.get_context_parallel_world_size(),
         cp_rank=ps.get_context_parallel_rank(),
     )
-
-
-def destroy() -> None:
-    """Tears down Megatron's groups, the control plane and the default group (tests that
-    re-initialise call this)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    control.reset()
 
 
 def _free_port() -> int:

@@ -1,8 +1,9 @@
 """Builds Megatron-Core ``GPTModel`` chunks from a Hugging Face ``config.json``.
 
-Supported families (``architectures`` in config.json): Llama 2/3 (incl. SmolLM2, tied
-embeddings), Qwen2/2.5 (bias on q/k/v), Qwen3 (RMSNorm on q and k per head), Mistral. All are
-pre-norm decoders with RMSNorm, SwiGLU, RoPE (rotate-half, non-interleaved) and GQA.
+Supported families (records in ``models/families.py``): Llama 2/3 (incl. SmolLM2, tied
+embeddings), Qwen2/2.5 (bias on q/k/v), Qwen3 (RMSNorm on q and k per head), Mistral, Phi-3 (q/k/v
+and gate/up fused in the HF checkpoint). All are pre-norm decoders with RMSNorm, SwiGLU, RoPE
+(rotate-half, non-interleaved; ``partial_rotary_factor`` rotates the first part of each head) and GQA.
 
 HF -> Megatron names (``i`` = global layer, ``j`` = layer index inside this (virtual) stage,
 ``i = offset(stage) + j``; TE spec names in brackets, same dist-checkpoint keys either way):
@@ -14,14 +15,14 @@ model.embed_tokens.weight                      embedding.word_embeddings.weight 
 model.layers.i.input_layernorm.weight          decoder.layers.j.input_layernorm.weight
                                                [decoder.layers.j.self_attention.linear_qkv.layer_norm_weight]
 model.layers.i.self_attn.{q,k,v}_proj.weight   decoder.layers.j.self_attention.linear_qkv.weight
-  (and .bias for Qwen2)                          rows grouped per KV group g: [q heads of g | k_g | v_g],
-                                                 each head ``head_dim`` rows; TP splits whole groups (dim 0)
+  (and .bias for Qwen2; Phi-3: one qkv_proj     rows grouped per KV group g: [q heads of g | k_g | v_g],
+  = [all q; all k; all v])                       each head ``head_dim`` rows; TP splits whole groups (dim 0)
 model.layers.i.self_attn.o_proj.weight         decoder.layers.j.self_attention.linear_proj.weight (dim 1 split)
 model.layers.i.self_attn.{q,k}_norm.weight     decoder.layers.j.self_attention.{q,k}_layernorm.weight (Qwen3)
 model.layers.i.post_attention_layernorm.weight decoder.layers.j.pre_mlp_layernorm.weight
                                                [decoder.layers.j.mlp.linear_fc1.layer_norm_weight]
 model.layers.i.mlp.{gate,up}_proj.weight       decoder.layers.j.mlp.linear_fc1.weight: each TP rank holds
-                                                 [its gate rows ; its up rows] (dim 0 split of each half)
+  (Phi-3: one gate_up_proj = [gate; up])         [its gate rows ; its up rows] (dim 0 split of each half)
 model.layers.i.mlp.down_proj.weight            decoder.layers.j.mlp.linear_fc2.weight (dim 1 split)
 model.norm.weight                              decoder.final_layernorm.weight
 lm_head.weight                                 output_layer.weight (vocab split, dim 0); absent when tied:
@@ -39,8 +40,9 @@ have ``padded_vocab_size(vocab_size, tp, divisible_by)`` rows (a multiple of
 Rows ``>= vocab_size`` are padding: zero when loaded from HF, excluded from log-probs, entropy and
 greedy argmax (``true_vocab_size`` gives the trainer the real size), stripped on export/conversion.
 
-Not mapped: Mistral's ``sliding_window`` (sequences longer than the window attend further than in
-HF); Llama ``attention_bias``/``mlp_bias`` and RoPE types other than default/llama3 are rejected.
+Not mapped: Mistral's and Phi-3's ``sliding_window`` (sequences longer than the window attend
+further than in HF); ``attention_bias``/``mlp_bias`` where the family has no such bias and RoPE types
+other than default/llama3 (Phi-3's longrope) are rejected (``families.check_supported``).
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_gtpo.models.config import VOCAB_DIVISIBLE_BY
-from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, architecture_of, head_dim_of, num_kv_heads_of,
-                                            rope_settings, tied_embeddings)
+from megatron_gtpo.models.families import check_supported
+from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, head_dim_of, num_kv_heads_of, rope_settings,
+                                            tied_embeddings)
 from megatron_gtpo.models.shape import shape_from_hf_config
 from megatron_gtpo.parallel import strict
 from megatron_gtpo.parallel.cp_attention import cp_layer_spec
@@ -73,19 +76,6 @@ def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIV
                           f"(1 pads only up to a multiple of tp; Megatron's default is {VOCAB_DIVISIBLE_BY})")
     multiple = divisible_by * tp
     return -(-vocab_size // multiple) * multiple
-
-
-def _check_supported(hf_config: dict, family: str) -> None:
-    """Rejects HF options that the Megatron local/TE GPT layers cannot reproduce exactly."""
-    if hf_config.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"config.json field 'hidden_act'={hf_config['hidden_act']!r} is not supported; expected 'silu'")
-    if family in ("llama", "mistral", "qwen3"):
-        for key in ("attention_bias", "mlp_bias"):
-            if hf_config.get(key):
-                raise ConfigError(f"config.json field {key!r}=true is not supported for {family}")
-    if hf_config.get("use_sliding_window"):
-        raise ConfigError("config.json field 'use_sliding_window'=true is not supported; "
-                          "Megatron's local attention has no per-layer sliding window")
 
 
 def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None, cp: int = 1, cp_comm_type=None) -> None:
@@ -135,7 +125,7 @@ def init_settings(*, on_gpu: bool, weights_loaded: bool) -> dict:
 
 def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | None, dtype: torch.dtype,
                                overrides: dict | None = None, weights_loaded: bool = False, cp: int = 1):
-    """``TransformerConfig`` for an HF Llama/Qwen2/Qwen3/Mistral config at layout (tp, pp, vpp).
+    """``TransformerConfig`` for an HF config of a supported family at layout (tp, pp, vpp, cp).
 
     ``overrides`` are native TransformerConfig fields applied last (e.g. recompute, fp8,
     ``cp_comm_type``); an unknown key or a value TransformerConfig rejects raises ConfigError.
@@ -145,8 +135,7 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
-    family = architecture_of(hf_config)
-    _check_supported(hf_config, family)
+    family = check_supported(hf_config)
     overrides = validate_overrides(overrides)
     check_layout(hf_config, tp=tp, pp=pp, vpp=vpp, cp=cp, cp_comm_type=overrides.get("cp_comm_type"))
     on_gpu = torch.cuda.is_available()
@@ -157,7 +146,7 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         ffn_hidden_size=int(hf_config["intermediate_size"]),
         layernorm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)), normalization="RMSNorm",
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=(family == "qwen2"), qk_layernorm=(family == "qwen3"),
+        add_qkv_bias=family.qkv_bias, qk_layernorm=family.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
@@ -302,7 +291,7 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=tied_embeddings(hf_config),
-            position_embedding_type="rope", rotary_base=rope["theta"],
+            position_embedding_type="rope", rotary_base=rope["theta"], rotary_percent=rope["partial"],
             rope_scaling=rope["type"] == "llama3", rope_scaling_factor=rope.get("factor", 8.0),
             vp_stage=stage,
         )

@@ -1,4 +1,4 @@
-"""Run-time helpers of the driver: stage timers, preemption signals, logging set-up, this process's
+"""Run-time helpers of the driver: preemption signals, logging set-up, this process's
 host memory (resident set and its peak)."""
 
 from __future__ import annotations
@@ -8,28 +8,6 @@ import logging
 import re
 import signal
 import sys
-import time
-
-
-class StageTimer:
-    """Accumulates wall time per named stage; ``metrics()`` gives ``time/<stage>_s`` values."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, stage: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
-
-    def metrics(self) -> dict[str, float]:
-        return {f"time/{name}_s": value for name, value in self.seconds.items()}
-
-    def summary(self) -> str:
-        return " ".join(f"{name} {value:.1f}s" for name, value in self.seconds.items())
 
 
 class PreemptionFlag:

@@ -32,7 +32,7 @@ def test_parameter_counts_match_the_published_checkpoints():
     assert (QWEN.kv_heads, QWEN.head_dim, QWEN.qkv_bias, QWEN.tied_embeddings) == (8, 128, True, False)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3"])
 def test_parameter_count_equals_transformers_model(family):
     """The formula per family (biases, q/k norms, head_dim != hidden/heads, tied embeddings) against
     the real HF module of a tiny random model."""
@@ -46,7 +46,7 @@ def test_parameter_count_equals_transformers_model(family):
 
 
 def test_unsupported_configs_are_rejected_with_the_key():
-    with pytest.raises(ConfigError, match="model_type='gpt2' is not supported"):
+    with pytest.raises(ConfigError, match=r"model_type='gpt2' \(and no 'architectures'\) is not supported"):
         shape_from_hf_config({"model_type": "gpt2"}, name="x")
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         shape_from_hf_config({"model_type": "qwen2", "num_experts": 8}, name="x")

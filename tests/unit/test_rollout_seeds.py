@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_gtpo.rollout.config import RolloutConfig
+from megatron_gtpo.rollout.config import RolloutConfig, Sampling
 from megatron_gtpo.rollout.engine import RolloutEngine
 from megatron_gtpo.types import Prompt
 
@@ -35,7 +35,7 @@ def _engine(monkeypatch, **kwargs) -> tuple[RolloutEngine, _FakeLLM]:
 def test_engine_seeds_requests_only_when_asked(monkeypatch, request_seeds, expect_seeded):
     engine, fake = _engine(monkeypatch, request_seeds=request_seeds)
     prompts = [Prompt(uid=f"p{i}", token_ids=[1, 2, 3]) for i in range(3)]
-    engine.sample(prompts, seeds=[10, 20, 30], n=2, temperature=1.0, top_p=1.0, max_tokens=4)
+    engine.sample(prompts, seeds=[10, 20, 30], sampling=Sampling(n=2, temperature=1.0, top_p=1.0, max_tokens=4))
     seeds = [p.seed for p in fake.params]
     assert seeds == ([10, 20, 30] if expect_seeded else [None, None, None])
 
@@ -49,3 +49,27 @@ def test_seeded_by_default_on_cpu_and_gpu_and_explicit_values_win(monkeypatch, c
     assert RolloutConfig(request_seeds=None).seeded_requests() is True  # the old "auto" of resolved configs
     assert RolloutConfig(request_seeds=True).seeded_requests() is True
     assert RolloutConfig(request_seeds=False).seeded_requests() is False
+
+
+def test_engine_is_an_immediate_future_of_the_declared_protocol(monkeypatch):
+    """RolloutEngine implements rollout/protocol.py's Engine and LocalWeights: every declared member
+    exists with the declared keyword parameters, and ``submit`` has generated before it returns."""
+    import inspect
+
+    from megatron_gtpo.rollout.config import Sampling
+    from megatron_gtpo.rollout.protocol import Engine, LocalWeights
+
+    for protocol in (Engine, LocalWeights):
+        for name, member in vars(protocol).items():
+            if name.startswith("_") or not (callable(member) or isinstance(member, property)):
+                continue
+            mine = getattr(RolloutEngine, name)
+            assert isinstance(mine, property) == isinstance(member, property), name
+            if callable(member):
+                want = [p for p in inspect.signature(member).parameters if p != "self"]
+                assert [p for p in inspect.signature(mine).parameters if p != "self"] == want, name
+    engine, fake = _engine(monkeypatch)
+    prompts = [Prompt(uid="p", token_ids=[1, 2])]
+    ticket = engine.submit(prompts, seeds=[4], sampling=Sampling(n=3, temperature=1.0, max_tokens=2))
+    assert len(fake.params) == 1 and fake.params[0].n == 3  # generated inside submit
+    assert engine.wait(ticket) is ticket.completions and len(ticket.completions) == 3

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_gtpo.rollout import RolloutConfig, prompt_seeds
+from megatron_gtpo.rollout.config import EnginePlacement, Sampling
 from megatron_gtpo.rollout.engine import engine_kwargs
 from megatron_gtpo.sync import SyncConfig, WeightPushError, WeightSpec, check_plan
 from megatron_gtpo.sync.base import agree
@@ -26,7 +27,7 @@ TINY = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_si
 
 def test_rollout_config_validation():
     cfg = build(RolloutConfig, {"n": 4, "temperature": 0.7, "stop": ["</answer>"], "vllm": {"dtype": "bfloat16"}})
-    assert cfg.sampling() == {"n": 4, "temperature": 0.7, "top_p": 1.0, "max_tokens": 1024, "stop": ["</answer>"]}
+    assert cfg.sampling() == Sampling(n=4, temperature=0.7, top_p=1.0, max_tokens=1024, stop=("</answer>",))
     for bad, field in [({"n": 0}, "n"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
                        ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop"),
                        ({"vllm": {"model": "x"}}, "vllm.model")]:
@@ -44,6 +45,11 @@ def test_sync_config_validation():
     for bad in ({"bucket_mb": 0}, {"servers": ["nohost"]}, {"local_servers": 0}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             build(SyncConfig, bad)
+    # the transport and the servers' addresses place the engines (rollout.placement.build_engines)
+    cfg = SyncConfig(transport="separate", servers=["a:1", "b:2"], server_port=30000, local_servers=3, timeout_s=5.0)
+    assert cfg.placement() == EnginePlacement(kind="separate", servers=("a:1", "b:2"), server_port=30000,
+                                              local_servers=3, timeout_s=5.0)
+    assert SyncConfig().placement() == EnginePlacement()
 
 
 def test_engine_kwargs_pass_through_and_required_values():

@@ -38,8 +38,8 @@ from megatron_gtpo.algo import AlgoConfig
 from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.models.tiny import ensure_tiny
 from megatron_gtpo.parallel.dims import init_distributed
-from megatron_gtpo.rollout import RolloutConfig
-from megatron_gtpo.sync import ExportPlan, ListSource, SyncConfig, WeightPushError, build_rollout
+from megatron_gtpo.rollout.config import RolloutConfig, Sampling
+from megatron_gtpo.sync import ExportPlan, SyncConfig, WeightPushError
 from megatron_gtpo.sync.export import Exporter
 from megatron_gtpo.train.batching import collate
 from megatron_gtpo.train.model import build_model, unwrap
@@ -49,6 +49,7 @@ from megatron_gtpo.train.step import (StepSettings, forward_stats, logprob_setti
 from megatron_gtpo.types import Batch, ScoredGroup
 from tests.helpers import chat_prompt
 from tests.megatron_greedy import greedy_generate
+from tests.sync_helpers import ListSource, build_rollout
 
 QUESTIONS = ["What is 2 + 2?", "Name a color.", "Count to five.", "Say hello.", "Why is the sky blue?",
              "Write a haiku.", "What is 7 times 8?", "Spell 'cat'."]
@@ -135,7 +136,7 @@ class Run:
         return [c.token_ids for c in self.greedy_completions()]
 
     def greedy_completions(self):
-        return self.rollout.generate(self.prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=32)
+        return self.rollout.generate(self.prompts, Sampling(n=1, temperature=0.0, max_tokens=32))
 
 
 def setup(transport: str, dtype: torch.dtype, engine_tp: int) -> Run:
@@ -208,7 +209,7 @@ def rejected_pushes(run: Run, engine_greedy: list[list[int]]) -> None:
 
 def train_push_compare(run: Run) -> None:
     sampling = run.rollout_cfg.sampling()
-    samples_v1 = run.rollout.generate(run.prompts, **sampling, seed=11)
+    samples_v1 = run.rollout.generate(run.prompts, sampling, seed=11)
     algo = AlgoConfig(name="grpo", kl_beta=0.0)
     optimizer, scheduler = build_optimizer(run.chunks, OptimConfig(optimizer={"optimizer": "adam", "lr": 1e-3}),
                                            total_steps=1)
@@ -219,7 +220,7 @@ def train_push_compare(run: Run) -> None:
     emit("train_step", **{k: v for k, v in metrics.items() if k.startswith(("mismatch/", "optim/grad_norm", "loss"))})
 
     stats = run.syncer.push(run.source(), version=4)
-    samples_v2 = run.rollout.generate(run.prompts, **sampling, seed=11)
+    samples_v2 = run.rollout.generate(run.prompts, sampling, seed=11)
     checks = {}
     for name, samples in (("v2", samples_v2), ("v1_samples", samples_v1)):
         batch = to_batch(run.prompts, samples, seed=0)
