@@ -20,6 +20,12 @@ def _guarded() -> bool:
     return os.environ.get(guards.ENV) == "1"
 
 
+def pytest_collection_modifyitems(items):
+    for item in items:  # the multi-rank and end-to-end layers start worlds, engines and servers
+        if guards.layer(item.nodeid) in ("dist", "e2e", "slurm"):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_finish(session):
     if not _guarded():
         return

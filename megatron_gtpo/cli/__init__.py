@@ -49,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     import importlib
 
     module = importlib.import_module(SUBCOMMANDS[args.subcommand][0])
-    return int(module.main(argv[1:]) or 0)
+    code = int(module.main(argv[1:]) or 0)
+    if args.subcommand == "train":  # the run is over (or never started) and nothing is left to write
+        from megatron_gtpo.cli.worker import exit_now
+
+        exit_now(code)
+    return code
 
 
 if __name__ == "__main__":
