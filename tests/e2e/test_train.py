@@ -52,10 +52,10 @@ def test_documented_metric_logged_every_step(run_ref_gtpo, key):
 
 def test_startup_line_reports_time_and_peak_memory(run_ref_gtpo):
     """The start-up log line tells the user how long start-up took and how much host memory it used."""
-    match = re.search(r"ready: .* start-up ([0-9.]+) s, peak host RSS ([0-9.]+) GiB", run_ref_gtpo.log)
+    match = re.search(r"ready: .*\(start-up ([0-9.]+) s, peak host RSS ([0-9.]+) GiB\)", run_ref_gtpo.log)
     assert match, run_ref_gtpo.log[-3000:]
     seconds, gib = float(match.group(1)), float(match.group(2))
-    assert 1 < seconds < 300 and 0.2 < gib < 20, match.group(0)
+    assert 1 < seconds < 600 and 0.2 < gib < 20, match.group(0)
 
 
 def test_weights_reach_the_engine(run_ref_gtpo):
