@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megatron_gtpo.checkpoint.files import CheckpointError, add_resume_options, check_resume
 from megatron_gtpo.utils.configuration import ConfigError
+from megatron_gtpo.utils.runtime import START_TIME_ENV
 
 EPILOG = """examples:
   megatron-gtpo train configs/gtpo.yaml --output-dir runs/gtpo algo.entropy_threshold=0.7
@@ -103,8 +104,6 @@ def launch_torchrun(resolved_config: Path, world: int, *, resume: str, module: s
     import psutil
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
-
-    from megatron_gtpo.utils.runtime import START_TIME_ENV
 
     argv = [f"--nproc_per_node={world}", "--master_port", os.environ.get("MASTER_PORT", str(_free_port())),
             "-m", module, str(resolved_config), *extra]

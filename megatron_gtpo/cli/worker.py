@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from megatron_gtpo.checkpoint.files import add_resume_options
+from megatron_gtpo.checkpoint.files import CheckpointError, add_resume_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +30,6 @@ def main(argv: list[str] | None = None, *, exit_when_done: bool = False) -> int:
     """Trains; 0 on success, 1 on a clear stop. ``exit_when_done``: end the process as soon as the
     run has finished (every checkpoint committed, MLflow closed), skipping the interpreter's
     teardown of engines, process groups and helper processes (seconds on 2 cores)."""
-    from megatron_gtpo.checkpoint.files import CheckpointError
     from megatron_gtpo.config import load_config
     from megatron_gtpo.reward import RewardFunctionCrashed, RewardFunctionFailing
     from megatron_gtpo.trainer import run
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None, *, exit_when_done: bool = False) -> int:
 def log_strict_checks() -> None:
     """With strict device groups on (parallel/strict.py), says how many collectives of the run were
     checked, per op and group kind (``unclassified``: a group the checker could not place)."""
-    from megatron_gtpo.parallel import strict
+    import megatron_gtpo.parallel.strict as strict
 
     if not strict.active():
         return

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from megatron_gtpo.rollout.staleness import expected_versions
-from tests.e2e.test_train import CLI, history, train
+from tests.e2e.runs import CLI, history, train
 from tests.helpers import REPO, child_env, kill_tree
 
 pytestmark = pytest.mark.slow

@@ -115,21 +115,24 @@ def test_packed_micro_batches_reproduce_the_padded_step(run_packed_grpo_kl, run_
     moved = []
     for key in ("loss", "optim/grad_norm", "entropy/mean", "train/kl_mean", "mismatch/logprob_abs_mean"):
         (step, got), want = history(packed, key)[0], history(padded, key)[0][1]
-        assert step == 1 and got == pytest.approx(want, rel=1e-5, abs=1e-9), (key, got, want)
+        # abs: the GRPO loss at step 1 is a near-cancelling sum (~1e-8 of float noise around 0)
+        assert step == 1 and got == pytest.approx(want, rel=1e-5, abs=1e-7), (key, got, want)
         moved.append(got != want)
     assert any(moved), "bit-identical to the padded run: the rows were not packed"
 
 
 def test_production_step_goes_through_strict_device_groups(run_packed_grpo_kl):
     """Strict device-group mode (parallel/strict.py; child_env turns it on for every test run)
-    checked the collectives of the real training steps: the TP all-reduces on device groups, and no
-    collective on a group it could not classify (one created around the wrapped ``new_group`` would
-    be unchecked, and every test would stay green)."""
+    checked the collectives of the real run: the TP all-reduces and broadcasts of the training steps
+    on device groups, the control plane's on host groups. (vLLM's own groups are left unclassified
+    on purpose; that no collective of the train step itself is unclassified is checked per step in
+    tests/dist/test_packing.py.) Bug caught: strict mode silently not checking a production run (a
+    Megatron upgrade that builds its groups another way, a collective bound before install())."""
     match = re.search(r"strict device groups: (\d+) collective\(s\) checked: (.*)", run_packed_grpo_kl.log)
     assert match, run_packed_grpo_kl.log[-3000:]
-    counts = dict(re.findall(r"(\w+/\w+)=(\d+)", match.group(2)))
-    assert int(counts.get("all_reduce/device", 0)) > 100, counts  # 2 per layer and step at TP=2, and more
-    assert not [k for k in counts if k.endswith("/unclassified")], counts
+    counts = {k: int(v) for k, v in re.findall(r"(\w+/\w+)=(\d+)", match.group(2))}
+    assert counts.get("all_reduce/device", 0) > 100, counts  # 2 per layer, micro-batch and step at TP=2, and more
+    assert counts.get("broadcast/device", 0) > 0 and counts.get("all_gather_object/host", 0) > 0, counts
 
 
 def test_dapo_dynamic_sampling_refills_all_equal_groups(run_dapo_bf16):
