@@ -26,8 +26,10 @@ from tests.e2e.runs import CANON, CANON_STEPS, history, per_step, train
 STEPS = CANON_STEPS
 TRAJECTORY = ("entropy/mean", "optim/grad_norm", "reward/mean", "completion/length_mean", "mismatch/logprob_abs_mean",
               "mismatch/logprob_abs_max", "gtpo/filtered_frac", "loss", "optim/lr")
-VARYING = ("entropy/mean", "optim/grad_norm", "optim/lr")
-"""Keys that must take a different value at every step of the reference: the oracle is not constant."""
+VARYING = ("entropy/mean", "optim/lr")
+"""Keys that must take a different value at every step of the reference: the oracle is not constant.
+(The grad norm is 0 at a step whose completions the entropy filter all dropped; Adam's momentum
+still moves the weights then, which the entropy shows.)"""
 
 
 def assert_same_trajectory(out: Path, ref: Path, steps: list[int]) -> None:
@@ -51,6 +53,7 @@ def test_auto_starts_fresh_without_checkpoints(run_canon):
     assert "--resume=auto: no checkpoint under" in text and f"starting at step 0 of {STEPS}" in text
     for key in VARYING:  # the trajectory oracle moves at every step
         assert len(set(per_step(out, key, STEPS))) == STEPS, (key, history(out, key))
+    assert per_step(out, "optim/grad_norm", STEPS)[0] > 0, "step 1 must train: Adam's moments are non-zero"
     for step in (3, 4):  # keep_last=2; every kept step verifies (sizes + sha256)
         assert verify(step_dir(out / "checkpoints", step), checksums=True) == []
     assert not (out / "checkpoints" / "step_00000002").exists()
@@ -58,12 +61,12 @@ def test_auto_starts_fresh_without_checkpoints(run_canon):
 
 def test_gtpo_entropy_filter_and_gamma_are_active(run_canon):
     """The canonical run trains with GTPO's entropy filter dropping some completions and keeping
-    others at some step, and the gamma <H> shift contributing to the loss at every step (D2's
-    entropy term is exactly 0 when gamma or the filter's survivors are off)."""
+    others at some step, and the gamma <H> shift contributing to the loss wherever a completion is
+    kept (D2's entropy term is exactly 0 when gamma is 0 or the filter drops every completion)."""
     filtered = per_step(run_canon.out, "gtpo/filtered_frac", STEPS)
     assert any(0 < f < 1 for f in filtered), filtered
     shift = per_step(run_canon.out, "bias/surrogate_entropy_term", STEPS)
-    assert all(abs(v) > 0 for v in shift), shift
+    assert all(abs(v) > 0 for v, f in zip(shift, filtered) if f < 1), (shift, filtered)
 
 
 def test_resume_without_checkpoints_fails_in_seconds(run_canon, tmp_path):
