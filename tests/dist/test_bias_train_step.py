@@ -46,8 +46,10 @@ CAPS = {"grpo_kl_tis": 1.1, "gtpo_mis": 1.2, "dapo_mu3": 1.5}
 D2_TERMS = ("bias/surrogate_adv_term", "bias/surrogate_entropy_term", "bias/surrogate_kl_term", "bias/surrogate_is_term")
 
 
-def _close(got: float, want: float, tol: float = 1e-5) -> bool:
-    return abs(got - want) <= tol * max(abs(want), 1e-3)
+def _close(got: float, want: float) -> bool:
+    """fp32 distributed against float64 in one process: 1e-4 relative, or 1e-6 absolute (the loss's
+    own rounding, as for D2's gap); a misattributed term moves by a good part of itself."""
+    return abs(got - want) <= max(1e-6, 1e-4 * abs(want))
 
 
 def test_train_step_bias_and_mismatch_metrics(records):

@@ -2,7 +2,7 @@
 
 One 2-rank launch (tests/dist/scripts/packing_equivalence.py) covers TP=2, PP=2, DP=2 and PP2 x VPP2.
 In each, GTPO, GRPO with a KL term, DAPO with mu = 2, GTPO with mu = 2 and the entropy filter on
-raw-logit entropies (Adam; update 2 reuses update 1's per-row <H>_i, the path where a packed row's
+raw-logit entropies (update 2 reuses update 1's per-row <H>_i, the path where a packed row's
 placement matters) and Dr. GRPO (its constant normaliser) run
 ``train_step`` from the same weights once padded (micro-batches of 2 rows) and once packed (a
 36-token budget: 2-3 rows of different prompt groups per packed row, fewer micro-batches). The packed
