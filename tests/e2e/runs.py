@@ -31,7 +31,7 @@ ENTROPY_THRESHOLD = 4.8283
 """The tiny random policy's per-completion mean entropies <H>_i lie within a few thousandths of a
 nat of 4.828 (its step-1 mean; ln 128 = 4.852): this threshold drops some completions and keeps
 others at step 1. (4.82 dropped every one: no gradient at all.) Later steps may keep or drop all."""
-CANON = ["train.checkpoint_every=1", "train.keep_last=4", "optim.scheduler.lr_decay_style=cosine",
+CANON = ["train.checkpoint_every=1", "train.keep_last=2", "optim.scheduler.lr_decay_style=cosine",
          f"algo.entropy_threshold={ENTROPY_THRESHOLD}", "algo.entropy_gamma=0.1"]
 """The canonical GTPO run and its killed twin: a checkpoint after every step, a cosine LR (a wrong
 step count after a resume moves the LR), GTPO's entropy filter and gamma shift on."""
