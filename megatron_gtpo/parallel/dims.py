@@ -106,6 +106,14 @@ class ParallelDims:
         return self.pp_rank == self.pp - 1
 
     @property
+    def first_copy(self) -> bool:
+        """True on the ranks of data-parallel replica 0 and context-parallel rank 0: together one
+        copy of every weight of the model. CP ranks hold identical weights, as DP replicas do, so
+        what must happen once per weight (a push's senders, an export's writer, a checkpoint's main
+        replica) happens on these ranks only."""
+        return self.dp_rank == 0 and self.cp_rank == 0
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
