@@ -199,8 +199,10 @@ def test_cp_sequence_multiple_and_layout_rules():
                                     tensor_model_parallel_size=2)) == 6
     shape = shape_from_hf_config(tiny_config(tied=False), name="tiny")  # 4 heads
     assert context_parallel_problems(shape, tp=1, cp=2) == []
-    assert context_parallel_problems(shape, tp=1, cp=4, comm_type="a2a") == []
-    (a2a,) = context_parallel_problems(shape, tp=2, cp=4, comm_type="a2a")
+    assert context_parallel_problems(shape, tp=1, cp=2, comm_type="a2a") == []
+    (kv,) = context_parallel_problems(shape, tp=1, cp=4, comm_type="a2a")  # TE's a2a splits the KV heads too
+    assert "2 KV heads" in kv and "parallel.cp among 1, 2" in kv
+    a2a, _ = context_parallel_problems(shape, tp=2, cp=4, comm_type="a2a")  # the heads, then the KV heads
     assert "parallel.cp among 1, 2" in a2a and "cp_comm_type" in a2a
     (local,) = context_parallel_problems(shape, tp=1, cp=2, cp_attention=False)
     assert "parallel.cp=2" in local and "Transformer Engine" in local and "parallel.cp=1" in local
