@@ -14,6 +14,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import get_model_config
 
 from megatron_gtpo.parallel import control
+from megatron_gtpo.parallel.collectives import comm_device
 from megatron_gtpo.parallel.cp_attention import standin_class
 from megatron_gtpo.parallel.cp_index import cp_attention_mask, gathered_index, load_balanced_index, \
     thd_partitioned_index
@@ -86,7 +87,7 @@ def check_one_sender(ddp, dims) -> None:
     buckets = exporter.buckets(1 << 16)
     sends = []
     for bucket in buckets:
-        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8) if dims.tp_rank == 0 else None
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=comm_device()) if dims.tp_rank == 0 else None
         sends.append(bool(exporter.pack(bucket, buffer)))
     exported = sum(len(b) for b in export_hf_weights(ddp, hf_config=model_config(), dims=dims, dst_ranks="first"))
     senders = control.all_gather_object((dims.rank, sends, exported))
