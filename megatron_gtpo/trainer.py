@@ -36,7 +36,7 @@ from megatron_gtpo.train.batching import collate
 from megatron_gtpo.train.learner import Learner
 from megatron_gtpo.train.snapshot import ParamSnapshot
 from megatron_gtpo.train.step import StepSettings
-from megatron_gtpo.utils.configuration import ConfigError, to_dict
+from megatron_gtpo.utils.configuration import to_dict
 from megatron_gtpo.utils.runtime import (PreemptionFlag, setup_logging, signals_blocked, start_checkpoint_helpers,
                                          startup_report)
 
@@ -134,22 +134,12 @@ class Parts:
     start_step: int
 
 
-def _refuse_context_parallel(cp: int) -> None:
-    """Issue 23 phase B wires the CP building blocks into the train step; until then a CP run is
-    refused before anything starts (the dry-runs plan and validate it)."""
-    if cp > 1:
-        raise ConfigError(f"parallel.cp={cp}: the train step does not use context parallelism yet (its building "
-                          "blocks, parallel/cp_*.py and train/cp_*.py, are tested against CP=1; the step, memory "
-                          "plan and recipes follow); set parallel.cp=1")
-
-
 def build(cfg, *, resume: bool | str) -> Parts:
     """Builds every part in an order that fails fast: groups, the checkpoint to resume (verified),
     policy, engines, data, reward, tracking; then pushes the (restored) weights into the engines."""
-    _refuse_context_parallel(cfg.parallel.cp)
     preempt = PreemptionFlag()  # first: a preemption signal during start-up must not kill the job
-    dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, seed=cfg.train.seed,
-                            timeout_s=cfg.parallel.timeout_s)
+    dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, cp=cfg.parallel.cp,
+                            seed=cfg.train.seed, timeout_s=cfg.parallel.timeout_s)
     setup_logging(dims.rank)
     point = prepare_resume(cfg.output_dir, resume)  # before the expensive parts: a bad resume fails in seconds
     spec = cfg.algorithm
@@ -159,7 +149,7 @@ def build(cfg, *, resume: bool | str) -> Parts:
             scorer = RewardScorer(cfg.reward, overlong=overlong_punishment(spec))
             scorer.start()
     settings = step_settings(cfg)
-    log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
+    log.info("building the policy (%s, tp=%d cp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.cp, dims.pp, dims.dp)
     learner = Learner.build(cfg.model, cfg.optim, settings=settings, dims=dims, rollout_steps=cfg.train.steps)
     policy = learner.policy
     rollout_cfg, budget = plan_engine_memory(cfg, model_dir=str(policy.model_dir), world=dims.world)
