@@ -30,16 +30,24 @@ def test_rollout_server_pool_of_two_splits_prompts_versions_pushes_and_survives_
         checks.setdefault(r["check"], {})[r["rank"]] = r
     assert set(checks) == {"pool_up", "split", "push_v1", "kill"}, checks.keys()
     assert [s["tp"] for s in checks["pool_up"][0]["servers"]] == [1, 1]
+    # the job secret: 64 hex digits in a 0600 file of a 0700 directory, never in a server's log
+    assert checks["pool_up"][0]["secret"] == {"file_mode": "0o600", "dir_mode": "0o700", "in_logs": False,
+                                              "hex_digits": 64}
     for r in checks["split"].values():  # every rank holds the whole batch, groups in prompt order
         assert r["completions"] == 15 and r["groups"] == [i // 3 for i in range(15)], r
-    assert checks["split"][0]["same_as_one_engine"] is True and checks["split"][0]["logprob_diff"] < 1e-5
+    split = checks["split"][0]
+    assert split["same_as_one_engine"] is True and split["logprob_diff"] < 1e-5
+    assert sorted(split["served"].values()) == [2, 3], split  # both servers generated (3 + 2 prompts)
     for r in checks["push_v1"].values():
         assert r["version"] == 1 and all(r["equal"]), r  # both servers load it; greedy == Megatron's
+    assert sorted(checks["push_v1"][0]["served"].values()) == [2, 3]  # ... and both served the greedy check
     dead = checks["kill"][0]["dead"]
     for r in checks["kill"].values():
         assert r["error"] and dead in r["error"] and "previous version" in r["error"], r
         assert r["seconds"] < 120, r  # failed fast: no wait for a timeout
-    assert checks["kill"][0]["survivor"] == {"version": 1, "unchanged": True}
+    kill = checks["kill"][0]
+    assert kill["v2_visible"] >= 3, kill  # positive control: v2 changes the greedy tokens of most prompts
+    assert kill["survivor"] == {"version": 1, "unchanged": True, "equals_v2": False}
 
 
 def test_rollout_server_with_an_engine_tp2_loads_pushes_in_every_worker():
