@@ -85,3 +85,18 @@ def load_secret(path: str | os.PathLike | None = None) -> bytes:
         raise SecretError(f"{SECRET_ENV}={path}: expected at least {2 * SECRET_BYTES} hex digits "
                           f"({SECRET_BYTES} random bytes)")
     return key
+
+
+def private_directory(path: str | os.PathLike) -> int | None:
+    """Makes ``path`` (and missing parents) a directory only its owner can enter: created 0700, or,
+    when it exists and belongs to this user, its group and other bits cleared. Returns the mode it
+    had when that changed it, else None. Run directories are made so (checkpoints, logs, the
+    config and the tracking journal inside are then out of other users' reach whatever their own
+    modes)."""
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.geteuid() or not info.st_mode & 0o077:
+        return None
+    path.chmod(stat.S_IMODE(info.st_mode) & 0o700)
+    return stat.S_IMODE(info.st_mode)
