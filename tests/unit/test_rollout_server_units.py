@@ -128,3 +128,15 @@ def test_rollout_server_listens_on_its_own_address_among_the_rollout_hosts(monke
     monkeypatch.setenv("MGTPO_ROLLOUT_HOSTS", "192.0.2.7")
     monkeypatch.setenv("NET_IFNAME", "lo")
     assert cli.bind_host(None) == "127.0.0.1"  # the interface's IPv4 address
+
+
+def test_rollout_pool_server_and_protocol_do_not_import_sync():
+    """The server knows nothing of how weights travel (sync/receiver.py is composed in by the CLI), and the
+    pool is reached by sync/separate.py through its declared interface only."""
+    from tests.unit.test_layering import imports_of
+
+    for name in ("pool", "server", "protocol"):
+        mods = [m for m, _, _ in imports_of(REPO / "megatron_gtpo" / "rollout" / f"{name}.py")]
+        assert not [m for m in mods if m.startswith("megatron_gtpo.sync")], (name, mods)
+    separate = [m for m, _, _ in imports_of(REPO / "megatron_gtpo" / "sync" / "separate.py")]
+    assert not [m for m in separate if m.startswith("megatron_gtpo.rollout")], separate
