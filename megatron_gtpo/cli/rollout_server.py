@@ -16,6 +16,7 @@ without it. It listens on one address only: ``--host``, else the address of this
 else loopback. ``--host 0.0.0.0`` (all interfaces) must be asked for.
 
 Runs until the trainer sends ``close`` or the process is signalled. Prints
+``rollout-server listening on HOST:PORT`` once the port is held (before the engine loads) and
 ``rollout-server ready on HOST:PORT`` once the engine is up.
 """
 
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address to listen on (default: this node's address in MGTPO_ROLLOUT_HOSTS, else "
                              "NET_IFNAME's, else 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None,
-                        help="the server's one port (default: sync.server_port or MGTPO_ROLLOUT_PORT)")
+                        help="the server's one port; 0 = any free one, printed once bound (default: "
+                             "MGTPO_ROLLOUT_PORT, else sync.server_port)")
     parser.add_argument("--timeout-s", type=float, default=None, help="longest wait inside one request")
     return parser
 
@@ -87,6 +89,11 @@ def _is_local(address: str) -> bool:
     return True
 
 
+def _port(explicit: int | None, env: str | None, default: int) -> int:
+    """``--port`` (0 = any free port), else MGTPO_ROLLOUT_PORT, else the default."""
+    return explicit if explicit is not None else int(env or default)
+
+
 def spec_from_args(args: argparse.Namespace) -> ServerSpec:
     """What to serve: the recipe's rollout engine, or an explicit model directory."""
     if bool(args.config) == bool(args.model_dir):
@@ -94,7 +101,7 @@ def spec_from_args(args: argparse.Namespace) -> ServerSpec:
     port_env, host = os.environ.get("MGTPO_ROLLOUT_PORT"), bind_host(args.host)
     if args.model_dir:
         return ServerSpec(model_dir=args.model_dir, vllm=json.loads(args.vllm_json), seed=args.seed,
-                          host=host, port=args.port or int(port_env or 29650), timeout_s=args.timeout_s or 900.0)
+                          host=host, port=_port(args.port, port_env, 29650), timeout_s=args.timeout_s or 900.0)
     cfg = load_config(args.config)
     model_dir = str(resolve_model(cfg.model.path))
     rollout = cfg.rollout.with_fp32_head() if cfg.model.lm_head_fp32 else cfg.rollout  # as the trainer scores
@@ -103,7 +110,7 @@ def spec_from_args(args: argparse.Namespace) -> ServerSpec:
         vllm.setdefault("load_format", "dummy")
     return ServerSpec(model_dir=model_dir, vllm=vllm, seed=cfg.rollout.seed,
                       request_seeds=cfg.rollout.seeded_requests(), host=host,
-                      port=args.port or int(port_env or cfg.sync.server_port), timeout_s=args.timeout_s or cfg.sync.timeout_s)
+                      port=_port(args.port, port_env, cfg.sync.server_port), timeout_s=args.timeout_s or cfg.sync.timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

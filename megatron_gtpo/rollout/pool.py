@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import re
 import subprocess
 import sys
 import tempfile
@@ -58,6 +58,7 @@ _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE",
                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
 _PUSH_ERRORS = ("WeightPushError", "ValueError")
+_LISTENING = re.compile(r"rollout-server listening on (\S+):(\d+)")
 
 
 class PoolPlacement(Protocol):
@@ -104,8 +105,14 @@ class ServerLink:
         answer = self._receive(60.0).header
         if answer.get("ok") is not True:
             raise ServerError(f"rollout server {address} refused the connection: {answer.get('error')}")
-        self.info = self.call("hello")
+        self.info: dict = {}
         """host, served version, engine dtype and TP, model directory (from the server)."""
+        try:  # answered once the engine is up (the port is held from the server's start)
+            self.info = self.call("hello")
+        except ServerError:
+            if alive is not None and not alive():
+                raise ServerError(f"rollout server {address} exited before it was ready{log_hint()}") from None
+            raise
 
     def send(self, op: str, args: dict | None = None, blobs: Sequence = ()) -> None:
         try:
@@ -173,14 +180,24 @@ class LocalServers:
         self.secret_path = Path(os.environ.get(SECRET_ENV) or make_secret_file(self.log_dir))
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
         env[SECRET_ENV] = str(self.secret_path)
-        self.procs, self.addresses = [], []
-        for index in range(count):
-            port = _free_port()
+        self.procs = []
+        for index in range(count):  # port 0: each server takes a free port itself and prints it
             cmd = [sys.executable, "-m", "megatron_gtpo.cli.rollout_server", "--model-dir", model_dir,
-                   "--vllm-json", json.dumps(vllm), "--seed", str(seed), "--host", "127.0.0.1", "--port", str(port)]
+                   "--vllm-json", json.dumps(vllm), "--seed", str(seed), "--host", "127.0.0.1", "--port", "0"]
             log = open(os.path.join(self.log_dir, f"server{index}.log"), "w")  # noqa: SIM115 - lives with the process
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-            self.addresses.append(f"127.0.0.1:{port}")
+
+    def address(self, index: int, *, timeout_s: float) -> str:
+        """``host:port`` server ``index`` listens on, from its log (it binds before its engine loads)."""
+        path, deadline = os.path.join(self.log_dir, f"server{index}.log"), time.monotonic() + timeout_s
+        while True:
+            with open(path, errors="replace") as f:
+                found = _LISTENING.search(f.read())
+            if found:
+                return f"{found.group(1)}:{found.group(2)}"
+            if self.procs[index].poll() is not None or time.monotonic() > deadline:
+                raise ServerError(f"rollout server {index} exited before it was ready{self.hint(index)}")
+            time.sleep(0.2)
 
     def alive(self, index: int):
         return lambda: self.procs[index].poll() is None
@@ -345,8 +362,9 @@ def connect(sync: PoolPlacement, *, model_dir: str, vllm: dict, seed: int) -> Ro
     addresses, local = server_addresses(sync), None
     if addresses is None:
         local = LocalServers(sync.local_servers, model_dir=model_dir, vllm=vllm, seed=seed)
-        addresses = local.addresses
     try:
+        if local is not None:
+            addresses = [local.address(i, timeout_s=sync.timeout_s) for i in range(sync.local_servers)]
         path = local.secret_path if local else secret_path()  # external servers: the job's secret file
         secret = load_secret(path)
         links = [ServerLink(a, secret=secret, timeout_s=sync.timeout_s, alive=local.alive(i) if local else None,
@@ -358,9 +376,3 @@ def connect(sync: PoolPlacement, *, model_dir: str, vllm: dict, seed: int) -> Ro
         raise
     return RolloutPool(links, model_dir=model_dir, local=local, secret_path=path)
 
-
-def _free_port() -> int:
-    """A free TCP port on loopback (the server's one port)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

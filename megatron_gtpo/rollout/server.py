@@ -64,7 +64,8 @@ class ServerSpec:
     host: str = "127.0.0.1"
     """Address to listen on: the job's own interface (cli/rollout_server.py picks it), never all."""
     port: int = 29650
-    """The one port of the server: control and transfer-group rendezvous."""
+    """The one port of the server: control and transfer-group rendezvous (0: any free port, printed
+    as ``rollout-server listening on HOST:PORT`` before the engine starts)."""
     timeout_s: float = 900.0
     """Longest wait inside one request (transfer-group rendezvous, one bucket)."""
 
@@ -99,15 +100,18 @@ class RolloutServer:
 
     def __init__(self, spec: ServerSpec, *, secret: bytes, receiver: WeightReceiver | None = None):
         self.spec, self._receiver = spec, receiver
+        self.rendezvous = KeyValueHost()
+        self._control: queue.Queue[Channel] = queue.Queue()
+        self._busy = threading.Lock()  # held while a trainer is served (a second one is refused)
+        # The port first (``port`` 0: any free one): held from the start, it cannot be taken while the
+        # engine loads. A trainer that connects meanwhile is answered once the engine is up.
+        self.listener = Listener(spec.host, spec.port, secret, route=self._route, log=log)
+        self.port = self.listener.address[1]
+        print(f"rollout-server listening on {spec.host}:{self.port}", flush=True)
         kwargs = {**spec.vllm, **(receiver.vllm_kwargs if receiver else {})}
         self.engine = RolloutEngine(model_dir=spec.model_dir, vllm_kwargs=kwargs, seed=spec.seed,
                                     request_seeds=spec.request_seeds)
-        self.rendezvous = KeyValueHost()
         self.ops = {"hello": Op(proto.HELLO, self._on_hello), "generate": Op(proto.GENERATE, self._on_generate)}
-        self._control: queue.Queue[Channel] = queue.Queue()
-        self._busy = threading.Lock()  # held while a trainer is served (a second one is refused)
-        self.listener = Listener(spec.host, spec.port, secret, route=self._route, log=log)
-        self.port = self.listener.address[1]
         local = "127.0.0.1" if spec.host in ("0.0.0.0", "") else spec.host
         if receiver is not None:
             self.ops.update(receiver.bind(ServerContext(self.engine, self.rendezvous, (local, self.port), spec)))

@@ -102,10 +102,14 @@ def _mac(secret: bytes, label: bytes, client_nonce: bytes, server_nonce: bytes) 
     return hmac.new(secret, label + client_nonce + server_nonce, hashlib.sha256).digest()
 
 
-def _read_exact(sock: socket.socket, nbytes: int, into: memoryview | None = None) -> bytes | memoryview:
+def _read_exact(sock: socket.socket, nbytes: int, into: memoryview | None = None, *,
+                stall_s: float | None = None) -> bytes | memoryview:
+    """``nbytes`` from ``sock``; ``stall_s`` bounds each wait for more (else the socket's own timeout)."""
     buffer = into if into is not None else memoryview(bytearray(nbytes))
     got = 0
     while got < nbytes:
+        if stall_s is not None and not select.select([sock], [], [], stall_s)[0]:
+            raise ChannelTimeout(f"peer stalled after {got} of {nbytes} bytes")
         try:
             n = sock.recv_into(buffer[got:], nbytes - got)
         except TimeoutError:
@@ -124,7 +128,9 @@ class Channel:
 
     def __init__(self, sock: socket.socket, *, send_key: bytes, recv_key: bytes, peer: str):
         self.sock, self.peer = sock, peer
-        sock.settimeout(READ_TIMEOUT_S)  # bounds a stall inside a frame; waits between frames use poll
+        # Blocking: a send waits as long as the peer takes to read (a trainer reads a generate answer only
+        # after its train step); reads bound each stall inside a frame (READ_TIMEOUT_S) with select.
+        sock.settimeout(None)
         self._send_key, self._recv_key = send_key, recv_key
         self._sent = self._received = 0
         self._lock = threading.Lock()
@@ -160,17 +166,17 @@ class Channel:
         """The next frame, checked; ``timeout_s`` bounds the wait for its first byte."""
         if not self.poll(timeout_s):
             raise ChannelTimeout(f"no message from {self.peer} within {timeout_s:.0f} s")
-        fixed = _read_exact(self.sock, _FRAME.size)
+        fixed = _read_exact(self.sock, _FRAME.size, stall_s=READ_TIMEOUT_S)
         magic, flags, header_len, payload_len = _FRAME.unpack(fixed)
         if magic != b"MF" or flags != 0:
             raise FrameError(f"not a frame (magic {magic!r}, flags {flags})")
         if header_len > MAX_HEADER_BYTES or payload_len > MAX_PAYLOAD_BYTES:
             raise FrameError(f"oversized frame refused: header {header_len} bytes (limit {MAX_HEADER_BYTES}), "
                              f"payload {payload_len} bytes (limit {MAX_PAYLOAD_BYTES})")
-        text = _read_exact(self.sock, header_len)
+        text = _read_exact(self.sock, header_len, stall_s=READ_TIMEOUT_S)
         payload = memoryview(bytearray(payload_len))
-        _read_exact(self.sock, payload_len, payload)
-        mac = _read_exact(self.sock, MAC_BYTES)
+        _read_exact(self.sock, payload_len, payload, stall_s=READ_TIMEOUT_S)
+        mac = _read_exact(self.sock, MAC_BYTES, stall_s=READ_TIMEOUT_S)
         want = hmac.new(self._recv_key, _SEQ.pack(self._received) + fixed + text, hashlib.sha256)
         want.update(payload)
         if not hmac.compare_digest(mac, want.digest()):
@@ -218,15 +224,20 @@ def _keys(secret: bytes, cn: bytes, sn: bytes) -> tuple[bytes, bytes]:
 
 
 def client_handshake(sock: socket.socket, secret: bytes, *, peer: str) -> Channel:
-    """Authenticates a connected socket as a client; raises AuthenticationError."""
+    """Authenticates a connected socket as a client. Raises ConnectionError when nothing greets
+    (a server still starting, or gone), AuthenticationError when the peer refuses this job's secret,
+    does not know it, or does not speak this protocol."""
     sock.settimeout(HANDSHAKE_TIMEOUT_S)
     cn = os.urandom(NONCE_BYTES)
-    try:
+    try:  # nothing of ours answers (yet): a connection error, which a caller may retry
         sock.sendall(HELLO + cn)
         reply = _read_exact(sock, len(HELLO) + NONCE_BYTES)
-        if reply[:len(HELLO)] != HELLO:
-            raise AuthenticationError(f"{peer} does not speak this protocol")
-        sn = reply[len(HELLO):]
+    except (ChannelError, OSError) as err:
+        raise ConnectionError(f"{peer} did not greet ({err})") from None
+    if reply[:len(HELLO)] != HELLO:
+        raise AuthenticationError(f"{peer} does not speak this protocol")
+    sn = reply[len(HELLO):]
+    try:
         sock.sendall(_mac(secret, b"mgtpo client", cn, sn))
         proof = _read_exact(sock, MAC_BYTES)
     except ChannelError as err:

@@ -68,7 +68,7 @@ class Server:
                                       vllm={"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 << 20})
         finally:
             os.environ.pop("MGTPO_SECRET_FILE") if previous is None else os.environ.update(MGTPO_SECRET_FILE=previous)
-        self.address = self.local.addresses[0]
+        self.address = self.local.address(0, timeout_s=600)
         self.host, self.port = self.address.rsplit(":", 1)[0], int(self.address.rsplit(":", 1)[1])
         self.log = Path(self.local.log_dir) / "server0.log"
 

@@ -122,6 +122,23 @@ def test_security_a_replayed_frame_fails_its_mac():
         server.recv(timeout_s=5)
 
 
+def test_channel_send_waits_for_a_slow_reader_and_reads_bound_a_stall(monkeypatch):
+    """A trainer reads a generate answer only after its train step: the server's send of a large answer
+    must wait for it however long that takes, while a frame that stops half-way is given up."""
+    monkeypatch.setattr(ch, "READ_TIMEOUT_S", 0.3)
+    out = pair()
+    client, server = out["client"], out["server"]
+    big = bytes(16 << 20)  # far beyond the socket buffers: the send blocks until the client reads
+    sender = threading.Thread(target=lambda: server.send({"ok": True}, [big]))
+    sender.start()
+    threading.Event().wait(1.0)  # the "train step": longer than READ_TIMEOUT_S
+    assert client.recv(timeout_s=5).blobs[0].nbytes == len(big)
+    sender.join(10)
+    client.sock.sendall(struct.pack(">2sHIQ", b"MF", 0, 10, 0) + b"{")  # a frame that stalls half-way
+    with pytest.raises(ch.ChannelTimeout, match="stalled"):
+        server.recv(timeout_s=5)
+
+
 def test_security_schema_check_names_the_path():
     schema = {"lengths": [int], "sampling": {"stop": ([str], None), "t?": float}}
     ch.check({"lengths": [1, 2], "sampling": {"stop": None}}, schema)
