@@ -68,7 +68,11 @@ class Server:
                                       vllm={"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 << 20})
         finally:
             os.environ.pop("MGTPO_SECRET_FILE") if previous is None else os.environ.update(MGTPO_SECRET_FILE=previous)
-        self.address = self.local.address(0, timeout_s=600)
+        try:
+            self.address = self.local.address(0, timeout_s=600)
+        except BaseException:
+            self.local.stop()
+            raise
         self.host, self.port = self.address.rsplit(":", 1)[0], int(self.address.rsplit(":", 1)[1])
         self.log = Path(self.local.log_dir) / "server0.log"
 
@@ -84,12 +88,17 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = Server(tmp_path_factory.mktemp("security"))
-    first = srv.link()  # waits until the engine is up
-    srv.reference = srv.served(first)
-    first.close(stop=False)
-    yield srv
-    srv.link(60).close(stop=True)
-    srv.local.stop()
+    try:
+        first = srv.link()  # waits until the engine is up
+        srv.reference = srv.served(first)
+        first.close(stop=False)
+    except BaseException:
+        srv.local.stop()
+        raise
+    try:
+        yield srv
+    finally:  # stopped even when a test left the server busy or broken
+        srv.local.stop()
 
 
 def raw(server: Server, data: bytes, *, wait_s: float = 12.0) -> bytes:
