@@ -4,7 +4,7 @@
     rank 0        waits for a generate call in flight (``rollout.staleness: 1``): it finishes on the
                   weights it started with, then the push begins (a server serves one version at a time)
     rank 0        ``plan`` to every server: the whole push checked before any byte moves
-    senders       TP rank 0 of DP replica 0 of each stage gathers its stage's buckets one at a time
+    senders       TP rank 0 of the first weight copy (DP x CP rank 0) of each stage gathers its stage's buckets one at a time
                   into one reused buffer and sends each bucket **once per server**, to the server's
                   vLLM worker 0 (one transfer group per server: NCCL on GPU, gloo on CPU), all
                   servers at once
@@ -53,7 +53,7 @@ class PoolSync(WeightSync):
         dims = export.dims
         self.servers = control.broadcast_object(pool.servers() if pool else None)
         """(address, hello info) of every server, on every rank."""
-        self._stage = dims.pp_rank if dims.tp_rank == 0 and dims.dp_rank == 0 else None
+        self._stage = dims.pp_rank if dims.tp_rank == 0 and dims.first_copy else None
         self.sent_bytes = 0
         """Bytes this rank sent to the servers so far (all pushes; 0 on non-senders)."""
         secret_file = control.broadcast_object(str(pool.secret_path) if pool else None)

