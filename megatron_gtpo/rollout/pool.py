@@ -103,7 +103,7 @@ class ServerLink:
         try:  # answered once the engine is up (the port is held from the server's start)
             self.info = self.call("hello")
         except ServerError:
-            if alive is not None and not alive():
+            if alive is not None and _exits(alive, within_s=30.0):
                 raise ServerError(f"rollout server {address} exited before it was ready{log_hint()}") from None
             raise
 
@@ -329,6 +329,18 @@ class RolloutPool:
             link.close(stop=self._local is not None)
         if self._local is not None:
             self._local.stop()
+
+
+def _exits(alive, *, within_s: float) -> bool:
+    """Whether a local server whose connection just broke exits within ``within_s``: its socket closes
+    while the process is still going down (an engine that failed to load), and its whole log, the
+    reason, is there only once it has exited."""
+    deadline = time.monotonic() + within_s
+    while alive():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def balanced_runs(num_prompts: int, servers: int) -> list[tuple[int, int]]:

@@ -193,3 +193,32 @@ def test_the_pool_server_engine_and_receiver_implement_the_declared_protocols():
     assert isinstance(PushReceiver.vllm_kwargs, dict)
     pool = RolloutPool([], model_dir="unused", secret_path=REPO / "secret")
     assert pool.secret_path == REPO / "secret"  # an attribute of the protocol, not a method
+
+
+def test_a_local_server_whose_engine_fails_is_reported_with_its_log_even_while_it_is_still_exiting():
+    """The server holds its port before its engine loads; when the engine fails, the trainer's
+    ``hello`` breaks while the process is still going down. Bug caught: deciding "alive" at that
+    instant reported a bare connection reset (no log, no reason) in the e2e start-failure test."""
+    import logging
+    import os
+    import time
+
+    from megatron_gtpo.errors import ServerError
+    from megatron_gtpo.rollout.pool import ServerLink
+    from megatron_gtpo.utils.channel import Listener
+
+    secret, dies_at = os.urandom(32), []
+
+    def route(channel):  # admit the trainer, then "fail to load": drop the connection, exit 0.5 s later
+        channel.send({"ok": True})
+        channel.recv(timeout_s=10.0)
+        dies_at.append(time.monotonic() + 0.5)
+        channel.close()
+
+    listener = Listener("127.0.0.1", 0, secret, route=route, log=logging.getLogger("test"))
+    try:
+        with pytest.raises(ServerError, match="exited before it was ready; the log tail"):
+            ServerLink(f"127.0.0.1:{listener.address[1]}", secret=secret, timeout_s=5.0,
+                       alive=lambda: not dies_at or time.monotonic() < dies_at[0], log_hint=lambda: "; the log tail")
+    finally:
+        listener.close()
