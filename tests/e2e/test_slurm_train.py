@@ -36,13 +36,20 @@ STEPS = 6  # configs/tiny.yaml checkpoints every 2 steps and keeps the last 2
 
 
 @dataclass
-class PreemptedRun:
+class SlurmRun:
+    """One finished job of slurm/train.sbatch."""
+
     job: int
     info: dict[str, str]
     """Final ``scontrol show job`` record."""
     out_dir: Path
+    """The run directory (``RUNS_DIR/mgtpo-train-<job>``)."""
     batch: str
-    """The batch script's own output (both runs, appended)."""
+    """The batch script's own output (every run of the job, appended)."""
+
+
+@dataclass
+class PreemptedRun(SlurmRun):
     first: str
     """Rank log of the first run (node 0)."""
     second: str
@@ -117,14 +124,12 @@ def test_preempted_training_resumes_from_its_checkpoint(run):
 
 
 @dataclass
-class RolloutNodesRun:
-    job: int
-    info: dict[str, str]
+class RolloutNodesRun(SlurmRun):
     job_dir: Path
-    out_dir: Path
-    batch: str
     trainer: str
+    """Trainer rank 0's log."""
     server: str
+    """The rollout server's log."""
 
 
 @pytest.fixture(scope="module")
