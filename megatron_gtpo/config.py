@@ -29,6 +29,7 @@ from megatron_gtpo.tracking import TrackingConfig
 from megatron_gtpo.train.batching import token_budget_problem
 from megatron_gtpo.train.optim import OptimConfig
 from megatron_gtpo.train.config import TrainConfig
+from megatron_gtpo.utils.secret import private_directory
 from megatron_gtpo.utils.configuration import (ConfigError, apply_overrides, build, load_recipe, to_dict,
                                                write_yaml_atomic)
 
@@ -109,5 +110,7 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = 
 
 def dump_resolved(cfg: RunConfig, path: str | os.PathLike | None = None) -> Path:
     """Writes the fully resolved config (defaults filled in) atomically; default <output_dir>/config.yaml."""
+    if not path:
+        private_directory(cfg.output_dir)  # the run directory: owner only (docs/security.md)
     path = Path(path) if path else Path(cfg.output_dir) / "config.yaml"
     return write_yaml_atomic(to_dict(cfg), path)

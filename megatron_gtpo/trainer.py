@@ -153,13 +153,10 @@ def build(cfg, *, resume: bool | str) -> Parts:
     learner = Learner.build(cfg.model, cfg.optim, settings=settings, dims=dims, rollout_steps=cfg.train.steps)
     policy = learner.policy
     rollout_cfg, budget = plan_engine_memory(cfg, model_dir=str(policy.model_dir), world=dims.world)
-    if cfg.model.lm_head_fp32:  # the engines sample from the same fp32 head as the trainer
-        rollout_cfg = rollout_cfg.with_fp32_head()
+    rollout_cfg = rollout_cfg.for_engines(lm_head_fp32=cfg.model.lm_head_fp32, hf_weights=policy.has_hf_weights)
     offload = _trainer_offload(cfg, policy)
     if offload is not None:  # engines start on the memory the trainer gives up while they generate
         offload.offload()
-    if not policy.has_hf_weights:  # Megatron checkpoint: the engine starts empty, the first push fills it
-        rollout_cfg = dataclasses.replace(rollout_cfg, vllm={"load_format": "dummy", **rollout_cfg.vllm})
     log.info("starting %s rollout engine(s)", cfg.sync.transport)
     engines = build_engines(rollout_cfg, cfg.sync.placement(), model_dir=str(policy.model_dir), budget=budget)
     export = ExportPlan(hf_config=policy.hf_config, dims=dims, bucket_bytes=cfg.sync.bucket_size)

@@ -120,5 +120,6 @@ make_job_dirs() { mkdir -p "$OUTPUT_DIR" "$LOG_DIR"; }
 log_job() {
   log "job ${SLURM_JOB_ID} (${SLURM_JOB_NAME}) restart ${RESTART} on ${SLURM_JOB_NUM_NODES} node(s) [${SLURM_JOB_NODELIST}], ${GPUS_PER_NODE} GPU(s)/node"
   log "repo ${MGTPO_REPO}; cli ${MGTPO_CLI}; output ${OUTPUT_DIR}; container ${CONTAINER_IMAGE:-none}"
-  log "MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-unset, the default of the command applies}"
+  # a password in the URI (user:password@host) is shown as *** (docs/security.md)
+  log "MLFLOW_TRACKING_URI=$(printf '%s' "${MLFLOW_TRACKING_URI:-unset, the default of the command applies}" | sed -E 's#(://[^:/@]*):[^@/]*@#\1:***@#')"
 }

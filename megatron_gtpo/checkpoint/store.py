@@ -43,6 +43,7 @@ from megatron_gtpo.parallel.control import all_gather_object, any_rank, barrier,
 from megatron_gtpo.train import optim_state
 from megatron_gtpo.train.model import unwrap
 from megatron_gtpo.utils.runtime import PreemptionFlag
+from megatron_gtpo.utils.secret import private_directory
 
 log = logging.getLogger("megatron_gtpo")
 __all__ = ["CheckpointError", "Checkpointer", "ResumePoint", "latest_step", "load_checkpoint", "load_model_weights",
@@ -173,7 +174,7 @@ def save_checkpoint(root: str | Path, *, step: int, model_chunks: list[torch.nn.
     if rank == 0:
         # Tests and kill-during-save drills key on this line: it comes right before the first write.
         log.info("checkpoint: saving step %d into %s", step, tmp)
-        root.mkdir(parents=True, exist_ok=True)
+        private_directory(root)  # owner only, like the run directory (docs/security.md)
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crashed save
         tmp.mkdir()
     barrier()

@@ -4,7 +4,7 @@
 *every* reason a layout cannot run (each naming the recipe key or flag to change) and raises them
 together as a :class:`LayoutError`, so one dry-run shows all that needs fixing.
 
-Placement follows :mod:`megatron_gtpo.sync.placement`:
+Placement follows :mod:`megatron_gtpo.rollout.placement`:
 
 * ``colocated``: trainer ranks and engines share every GPU; the GPUs are cut into engines of
   ``rollout_tp`` consecutive ranks (one per rank at rollout TP 1), i.e. Megatron's TP groups when

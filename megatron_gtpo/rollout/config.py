@@ -150,9 +150,19 @@ class RolloutConfig:
         return Sampling(n=self.n, temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
                         stop=tuple(self.stop))
 
-    def with_fp32_head(self) -> RolloutConfig:
-        """This config with vLLM's lm_head in fp32 (``hf_overrides: {head_dtype: float32}``, vLLM 0.32's
-        ``ModelConfig.head_dtype``), merged into any ``hf_overrides`` the recipe sets; ``model.lm_head_fp32``."""
-        overrides = dict(self.vllm.get("hf_overrides") or {})
-        overrides.setdefault("head_dtype", "float32")
-        return dataclasses.replace(self, vllm={**self.vllm, "hf_overrides": overrides})
+    def for_engines(self, *, lm_head_fp32: bool, hf_weights: bool) -> RolloutConfig:
+        """These settings as the engines start with them, the one rule of the trainer (``trainer.build``)
+        and of every rollout server (``cli/rollout_server.py``):
+
+        * ``lm_head_fp32`` (``model.lm_head_fp32``): vLLM's lm_head in fp32, as the trainer scores
+          (``hf_overrides: {head_dtype: float32}``, vLLM 0.32's ``ModelConfig.head_dtype``), merged
+          into any ``hf_overrides`` the recipe sets;
+        * not ``hf_weights`` (the model directory holds a Megatron checkpoint): the engine starts
+          empty (``load_format: dummy``) and the first push fills it, unless the recipe sets a
+          ``load_format`` itself."""
+        vllm = dict(self.vllm)
+        if lm_head_fp32:
+            vllm["hf_overrides"] = {"head_dtype": "float32", **(vllm.get("hf_overrides") or {})}
+        if not hf_weights:
+            vllm.setdefault("load_format", "dummy")
+        return dataclasses.replace(self, vllm=vllm)

@@ -31,7 +31,6 @@ is what the trainer's temperature-scaled log-probs are compared with.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -41,34 +40,11 @@ import torch
 
 from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.types import Completion, Prompt
+from megatron_gtpo.utils.vllm_reload import reload_model
 
 _SEED_SPACE = 2**31 - 1
 _REQUIRED_LOGPROBS_MODE = "processed_logprobs"
 _PINNED: list = []  # engines whose shutdown would destroy a process group they did not create
-RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-
-
-class ExpectedReloadMisses(logging.Filter):
-    """Drops vLLM's ``<Layer>: Failed to load weights`` warning, printed on every push, for the
-    layers a push never carries: rotary embeddings (a cos/sin cache computed at start-up, not a
-    checkpoint tensor) and the LM head of tied-embedding models (it shares ``embed_tokens``). The
-    warning stays for any other layer; a push that lacks a tensor the engine needs is refused
-    before any byte moves anyway (``sync/checks.py``)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg != "%s: Failed to load weights" or not record.args:
-            return True
-        layer = str(record.args[0])
-        return not (layer.endswith("RotaryEmbedding") or layer == "ParallelLMHead")
-
-
-def quiet_expected_reload_misses() -> None:
-    """Installs :class:`ExpectedReloadMisses` on vLLM's reload logger of this process (once)."""
-    logger = logging.getLogger(RELOAD_LOGGER)
-    if not any(isinstance(f, ExpectedReloadMisses) for f in logger.filters):
-        logger.addFilter(ExpectedReloadMisses())
-
-
 def engine_kwargs(model_dir: str, vllm_kwargs: dict | None, seed: int) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM``: the caller's ``vllm_kwargs`` plus the values this module
     depends on. Raises ValueError when the caller's settings contradict them."""
@@ -348,34 +324,6 @@ class RolloutEngine:
 def _reload(worker, *, weights, sharded: bool) -> None:
     """Runs inside vLLM's worker (``collective_rpc``): see :func:`reload_model`."""
     reload_model(worker.model_runner.get_model(), worker.vllm_config.model_config, weights, sharded=sharded)
-
-
-def reload_model(model: torch.nn.Module, model_config, weights: Iterable[tuple[str, torch.Tensor]], *,
-                 sharded: bool = False) -> None:
-    """vLLM's layer-wise in-place reload (what ``reload_weights`` does). ``sharded``: the linear
-    layers' tensors are this engine rank's TP shards; their parameters are then loaded as vLLM loads
-    pre-sharded checkpoints (``is_sharded_weight`` for plain parameters; TP rank 0 of a shard-sized
-    tensor for vLLM's parameter classes, whose loaders always cut ``tp_rank * shard``). The reload
-    state is always finalised, so a failed push leaves no half-initialised layers for the next one."""
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    quiet_expected_reload_misses()  # here: this runs in whichever process holds the vLLM worker
-    initialize_layerwise_reload(model)
-    flagged = [(p, p.__dict__.get("tp_rank")) for m in model.modules() if isinstance(m, LinearBase)
-               for p in m.parameters(recurse=False)] if sharded else []
-    for param, _ in flagged:  # the placeholders initialize_layerwise_reload restored
-        param.is_sharded_weight = True
-        if "tp_rank" in param.__dict__:
-            param.tp_rank = 0
-    try:
-        model.load_weights(weights)
-    finally:
-        finalize_layerwise_reload(model, model_config)
-        for param, tp_rank in flagged:  # the placeholders are reused by the next reload
-            param.__dict__.pop("is_sharded_weight", None)
-            if tp_rank is not None:
-                param.tp_rank = tp_rank
 
 
 def _repack_tied_cpu_gemms(model: torch.nn.Module) -> int:

@@ -1,10 +1,14 @@
 """What the rest of the stack may ask of a rollout engine: the declared protocols (structural types).
 
-    Engine        what RolloutGroup drives on every rank (rollout/group.py): submit -> wait, sleep,
-                  wake_up, close. RolloutEngine (in this process) and RolloutPool (rank 0's pool of
-                  rollout servers) both implement it; nobody asks which one it is.
-    LocalWeights  an engine in this process that a colocated push loads into (sync/colocated.py).
-    ServerPool    rank 0's pool as the separate weight transport drives it (sync/separate.py).
+    Engine         what RolloutGroup drives on every rank (rollout/group.py): submit -> wait, sleep,
+                   wake_up, close. RolloutEngine (in this process) and RolloutPool (rank 0's pool of
+                   rollout servers) both implement it; nobody asks which one it is.
+    LocalWeights   an engine in this process that a colocated push loads into (sync/colocated.py);
+                   its EngineWeights part (weight names, dtype, version check) is what every push checks.
+    ServerPool     rank 0's pool as the separate weight transport drives it (sync/separate.py).
+    WeightReceiver the weight side a rollout server is composed with (sync/receiver.py provides it,
+                   cli/rollout_server.py plugs it in): its requests (:class:`Op`), over the
+                   :class:`ServerContext` the server hands it (its engine as :class:`ServedEngine`).
 
 ``submit`` starts one generate call and returns a ticket; ``wait`` returns its completions. An
 engine in this process generates inside ``submit`` (an immediate future: there is nothing on the
@@ -12,19 +16,23 @@ same processes to overlap with); a pool sends the requests and returns, and its 
 while the trainer trains (``rollout.staleness: 1``).
 
 ``sync/`` reaches engines only through these protocols (and the records of rollout/config.py); it
-never imports an engine implementation, and no code tells engine kinds apart by their attributes
-(tests/unit/test_layering.py).
+never imports an engine implementation, the pool or the server, and no code tells engine kinds
+apart by their attributes (tests/unit/test_layering.py). What crosses the network is declared
+elsewhere: the generate requests in rollout/messages.py, the push requests in sync/wire.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.types import Completion, Prompt
+from megatron_gtpo.utils.rendezvous import KeyValueHost
 
 
 class Engine(Protocol):
@@ -51,8 +59,9 @@ class Engine(Protocol):
         """Releases the engine."""
 
 
-class LocalWeights(Protocol):
-    """An engine in this process, as a colocated weight push loads into it."""
+class EngineWeights(Protocol):
+    """What every push checks against, whichever way it loads: the engine's weight names, dtype and
+    served version."""
 
     @property
     def model_dir(self) -> str:
@@ -62,12 +71,16 @@ class LocalWeights(Protocol):
     def dtype(self) -> torch.dtype:
         """The engine's weight dtype (pushes are cast to it)."""
 
+    def check_version(self, version: int) -> None:
+        """Raises ValueError unless ``version`` may follow the served one."""
+
+
+class LocalWeights(EngineWeights, Protocol):
+    """An engine in this process, as a colocated weight push loads into it."""
+
     @property
     def tensor_parallel_size(self) -> int:
         """Ranks one engine spans (vLLM's TP): what each rank receives depends on it (sync/shards.py)."""
-
-    def check_version(self, version: int) -> None:
-        """Raises ValueError unless ``version`` may follow the served one."""
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
                      sharded: bool = False) -> None:
@@ -78,22 +91,86 @@ class LocalWeights(Protocol):
 class ServerPool(Protocol):
     """Rank 0's pool of rollout servers, as the separate weight transport drives a push.
 
-    Requests are the push's steps, in order: ``join`` (every server's workers join their transfer
-    group), ``plan`` (the whole push checked before any byte moves), ``receive`` (buckets arrive over
-    the transfer group into the server's staging), ``commit`` or ``abort``. Every server answers its
-    requests in order; failures raise RuntimeError (a server that is gone, timed out or refused),
-    which the transport collects per server address."""
+    A push is a few requests (sync/wire.py), each sent to every server before any answer is awaited,
+    so the servers work in parallel: ``join`` (each server's worker 0 joins its transfer group),
+    ``plan`` (the whole push checked before any byte moves), ``receive`` (buckets arrive over the
+    transfer group into the server's staging), ``commit`` or ``abort``. Every server answers its
+    requests in order. Failures never raise here: they come back by server address (a server that
+    is gone, timed out or refused), and the transport decides for the whole push."""
 
-    @property
     def servers(self) -> list[tuple[str, dict]]:
         """``(address, hello info)`` of every server, in pool order; the info holds at least the
-        engine's ``tp`` (its workers' ranks in the transfer group) and its served ``version``."""
+        engine's ``tp`` and its served ``version``."""
+
+    secret_path: Path | str
+    """The job-secret file the servers were started with: the senders read it to join the transfer
+    groups (its contents never travel)."""
 
     def drain(self) -> None:
-        """Waits for the generate call in flight, if any: a push never overlaps a generation."""
+        """Waits for the generate call in flight, if any: a push never overlaps a generation (raises
+        the call's own failure)."""
 
-    def post(self, address: str, request: str, *args: Any) -> None:
-        """Sends one push request to one server without waiting for its answer."""
+    def post(self, op: str, args: dict, *, skip: Sequence[str] = ()) -> dict[str, str]:
+        """Sends request ``op`` with ``args`` to every server whose address is not in ``skip``,
+        without waiting; the failures by address."""
 
-    def answer(self, address: str, timeout_s: float | None = None) -> Any:
-        """The answer to the oldest request posted to that server (waits up to ``timeout_s``)."""
+    def collect(self, *, skip: Sequence[str] = (), timeout_s: float | None = None) -> dict[str, str]:
+        """Takes the answer of every server (not in ``skip``) with a request outstanding, waiting up
+        to ``timeout_s`` each (None: the pool's timeout); the failures by address."""
+
+
+# ------------------------------------------------------------------------ inside a rollout server
+
+class ServedEngine(EngineWeights, Protocol):
+    """A rollout server's engine, as its weight receiver drives it (vLLM's weight-transfer calls run
+    in the engine's workers through :meth:`rpc`)."""
+
+    @property
+    def weight_version(self) -> int:
+        """The version being served."""
+
+    def rpc(self, method: str, **kwargs) -> list:
+        """vLLM's ``collective_rpc`` of ``method`` on every worker of the engine."""
+
+    def loaded(self, version: int, *, ok: bool) -> None:
+        """Records a reload the workers made themselves: serves ``version`` when ``ok``, else refuses
+        to generate until a later load succeeds."""
+
+
+Handler = Callable[[dict, list], "tuple[dict, list] | dict | None"]
+"""A request handler: (schema-checked args, blobs) -> result dict (and blobs) or None."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """One request a rollout server answers: the schema of its ``args`` (utils/channel.py ``check``)
+    and its handler."""
+
+    schema: dict
+    handle: Handler
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerContext:
+    """What a weight receiver gets from the server it is composed into."""
+
+    engine: ServedEngine
+    rendezvous: KeyValueHost
+    """Open it (``with ctx.rendezvous.open(join_id, timeout_s=...)``) while a transfer group forms."""
+    address: tuple[str, int]
+    """Where this server's vLLM workers reach its port (for the rendezvous)."""
+    timeout_s: float
+    """Longest wait inside one request (transfer-group rendezvous, one bucket)."""
+
+
+class WeightReceiver(Protocol):
+    """The weight side of a rollout server (``sync/receiver.py`` provides one)."""
+
+    vllm_kwargs: dict
+    """Merged into the engine's ``vllm.LLM`` arguments (weight-transfer backend, worker extension)."""
+
+    def bind(self, ctx: ServerContext) -> dict[str, Op]:
+        """Its requests by name, over the built engine."""
+
+    def drop(self) -> None:
+        """The trainer went away: nothing staged survives it."""

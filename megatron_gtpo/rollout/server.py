@@ -1,41 +1,41 @@
-"""A rollout server: one vLLM engine (of any TP) serving generate requests and weight pushes.
+"""A rollout server: one vLLM engine (of any TP) serving one trainer's generate requests and weight pushes.
 
 Started by ``megatron-gtpo rollout-server`` (one per rollout node under ``slurm/train.sbatch`` with
-``ROLLOUT_NODES``, or spawned on localhost by trainer rank 0). It serves one trainer connection at
-a time, one request at a time, so a push never overlaps a generate and the engine serves exactly
-one weight version at a time::
+``ROLLOUT_NODES``, or on localhost by trainer rank 0). It listens on one port of the job's own
+interface and speaks only the authenticated, data-only channel of :mod:`megatron_gtpo.utils.channel`
+(every connection proves the job's secret; nothing is unpickled; docs/security.md):
 
-    trainer rank 0 (control, TCP)                 server
-    ("hello",)                           -->      host, served version, engine dtype, engine TP
-    ("join", prefix, world, offset)      -->      every vLLM worker joins the transfer group
-    ("generate", prompts, seeds, ...)    -->      (version, completions)
-    ("plan", version, [TensorMeta])      -->      the whole push checked before any byte moves
-    ("receive", version, buckets, ...)   -->      buckets arrive from the trainer's senders over the
-                                                  transfer group into host staging ("received")
-    ("commit", version) / ("abort",)     -->      staged push loaded (serves version) / dropped
-    ("close",)                           -->      exit
+* one **control** connection at a time, the trainer's (rank 0): requests are answered one at a
+  time, in order, so a push never overlaps a generate and the engine serves exactly one weight
+  version at a time. A second control connection while one is served is refused (no takeover);
+  when the trainer goes away, whatever it had staged is dropped and the next one may connect;
+* **store** connections: the rendezvous of a transfer group (:mod:`megatron_gtpo.utils.rendezvous`),
+  open only while a ``join`` runs;
+* anything else (no or a wrong secret, a malformed, oversized or forged frame, a request of the
+  wrong shape) is refused and logged, and the server goes on serving its trainer.
 
-The transfer group rendezvous is a TCP store the server hosts at ``port + 1``. Weights move through
-vLLM 0.32's stateful weight-transfer API with this package's ``mgtpo_staged`` backend
-(:mod:`megatron_gtpo.sync.receiver`).
+Requests: ``hello``, ``generate`` and ``close`` here (rollout/messages.py); the weight requests come
+from a :class:`~megatron_gtpo.rollout.protocol.WeightReceiver` the program composes in
+(``sync/receiver.py``: join, plan, receive, commit, abort), so this module knows nothing of how
+weights travel.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import socket
+import threading
 import traceback
 from dataclasses import dataclass, field
-from multiprocessing.connection import Listener
 
+import megatron_gtpo.rollout.messages as msg
 from megatron_gtpo.rollout.engine import RolloutEngine
-from megatron_gtpo.sync import receiver
-from megatron_gtpo.sync.checks import WeightPushError, WeightSpec, check_plan
-from megatron_gtpo.sync.shards import TensorMeta
-from megatron_gtpo.sync.wire import AUTHKEY, tcp_store
+from megatron_gtpo.rollout.protocol import Op, ServerContext, WeightReceiver
+from megatron_gtpo.utils.channel import Channel, ChannelError, FrameError, Listener, SchemaError, check
+from megatron_gtpo.utils.rendezvous import KeyValueHost
 
 log = logging.getLogger("megatron_gtpo.rollout_server")
-
 
 @dataclass(frozen=True, kw_only=True)
 class ServerSpec:
@@ -49,10 +49,11 @@ class ServerSpec:
     """Engine seed."""
     request_seeds: bool = True
     """Seed every request (``rollout.request_seeds``, resolved where the server runs)."""
-    host: str = "0.0.0.0"
-    """Address to listen on."""
+    host: str = "127.0.0.1"
+    """Address to listen on: the job's own interface (cli/rollout_server.py picks it), never all."""
     port: int = 29650
-    """Control port; the transfer-group store listens on ``port + 1``."""
+    """The one port of the server: control and transfer-group rendezvous (0: any free port, printed
+    as ``rollout-server listening on HOST:PORT`` before the engine starts)."""
     timeout_s: float = 900.0
     """Longest wait inside one request (transfer-group rendezvous, one bucket)."""
 
@@ -60,93 +61,101 @@ class ServerSpec:
 class RolloutServer:
     """The engine plus the request loop (see the module docstring)."""
 
-    def __init__(self, spec: ServerSpec):
-        self.spec = spec
-        kwargs = {**spec.vllm, "weight_transfer_config": {"backend": receiver.BACKEND},
-                  "worker_extension_cls": f"{receiver.__name__}.StagedReceiverExtension"}
+    def __init__(self, spec: ServerSpec, *, secret: bytes, receiver: WeightReceiver | None = None):
+        self.spec, self._receiver = spec, receiver
+        self.rendezvous = KeyValueHost()
+        self._control: queue.Queue[Channel] = queue.Queue()
+        self._busy = threading.Lock()  # held while a trainer is served (a second one is refused)
+        # The port first (``port`` 0: any free one): held from the start, it cannot be taken while the
+        # engine loads. A trainer that connects meanwhile is answered once the engine is up.
+        self.listener = Listener(spec.host, spec.port, secret, route=self._route, log=log)
+        self.port = self.listener.address[1]
+        print(f"rollout-server listening on {spec.host}:{self.port}", flush=True)
+        kwargs = {**spec.vllm, **(receiver.vllm_kwargs if receiver else {})}
         self.engine = RolloutEngine(model_dir=spec.model_dir, vllm_kwargs=kwargs, seed=spec.seed,
                                     request_seeds=spec.request_seeds)
-        self.weights = WeightSpec.from_model_dir(spec.model_dir, dtype=self.engine.dtype)
-        self.store = tcp_store(spec.host, spec.port + 1, is_master=True, timeout_s=spec.timeout_s)
-        self.listener = Listener((spec.host, spec.port), authkey=AUTHKEY)
-        self.session = False  # a weight update is open in the workers
-        self.name = f"{socket.gethostname()}:{spec.port}"
+        self.ops = {"hello": Op(msg.HELLO, self._on_hello), "generate": Op(msg.GENERATE, self._on_generate)}
+        local = "127.0.0.1" if spec.host in ("0.0.0.0", "") else spec.host
+        if receiver is not None:
+            self.ops.update(receiver.bind(ServerContext(engine=self.engine, rendezvous=self.rendezvous,
+                                                        address=(local, self.port), timeout_s=spec.timeout_s)))
+        self.name = f"{socket.gethostname()}:{self.port}"
 
     def run(self) -> None:
         """Serves trainer connections until one sends ``close``."""
-        log.info("rollout server %s ready (engine TP=%s, %s)", self.name,
+        log.info("rollout server %s ready on %s:%d (engine TP=%s, %s)", self.name, self.spec.host, self.port,
                  self.spec.vllm.get("tensor_parallel_size", 1), self.spec.model_dir)
         print(f"rollout-server ready on {self.name}", flush=True)
-        while True:
-            with self.listener.accept() as conn:
-                if self._serve(conn):
-                    break
-        self.listener.close()
+        try:
+            while True:
+                channel = self._control.get()
+                try:
+                    if self._serve(channel):
+                        break
+                finally:
+                    channel.close()
+                    self._busy.release()
+        finally:
+            self.listener.close()
 
-    def _serve(self, conn) -> bool:
+    def _route(self, channel: Channel) -> None:
+        """An authenticated connection's first frame: which role it plays (listener thread)."""
+        hello = channel.recv(timeout_s=10.0).header
+        role = hello.get("role")
+        if role == "store" and isinstance(hello.get("join"), str):
+            self.rendezvous.serve(channel, hello["join"])
+        elif role == "control" and self._busy.acquire(blocking=False):
+            channel.send({"ok": True})
+            self._control.put(channel)
+        else:
+            reason = "this server already serves a trainer" if role == "control" else f"unknown role {role!r}"
+            self.listener.refuse(channel.peer, reason)
+            channel.send({"ok": False, "error": reason})
+            channel.close()
+
+    def _serve(self, channel: Channel) -> bool:
         """One trainer connection; True when it asked the server to exit."""
-        while True:
-            try:
-                request = conn.recv()
-            except (EOFError, OSError):
-                self._drop()  # the trainer went away: nothing staged survives it
-                return False
-            if request[0] == "close":
-                conn.send(("ok", None))
-                return True
-            try:
-                reply = ("ok", getattr(self, f"_on_{request[0]}")(*request[1:]))
-            except BaseException as err:  # noqa: BLE001 - reported to the trainer, which raises
-                reply = ("error", f"{type(err).__name__}: {err}", traceback.format_exc(limit=8))
-            conn.send(reply)
+        log.info("serving the trainer at %s", channel.peer)
+        try:
+            while True:
+                try:
+                    message = channel.recv()
+                except FrameError as err:  # the stream cannot be trusted any more: drop this connection
+                    log.warning("refused %s: %s; connection closed", channel.peer, err)
+                    return False
+                op = message.header.get("op")
+                if op == "close":
+                    channel.send({"ok": True, "result": {}})
+                    return True
+                channel.send(*self._answer(op, message))
+        except ChannelError as err:
+            log.info("trainer at %s went away (%s)", channel.peer, err)
+            return False
+        finally:
+            if self._receiver is not None:
+                self._receiver.drop()
 
-    def _on_hello(self) -> dict:
+    def _answer(self, op, message) -> tuple[dict, list]:
+        try:
+            check({k: v for k, v in message.header.items() if k != "blobs"}, msg.REQUEST, "request")
+            if op not in self.ops:
+                raise SchemaError(f"unknown request {op!r}")
+            check(message.header["args"], self.ops[op].schema, op)
+            out = self.ops[op].handle(message.header["args"], message.blobs)
+        except SchemaError as err:
+            log.warning("refused a malformed request from the trainer: %s", err)
+            return {"ok": False, "kind": "ProtocolError", "message": str(err), "trace": ""}, []
+        except BaseException as err:  # noqa: BLE001 - reported to the trainer, which raises
+            return {"ok": False, "kind": type(err).__name__, "message": str(err),
+                    "trace": traceback.format_exc(limit=8)}, []
+        result, blobs = out if isinstance(out, tuple) else (out or {}, [])
+        return {"ok": True, "result": result}, blobs
+
+    def _on_hello(self, args: dict, blobs: list) -> dict:
         return {"host": self.name, "version": self.engine.weight_version, "dtype": str(self.engine.dtype),
                 "tp": int(self.spec.vllm.get("tensor_parallel_size", 1)), "model_dir": self.spec.model_dir}
 
-    def _on_join(self, prefix: str, world: int, rank_offset: int) -> None:
-        host = "127.0.0.1" if self.spec.host in ("0.0.0.0", "") else self.spec.host
-        self.engine.rpc("init_weight_transfer_engine", init_info=dict(
-            host=host, port=self.spec.port + 1, prefix=prefix, world=world, rank_offset=rank_offset,
-            timeout_s=self.spec.timeout_s))
-
-    def _on_generate(self, prompts, seeds, sampling: dict):
-        return self.engine.weight_version, self.engine.sample(prompts, seeds=seeds, **sampling)
-
-    def _on_plan(self, version: int, metas: list[TensorMeta]) -> None:
-        self.engine.check_version(version)
-        check_plan(self.weights, metas, version=version)
-
-    def _on_receive(self, version: int, buckets: list, senders: dict) -> int:
-        self._drop()
-        self.engine.rpc("start_weight_update")
-        self.session = True
-        try:
-            self.engine.rpc("update_weights", update_info=dict(version=version, buckets=buckets, senders=senders))
-        except BaseException:
-            self.session = False  # vLLM ends the update session when update_weights raises
-            raise
-        return len(buckets)
-
-    def _on_commit(self, version: int) -> int:
-        if not self.session:
-            raise WeightPushError(f"commit of v{version} without a complete transfer")
-        self.session = False
-        try:
-            self.engine.rpc("finish_weight_update")
-        except BaseException:
-            self.engine.loaded(version, ok=False)
-            raise
-        self.engine.loaded(version, ok=True)
-        return version
-
-    def _on_abort(self) -> int:
-        self._drop()
-        return self.engine.weight_version
-
-    def _drop(self) -> None:
-        """Ends an open weight update without loading it (the engine keeps its version)."""
-        if self.session:
-            self.engine.rpc("mgtpo_discard_staged")
-            self.engine.rpc("finish_weight_update")
-            self.session = False
+    def _on_generate(self, args: dict, blobs: list) -> tuple[dict, list]:
+        prompts, seeds, sampling = msg.decode_generate(args, blobs)
+        version = self.engine.weight_version
+        return msg.encode_completions(version, self.engine.sample(prompts, seeds=seeds, sampling=sampling))

@@ -9,14 +9,16 @@ engine; ``colocated`` (engines in the trainer processes, TP=k over k ranks) and 
 pool of rollout servers, ``receiver.py`` on the servers) are the transports. The engines come from
 :mod:`megatron_gtpo.rollout` and are reached only through ``rollout/protocol.py``.
 
-``build`` and ``separate`` are not imported here: ``rollout/pool.py`` still imports this package, and
-``separate`` imports the pool (``receiver`` imports vLLM).
+``receiver`` (the servers' side, which registers a vLLM weight-transfer backend) is not imported
+here: it imports vLLM, and only the rollout-server program composes it in.
 """
 
 from megatron_gtpo.sync.base import ExportPlan, PushSource, SyncStats, WeightSync
+from megatron_gtpo.sync.build import build_weight_sync
 from megatron_gtpo.sync.checks import WeightPushError, WeightSpec, check_plan
 from megatron_gtpo.sync.colocated import ColocatedSync
 from megatron_gtpo.sync.config import SyncConfig
+from megatron_gtpo.sync.separate import PoolSync
 
-__all__ = ["ColocatedSync", "ExportPlan", "PushSource", "SyncConfig", "SyncStats", "WeightPushError", "WeightSpec",
-           "WeightSync", "check_plan"]
+__all__ = ["ColocatedSync", "ExportPlan", "PoolSync", "PushSource", "SyncConfig", "SyncStats", "WeightPushError",
+           "WeightSpec", "WeightSync", "build_weight_sync", "check_plan"]

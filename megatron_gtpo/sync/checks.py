@@ -24,15 +24,14 @@ from pathlib import Path
 import torch
 
 from megatron_gtpo.convert import mapping as mp
+from megatron_gtpo.errors import WeightPushError
+
+__all__ = ["Bucket", "WeightPushError", "WeightSpec", "check_plan", "checked_stream", "sharded_shapes"]
 
 Bucket = list[tuple[str, torch.Tensor]]
 """One exporter bucket: HF parameter names with full (unsharded) tensors."""
 
 _MAX_LISTED = 4  # names quoted per error kind; the counts are always complete
-
-
-class WeightPushError(RuntimeError):
-    """A push was rejected before it reached vLLM; the engine still serves its previous version."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,7 +37,8 @@ class SyncConfig:
     on its own node."""
 
     server_port: int = 29650
-    """Port a rollout server listens on (its transfer-group rendezvous uses the next one)."""
+    """The one port a rollout server listens on: its authenticated control channel and, during a
+    join, its transfer-group rendezvous (docs/security.md)."""
 
     local_servers: int = 1
     """Rollout servers trainer rank 0 starts on localhost when no server address is known."""

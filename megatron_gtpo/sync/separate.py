@@ -3,14 +3,21 @@
     every rank    the push plan: buckets of whole parameters of one pipeline stage (shards.plan_buckets)
     rank 0        waits for a generate call in flight (``rollout.staleness: 1``): it finishes on the
                   weights it started with, then the push begins (a server serves one version at a time)
-    rank 0        ("plan", ...) to every server: the whole push checked before any byte moves
-    senders       TP rank 0 of DP replica 0 of each stage gathers its stage's buckets one at a time
-                  into one reused buffer and sends each to every server (one transfer group per
-                  server: NCCL on GPU, gloo on CPU), all servers at once
-    servers       stage what arrives in host memory (sync/receiver.py), answer "received"
+    rank 0        ``plan`` to every server: the whole push checked before any byte moves
+    senders       TP rank 0 of the first weight copy (DP x CP rank 0) of each stage gathers its stage's buckets one at a time
+                  into one reused buffer and sends each bucket **once per server**, to the server's
+                  vLLM worker 0 (one transfer group per server: NCCL on GPU, gloo on CPU), all
+                  servers at once
+    servers       stage what arrives once per server in shared host memory (sync/staging.py); every
+                  vLLM worker of the server loads its part from there at the commit
     rank 0        every rank reports its failures (gloo control group); commit everywhere, or abort
                   everywhere: a push that fails anywhere before the commit leaves every server on
                   its previous version, and the step fails naming the failed server's host
+
+Traffic per push: one copy of the model per server from the senders (the sum of the buckets'
+packed sizes), whatever the engine TP. The pool is reached only through its declared protocol
+(:class:`~megatron_gtpo.rollout.protocol.ServerPool`: ``servers``, ``secret_path``, ``drain``,
+``post``, ``collect``); the requests are those of ``sync/wire.py``.
 
 A sender whose export fails keeps sending (its buffer's stale bytes) so that no server waits for a
 bucket that never comes; the push is aborted anyway. A server that dies is skipped by the senders
@@ -22,49 +29,58 @@ reported, while the others may already serve the new version.
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict
 
 import torch
 
-from megatron_gtpo.parallel.collectives import comm_device
+from megatron_gtpo.errors import ServerError, WeightPushError
 from megatron_gtpo.parallel import control
+from megatron_gtpo.parallel.collectives import comm_device
+from megatron_gtpo.rollout.protocol import ServerPool
+import megatron_gtpo.sync.wire as wire
 from megatron_gtpo.sync.base import ExportPlan, PushSource, PushTimer, SyncStats, WeightSync
-from megatron_gtpo.sync.checks import WeightPushError
-from megatron_gtpo.rollout.pool import RolloutPool, ServerError
 from megatron_gtpo.sync.shards import BucketPlan, push_bytes
-from megatron_gtpo.sync.wire import open_group, tcp_store
+from megatron_gtpo.utils.secret import load_secret
 
 
 class PoolSync(WeightSync):
-    """Pushes into every server of a :class:`RolloutPool` (``pool`` is None except on rank 0)."""
+    """Pushes into every server of a pool (``pool`` is None except on rank 0)."""
 
     mode = "senders"
 
-    def __init__(self, pool: RolloutPool | None, export: ExportPlan, *, timeout_s: float):
+    def __init__(self, pool: ServerPool | None, export: ExportPlan, *, timeout_s: float):
         super().__init__(export)
         self._pool, self._timeout = pool, timeout_s
         dims = export.dims
-        self.servers = control.broadcast_object([(link.address, link.info) for link in pool.links] if pool else None)
+        self.servers = control.broadcast_object(pool.servers() if pool else None)
         """(address, hello info) of every server, on every rank."""
         self._stage = dims.pp_rank if dims.tp_rank == 0 and dims.first_copy else None
-        self._groups = self._join(prefix=control.broadcast_object(f"mgtpo-{uuid.uuid4().hex}"), stages=dims.pp)
+        self.sent_bytes = 0
+        """Bytes this rank sent to the servers so far (all pushes; 0 on non-senders)."""
+        secret_file = control.broadcast_object(str(pool.secret_path) if pool else None)
+        self._groups = self._join(join_id=control.broadcast_object(f"mgtpo-{uuid.uuid4().hex}"), stages=dims.pp,
+                                  secret_file=secret_file)
 
-    def _join(self, *, prefix: str, stages: int) -> list:
+    def _join(self, *, join_id: str, stages: int, secret_file: str) -> list:
         """One transfer group per server: the senders (group ranks 0..stages-1) and the server's
-        vLLM workers (the next ``tp`` ranks). Every server joins in parallel."""
-        if self._pool is not None:
-            for index, link in enumerate(self._pool.links):
-                link.send(("join", f"{prefix}/{index}", stages + link.info["tp"], stages))
-        groups = []
+        worker 0 (rank ``stages``). Every server joins in parallel; any failure fails every rank."""
+        failures = self._pool.post("join", {"join": join_id, "senders": stages}) if self._pool else {}
+        groups, error = [], None
         if self._stage is not None:
-            for index, (address, info) in enumerate(self.servers):
-                host, _, port = address.rpartition(":")
-                store = tcp_store(host, int(port) + 1, is_master=False, timeout_s=self._timeout)
-                groups.append(open_group(store, prefix=f"{prefix}/{index}", rank=self._stage, world=stages + info["tp"],
-                                         timeout_s=self._timeout, device=comm_device()))
+            try:
+                secret = load_secret(secret_file)
+                for address, _ in self.servers:
+                    host, _, port = address.rpartition(":")
+                    groups.append(wire.join_group((host, int(port)), secret=secret, join_id=join_id, senders=stages,
+                                                  rank=self._stage, timeout_s=self._timeout, device=comm_device()))
+            except Exception as err:  # noqa: BLE001 - every rank raises it below
+                error = f"{type(err).__name__}: {err}"
         if self._pool is not None:
-            for link in self._pool.links:
-                link.recv()
+            failures.update(self._pool.collect())
+        failures = {k: v for part in control.all_gather_object(failures) for k, v in part.items()}
+        errors = [e for e in control.all_gather_object(error) if e]
+        if failures or errors:
+            listed = "; ".join([f"{where}: {msg}" for where, msg in failures.items()] + errors)
+            raise ServerError(f"the rollout servers' transfer groups could not be set up: {listed}")
         return groups
 
     def push(self, source: PushSource, *, version: int) -> SyncStats:
@@ -72,21 +88,18 @@ class PoolSync(WeightSync):
         timer = PushTimer()
         plan = source.buckets(self.bucket_bytes)
         metas = [m for bucket in plan for m in bucket.tensors]
-        self._decide(waited or self._on_servers(("plan", version, metas)), version)
+        self._decide(waited or self._on_servers("plan", wire.plan_args(version, metas)), version)
         timer.phase("plan")
-        if self._pool is not None:
-            wire = [(b.owner, b.nbytes, [asdict(m) for m in b.tensors]) for b in plan]
-            for link in self._pool.links:
-                link.send(("receive", version, wire, {stage: stage for stage in range(self._export.dims.pp)}))
-        failures = self._stream(source, plan)
-        if self._pool is not None:
-            failures.update(self._on_servers(None))
+        failures = self._pool.post("receive", wire.receive_args(version, plan)) if self._pool else {}
+        failures.update(self._stream(source, plan, skip=failures))
+        if self._pool is not None:  # every answer, so none is left pending (a dead server's fails at once)
+            failures.update(self._pool.collect())
         failures = {k: v for part in control.all_gather_object(failures) for k, v in part.items()}
         timer.phase("transfer")  # export, packing, the sends and every server's staging
         if failures:
-            self._on_servers(("abort",), skip=failures, timeout_s=60)
+            self._on_servers("abort", {}, skip=failures, timeout_s=60)
             self._decide(failures, version, what="aborted on every server; they keep serving the previous version")
-        self._decide(self._on_servers(("commit", version)), version, what="commit failed")
+        self._decide(self._on_servers("commit", {"version": version}), version, what="commit failed")
         timer.phase("load")  # every server's vLLM reload from its staging
         return timer.stats(version=version, num_tensors=len(metas), num_bytes=push_bytes(metas))
 
@@ -100,9 +113,9 @@ class PoolSync(WeightSync):
             return {"generate call in flight": str(err)}
         return {}
 
-    def _stream(self, source: PushSource, plan: list[BucketPlan]) -> dict[str, str]:
+    def _stream(self, source: PushSource, plan: list[BucketPlan], *, skip: dict) -> dict[str, str]:
         """Packs and sends every bucket (senders), or takes part in the packing gathers."""
-        failures: dict[str, str] = {}
+        failures: dict[str, str] = dict(skip)
         mine = [b.nbytes for b in plan if b.owner == self._stage]
         buffer = torch.empty(max(mine), dtype=torch.uint8, device=comm_device()) if mine else None
         for bucket in plan:
@@ -116,39 +129,31 @@ class PoolSync(WeightSync):
         return failures
 
     def _send(self, data: torch.Tensor, failures: dict[str, str]) -> None:
-        """One bucket to every live server at once."""
-        works, stages = [], self._export.dims.pp
-        for (address, info), group in zip(self.servers, self._groups):
+        """One bucket to every live server at once: one send per server, to its worker 0."""
+        works, receiver = [], self._export.dims.pp
+        for (address, _), group in zip(self.servers, self._groups):
             if address in failures:
                 continue
             try:
-                works += [(address, group.send([data], stages + worker, 0)) for worker in range(info["tp"])]
+                works.append((address, group.send([data], receiver, 0)))
             except RuntimeError as err:
                 failures[address] = f"send failed: {err}"
         for address, work in works:
             try:
                 work.wait()
+                self.sent_bytes += data.numel()
             except RuntimeError as err:
                 failures.setdefault(address, f"send failed: {err}")
 
-    def _on_servers(self, request: tuple | None, *, skip: dict | None = None, timeout_s: float | None = None
+    def _on_servers(self, op: str, args: dict, *, skip: dict | None = None, timeout_s: float | None = None
                     ) -> dict[str, str]:
-        """Rank 0 sends ``request`` to every server (not in ``skip``) at once, then collects every
-        answer (``request`` None: only collects), so the servers work in parallel; returns the
-        failures by address."""
-        links = [k for k in (self._pool.links if self._pool is not None else []) if not (skip and k.address in skip)]
-        failures: dict[str, str] = {}
-        for link in links if request is not None else []:
-            try:
-                link.send(request)
-            except ServerError as err:
-                failures[link.address] = str(err)
-        for link in links:
-            if link.address not in failures:
-                try:
-                    link.recv(timeout_s)
-                except (ServerError, WeightPushError) as err:
-                    failures[link.address] = str(err)
+        """Rank 0 sends ``op`` to every server (not in ``skip``) at once, then collects every answer,
+        so the servers work in parallel; the failures by address (empty on other ranks)."""
+        if self._pool is None:
+            return {}
+        skip = dict(skip or {})
+        failures = self._pool.post(op, args, skip=skip)
+        failures.update(self._pool.collect(skip={**skip, **failures}, timeout_s=timeout_s))
         return failures
 
     def _decide(self, failures: dict[str, str], version: int, what: str = "rejected before any byte moved") -> None:

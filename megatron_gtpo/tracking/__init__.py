@@ -73,8 +73,8 @@ from dataclasses import dataclass
 
 from megatron_gtpo.tracking.reporter import Reporter, sample_table, step_metrics
 from megatron_gtpo.tracking.tracker import FlushReport, Tracker
-from megatron_gtpo.tracking.uri import check_tracking_uri, resolve_uri
-from megatron_gtpo.utils.configuration import require
+from megatron_gtpo.tracking.uri import check_tracking_uri, redact_uri, resolve_uri, uri_password
+from megatron_gtpo.utils.configuration import ConfigError, require
 
 __all__ = ["FlushReport", "Reporter", "Tracker", "TrackingConfig", "check_tracking_uri", "resolve_uri", "sample_table", "step_metrics"]
 
@@ -86,7 +86,10 @@ class TrackingConfig:
     enabled: bool = True
     """Log to MLflow at all (rank 0 only)."""
     uri: str | None = None
-    """Tracking URI; None = $MLFLOW_TRACKING_URI if set, else sqlite:///<output_dir>/mlflow.db."""
+    """Tracking URI; None = $MLFLOW_TRACKING_URI if set, else sqlite:///<output_dir>/mlflow.db. No
+    password in it (it is written to config.yaml and the MLflow params): MLflow takes credentials
+    from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD / MLFLOW_TRACKING_TOKEN, or put the
+    whole URI in $MLFLOW_TRACKING_URI (docs/security.md)."""
     experiment: str = "megatron-gtpo"
     """MLflow experiment name (created when missing)."""
     run_name: str | None = None
@@ -103,6 +106,11 @@ class TrackingConfig:
     fails twice in a row ends the wait at once. The rest stays in <output_dir>/tracking/."""
 
     def __post_init__(self):
+        if self.uri and uri_password(self.uri):
+            raise ConfigError(f"uri={redact_uri(self.uri)!r} holds a password, which would be written to config.yaml "
+                              "and MLflow: remove it and export MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD (or "
+                              "MLFLOW_TRACKING_TOKEN), or leave tracking.uri unset and export the full "
+                              "MLFLOW_TRACKING_URI")
         require(self.samples_every >= 0, "samples_every", self.samples_every, ">= 0")
         require(self.num_samples >= 1, "num_samples", self.num_samples, ">= 1")
         require(self.request_timeout_s >= 1, "request_timeout_s", self.request_timeout_s, "an integer >= 1")

@@ -16,6 +16,7 @@ from pathlib import Path
 from megatron_gtpo.tracking.journal import TERMINAL, Journal, backlog, locked_journal
 from megatron_gtpo.tracking.publisher import Publisher, configure_http
 from megatron_gtpo.tracking.tracker import FlushReport
+from megatron_gtpo.tracking.uri import redact_uri
 from megatron_gtpo.utils.configuration import ConfigError
 
 log = logging.getLogger("megatron_gtpo")
@@ -47,7 +48,7 @@ def replay(path: str | Path, *, uri: str | None = None, timeout_s: float = 60.0,
                 break
             except Exception as err:  # noqa: BLE001 - reported, retried until the deadline
                 if time.monotonic() + delay > deadline:
-                    log.error("tracking: %s still fails after %.0fs: %s", journal.snapshot().uri, timeout_s, err)
+                    log.error("tracking: %s still fails after %.0fs: %s", redact_uri(journal.snapshot().uri), timeout_s, err)
                     break
                 time.sleep(delay)
                 delay = min(2 * delay, 15.0)
@@ -71,7 +72,7 @@ def status(path: str | Path) -> str:
     except ConfigError:
         alive = True
     owner = state.owner
-    lines = [f"run        {state.run_id or '(not created yet)'} at {state.uri} (experiment {state.experiment})",
+    lines = [f"run        {state.run_id or '(not created yet)'} at {redact_uri(state.uri)} (experiment {state.experiment})",
              f"journal    {journal.path}: {unsent} record(s) not in MLflow, last checkpoint step {state.committed_step}",
              f"status     wanted {state.status}, in MLflow {state.published_status or '-'}"]
     if alive:

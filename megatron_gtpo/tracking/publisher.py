@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from megatron_gtpo.tracking.journal import TERMINAL, Journal, JournalState, held, superseded
+from megatron_gtpo.tracking.uri import redact_uri
 from megatron_gtpo.utils.atomic import write_text_atomic
 
 log = logging.getLogger("megatron_gtpo")
@@ -88,7 +89,7 @@ class Publisher:
         self.journal.update(run_id=run_id, published_status=run.info.status)
         if self.journal.root.name == "tracking":  # the live journal of a run dir (not a moved-aside one)
             write_text_atomic(self.journal.root.parent / "run_id", run_id)
-        log.info("tracking: MLflow run %s at %s", run_id, state.uri)
+        log.info("tracking: MLflow run %s at %s", run_id, redact_uri(state.uri))
         return run_id
 
     def _send_round(self, run_id: str) -> bool:

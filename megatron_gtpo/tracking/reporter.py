@@ -12,6 +12,7 @@ from megatron_gtpo.parallel.control import broadcast_object
 from megatron_gtpo.tracking.tracker import Tracker
 from megatron_gtpo.utils.atomic import write_text_atomic
 from megatron_gtpo.utils.configuration import write_yaml_atomic
+from megatron_gtpo.utils.secret import private_directory
 
 log = logging.getLogger("megatron_gtpo")
 
@@ -32,7 +33,9 @@ class Reporter:
         self.tracker: Tracker | None = None
         self.committed = -1
         if rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            was = private_directory(self.run_dir)
+            if was is not None:
+                log.info("run directory %s made owner-only (mode %04o -> %04o)", self.run_dir, was, was & 0o700)
             self.tracker = Tracker(config, run_dir=self.run_dir, run_id=run_id, resume_step=resume_step)
         # None while the store has not answered (a resume then takes the id from the journal)
         self.run_id: str | None = broadcast_object(self.tracker.run_id if self.tracker else None)

@@ -15,7 +15,7 @@ from typing import Any
 
 from megatron_gtpo.tracking.journal import TERMINAL, Journal, JournalState, backlog
 from megatron_gtpo.tracking.publisher import configure_http
-from megatron_gtpo.tracking.uri import resolve_uri
+from megatron_gtpo.tracking.uri import redact_uri, resolve_uri
 from megatron_gtpo.tracking.worker import Worker
 from megatron_gtpo.utils.configuration import ConfigError, flatten
 
@@ -172,7 +172,7 @@ class Tracker:
                                artifact_location=(self.run_dir / "mlartifacts").resolve().as_uri() if local else None,
                                journal_id=uuid.uuid4().hex)
         elif old.uri != self.uri:
-            log.warning("tracking: the journal's records went to %s, they now go to %s", old.uri, self.uri)
+            log.warning("tracking: the journal's records went to %s, they now go to %s", redact_uri(old.uri), redact_uri(self.uri))
             old.uri = self.uri
         old.status, old.reason, old.owner = "RUNNING", None, Journal.owner_record()
         self.journal.set_state(old)

@@ -8,6 +8,7 @@ import time
 
 from megatron_gtpo.tracking.journal import Journal
 from megatron_gtpo.tracking.publisher import Publisher
+from megatron_gtpo.tracking.uri import redact_uri
 
 log = logging.getLogger("megatron_gtpo")
 
@@ -112,8 +113,8 @@ class Worker:
                     self.outage_since = time.time()
             self._cv.notify_all()
         if error is None and down_since is not None:
-            log.info("tracking: MLflow at %s answers again after %.0fs; the backlog was sent", self.uri,
+            log.info("tracking: MLflow at %s answers again after %.0fs; the backlog was sent", redact_uri(self.uri),
                      time.time() - down_since)
         elif error is not None and first:
             log.warning("tracking: MLflow at %s failed (%s); training goes on, records are kept in %s and sent "
-                        "when it answers", self.uri, self.last_error, self.journal.path)
+                        "when it answers", redact_uri(self.uri), self.last_error, self.journal.path)

