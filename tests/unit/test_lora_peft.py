@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import peft
 import pytest
 import torch
 
@@ -22,7 +23,6 @@ from megatron_gtpo.train.lora import LoraConfig
 from megatron_gtpo.train.model import build_model, causal_mask
 from tests.tiny_hf import VOCAB_SIZE, save_tiny_hf_model
 
-peft = pytest.importorskip("peft")  # pinned in the test extra (pyproject.toml)
 SEQ = 12
 
 
