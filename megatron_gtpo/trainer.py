@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_gtpo.checkpoint.adapters import lora_start
 from megatron_gtpo.checkpoint.store import Checkpointer, prepare_resume
 from megatron_gtpo.data.dataset import build_dataset
 from megatron_gtpo.parallel.dims import init_distributed
@@ -151,10 +152,11 @@ def build(cfg, *, resume: bool | str) -> Parts:
                             timeout_s=cfg.parallel.timeout_s)
     setup_logging(dims.rank)
     point = prepare_resume(cfg.output_dir, resume)  # before the expensive parts: a bad resume fails in seconds
+    base = lora_start(cfg.model, point and point.path)  # LoRA: rank fits, base hashed, a resume's adapters match it
     spec = cfg.algorithm
-    settings = step_settings(cfg)
     log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
-    learner = Learner.build(cfg.model, cfg.optim, settings=settings, dims=dims, rollout_steps=cfg.train.steps)
+    learner = Learner.build(cfg.model, cfg.optim, settings=step_settings(cfg), dims=dims, rollout_steps=cfg.train.steps,
+                            seed=cfg.train.seed, base=base)
     policy = learner.policy
     rollout_cfg, budget = plan_engine_memory(cfg, model_dir=str(policy.model_dir), world=dims.world)
     if cfg.model.lm_head_fp32:  # the engines sample from the same fp32 head as the trainer
