@@ -100,8 +100,8 @@ class Exporter:
         """Every parameter of the whole pipeline in HF order (gathered once, then cached)."""
         if self._entries is None:
             mine = [(local, layer, tuple(p.shape), str(p.dtype)) for (local, layer), p in self.params.items()]
-            gathered = control.all_gather_object((self.dims.pp_rank, self.dims.tp_rank, self.dims.dp_rank, mine))
-            stages = {pp: items for pp, tp, dp, items in gathered if tp == 0 and dp == 0}
+            gathered = control.all_gather_object((self.dims.pp_rank, self.dims.tp_rank, self.dims.first_copy, mine))
+            stages = {pp: items for pp, tp, first, items in gathered if tp == 0 and first}
             entries = [Entry(local=local, layer=layer, owner=pp, shard_shape=shape, dtype=dtype)
                        for pp, items in sorted(stages.items()) for local, layer, shape, dtype in items]
             self._entries = sorted(entries, key=lambda e: hf_order(e.local, e.layer, self.family))
@@ -109,7 +109,8 @@ class Exporter:
 
     def receives(self, entry: Entry, mode: Mode) -> bool:
         d = self.dims
-        return receives(mode, tp_rank=d.tp_rank, dp_rank=d.dp_rank, pp_rank=d.pp_rank, owner=entry.owner, rank=d.rank)
+        return receives(mode, tp_rank=d.tp_rank, dp_rank=d.dp_rank, pp_rank=d.pp_rank, owner=entry.owner, rank=d.rank,
+                        cp_rank=d.cp_rank)
 
     def metas(self, mode: Mode) -> list[TensorMeta]:
         """What :meth:`tensors` yields on this rank, in order: the push plan, before any byte moves."""
@@ -123,10 +124,10 @@ class Exporter:
 
     def pack(self, bucket: BucketPlan, buffer: torch.Tensor | None) -> bool:
         """``senders`` mode: writes ``bucket`` into ``buffer`` (uint8, >= ``bucket.nbytes``) on its
-        sender, TP rank 0 of data-parallel replica 0 of the owner stage; the stage's other TP ranks
-        of that replica send their shards; everybody else does nothing. True on the sender."""
+        sender, TP rank 0 of data-parallel replica 0 (CP rank 0) of the owner stage; the stage's other
+        TP ranks of that replica send their shards; everybody else does nothing. True on the sender."""
         d = self.dims
-        if d.dp_rank != 0 or d.pp_rank != bucket.owner:
+        if not d.first_copy or d.pp_rank != bucket.owner:
             return False
         metas = iter(bucket.tensors)
         for index in bucket.entries:
@@ -248,9 +249,10 @@ class Exporter:
 
     def _to_first(self, pm, entry: Entry, part: int, meta: TensorMeta, *, pp_group) -> torch.Tensor | None:
         """Full tensors on global rank 0 only: TP gather to TP rank 0 of the owner stage, then a
-        point-to-point send to stage 0 when the owner is another stage."""
+        point-to-point send to stage 0 when the owner is another stage (ranks of DP replica 0 and CP
+        rank 0 only: the other copies of the weights take no part)."""
         d = self.dims
-        if d.dp_rank != 0:
+        if not d.first_copy:
             return None
         tensor = self._gather_hf(pm, entry, part, None, to_all=False) if entry.owner == d.pp_rank else None
         if d.tp_rank != 0:

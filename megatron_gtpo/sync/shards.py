@@ -16,9 +16,9 @@ Delivery modes (:func:`delivery_mode`) say what one rank receives:
   its own way. Shards are broadcast along the pipeline (the same TP rank of every stage). Not for
   families whose checkpoint fuses pieces into one tensor (Phi-3's qkv_proj): vLLM 0.32 cuts a fused
   tensor by its full q/k/v sizes, so it only loads it whole (``full``).
-* ``senders``: the separate rollout pool. TP rank 0 of data-parallel replica 0 of every pipeline
-  stage gathers its own stage's tensors and sends them straight to every server; nobody else
-  receives anything.
+* ``senders``: the separate rollout pool. TP rank 0 of data-parallel replica 0 (and context-parallel
+  rank 0: CP ranks hold the same weights) of every pipeline stage gathers its own stage's tensors
+  and sends them straight to every server; nobody else receives anything.
 * ``first``: global rank 0 gets everything (HF export to disk).
 """
 
@@ -117,13 +117,13 @@ def delivery_mode(*, transport: str, trainer_tp: int, engine_tp: int, family: Fa
     return "local" if engine_tp == trainer_tp and trainer_tp > 1 and not family.fused else "full"
 
 
-def receives(mode: Mode, *, tp_rank: int, dp_rank: int, pp_rank: int, owner: int, rank: int) -> bool:
+def receives(mode: Mode, *, tp_rank: int, dp_rank: int, pp_rank: int, owner: int, rank: int, cp_rank: int = 0) -> bool:
     """Whether a rank with these coordinates ends up holding the tensors of an entry of ``owner``."""
     if mode in ("full", "local"):
         return True
     if mode == "first":
         return rank == 0
-    return tp_rank == 0 and dp_rank == 0 and pp_rank == owner
+    return tp_rank == 0 and dp_rank == 0 and cp_rank == 0 and pp_rank == owner
 
 
 def delivered(entry: Entry, mode: Mode, *, family: Family, shapes: mp.Shapes, tp: int) -> list[TensorMeta]:

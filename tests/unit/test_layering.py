@@ -34,6 +34,12 @@ LAZY_OWN_IMPORTS = {
     ("megatron_gtpo/cli/train.py", "megatron_gtpo.config"),
     ("megatron_gtpo/cli/train.py", "megatron_gtpo.plan.preflight"),
     ("megatron_gtpo/cli/train.py", "megatron_gtpo.cli.worker"),
+    # Every process a rank spawns (reward workers, Megatron's checkpoint-writer manager) re-imports
+    # the rank's main module, megatron_gtpo.cli.worker: at its top it must not import torch.
+    ("megatron_gtpo/cli/worker.py", "megatron_gtpo.config"),
+    ("megatron_gtpo/cli/worker.py", "megatron_gtpo.reward"),
+    ("megatron_gtpo/cli/worker.py", "megatron_gtpo.trainer"),
+    ("megatron_gtpo/cli/worker.py", "megatron_gtpo.parallel.strict"),
 }
 
 
