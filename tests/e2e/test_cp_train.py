@@ -18,7 +18,7 @@ import shutil
 import pytest
 
 from megatron_gtpo.checkpoint.files import step_dir, verify
-from tests.e2e.test_train import history, train
+from tests.e2e.runs import history, train
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow
@@ -30,8 +30,7 @@ CP = ["parallel.cp=2", "train.checkpoint_every=2", "train.keep_last=2"]
 @pytest.fixture(scope="module")
 def cp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp") / "cp2"
-    proc = train(out, *CP, steps=3)
-    return out, proc.stdout + proc.stderr
+    return out, train(out, *CP, steps=3).log
 
 
 def test_cp_tiny_recipe_trains_from_the_cli_and_matches_cp1(cp_run):
@@ -54,8 +53,7 @@ def test_cp_run_resumes_from_its_checkpoint(cp_run, tmp_path):
     shutil.copytree(out, resumed)
     shutil.rmtree(step_dir(resumed / "checkpoints", 3))  # back to the step-2 checkpoint
     run_id = (resumed / "run_id").read_text()
-    text = train(resumed, *CP, "--resume", steps=3)
-    text = text.stdout + text.stderr
+    text = train(resumed, *CP, "--resume", steps=3).log
     assert "resumed from step 2" in text and "step 3/3 |" in text and "step 2/3 |" not in text, text[-3000:]
     assert (resumed / "run_id").read_text() == run_id
     for key in ("loss", "reward/mean", "optim/grad_norm", "entropy/mean"):  # step 3 again, as uninterrupted

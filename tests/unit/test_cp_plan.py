@@ -70,6 +70,6 @@ def test_cp_bad_sizes_are_refused_at_validation_naming_the_field(capsys):
     assert "cp_comm_type=a2a" in capsys.readouterr().out
     # the token budget must hold the longest row padded to a multiple of 2 x CP (every packed sequence is)
     shorter = ["parallel.cp=4", "data.max_prompt_tokens=250"]  # 250 + 24 = 274 tokens -> 280 under CP=4
-    with pytest.raises(ConfigError, match="train.micro_batch_tokens=274 cannot hold .* 280 tokens"):
+    with pytest.raises(ConfigError, match=r"train.micro_batch_tokens=274 cannot hold .*\(280 tokens"):
         load_config(tiny, [*shorter, "train.micro_batch_tokens=274"])
     assert load_config(tiny, [*shorter, "train.micro_batch_tokens=280"]).longest_row == 280

@@ -81,7 +81,8 @@ def check_ddp_scaling(ddp, dims) -> None:
 def check_one_sender(ddp, dims) -> None:
     """The separate pool's push and the HF export: exactly one rank sends each bucket (TP rank 0 of
     DP replica 0 and CP rank 0 of the owner stage) and only global rank 0 writes an export."""
-    from megatron_gtpo.sync.export import Exporter, export_hf_weights
+    from megatron_gtpo.sync.export import Exporter
+    from tests.sync_helpers import export_hf_weights
 
     exporter = Exporter(ddp, hf_config=model_config(), dims=dims)
     buckets = exporter.buckets(1 << 16)

@@ -45,7 +45,7 @@ from megatron.core import parallel_state as ps
 from megatron_gtpo.checkpoint.adapters import BaseIdentity, lora_record, saved_lora
 from megatron_gtpo.checkpoint.store import load_checkpoint, save_checkpoint
 from megatron_gtpo.convert import mapping as mp
-from megatron_gtpo.models.families import family_of
+from megatron_gtpo.models.families import FAMILIES, family_of
 from megatron_gtpo.parallel.collectives import comm_device
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.sync.export import Exporter
@@ -179,7 +179,7 @@ def check_placement(chunks, ref, dims, layout) -> None:
     merged_err, merged_count = 0.0, 0
     for name, shard in L.merged_weights(chunks):
         local = name.split(".", 3)[3]
-        pm = next(p for p in mp.layer_maps(family_of(C.tiny_config(tied=False))) if p.local == local)
+        pm = next(p for p in mp.layer_maps(FAMILIES["qwen2"]) if p.local == local)
         merged_err = max(merged_err, err(shard, mp.tp_shard(pm, ref.merged[name], tp=dims.tp, rank=dims.tp_rank)))
         merged_count += 1
     emit(check="lora_init", layout=layout, err=init_err)
