@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_gtpo.checkpoint.adapters import lora_start
 from megatron_gtpo.checkpoint.store import Checkpointer, prepare_resume
 from megatron_gtpo.data.dataset import build_dataset
 from megatron_gtpo.parallel.dims import init_distributed
@@ -142,15 +143,16 @@ def build(cfg, *, resume: bool | str) -> Parts:
                             seed=cfg.train.seed, timeout_s=cfg.parallel.timeout_s)
     setup_logging(dims.rank)
     point = prepare_resume(cfg.output_dir, resume)  # before the expensive parts: a bad resume fails in seconds
+    base = lora_start(cfg.model, point and point.path)  # LoRA: rank fits, base hashed, a resume's adapters match it
     spec = cfg.algorithm
     scorer = None
     with signals_blocked():  # reward worker processes must not die of a preemption signal
         if dims.rank == 0:  # started now: the workers import and warm up while the policy and engines build
             scorer = RewardScorer(cfg.reward, overlong=overlong_punishment(spec))
             scorer.start()
-    settings = step_settings(cfg)
     log.info("building the policy (%s, tp=%d cp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.cp, dims.pp, dims.dp)
-    learner = Learner.build(cfg.model, cfg.optim, settings=settings, dims=dims, rollout_steps=cfg.train.steps)
+    learner = Learner.build(cfg.model, cfg.optim, settings=step_settings(cfg), dims=dims, rollout_steps=cfg.train.steps,
+                            seed=cfg.train.seed, base=base)
     policy = learner.policy
     rollout_cfg, budget = plan_engine_memory(cfg, model_dir=str(policy.model_dir), world=dims.world)
     rollout_cfg = rollout_cfg.for_engines(lm_head_fp32=cfg.model.lm_head_fp32, hf_weights=policy.has_hf_weights)

@@ -6,7 +6,9 @@ Layout under ``root`` (``<run dir>/checkpoints``)::
                           optimizer (Megatron's sharded format), per-rank RNG, in common.pt
                           the step and the caller's ``extra_state`` (data cursor, tracking run
                           id, scheduler state ...), and manifest.json (every file's size and
-                          sha256, see ``checkpoint.files``)
+                          sha256, see ``checkpoint.files``). A LoRA run's model entries are its
+                          adapters only, its optimizer holds nothing else, and common.pt records
+                          the LoRA settings and the frozen base's identity (``checkpoint.adapters``)
     root/.tmp_step_*/     a save in progress; renamed to step_* only once every rank finished
                           and the manifest is written
 
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_gtpo.checkpoint.adapters import lora_record
 from megatron_gtpo.checkpoint.files import (CHECKPOINTS, HASH, CheckpointError, FileRecord, ResumePoint, clean_stale,
                                             clear_preempted, file_problems, fsync_dir, hash_files, list_files,
                                             mark_preempted, prunable, read_manifest, refuse_fresh_start_over,
@@ -41,7 +44,9 @@ from megatron_gtpo.convert.offline import checkpoint_model_dir
 from megatron_gtpo.parallel.dims import current_dims
 from megatron_gtpo.parallel.control import all_gather_object, any_rank, barrier, broadcast_object
 from megatron_gtpo.train import optim_state
+from megatron_gtpo.train.lora_layers import is_adapter_name
 from megatron_gtpo.train.model import unwrap
+from megatron_gtpo.utils.configuration import ConfigError
 from megatron_gtpo.utils.runtime import PreemptionFlag
 from megatron_gtpo.utils.secret import private_directory
 
@@ -62,22 +67,28 @@ def latest_step(root: str | Path) -> int | None:
     return dirs[0][0] if dirs else None
 
 
-def model_sharded_state_dict(model_chunks: list[torch.nn.Module]) -> dict:
+def model_sharded_state_dict(model_chunks: list[torch.nn.Module], *, adapters_only: bool = False) -> dict:
     """``{"model": ...}`` or ``{"model0": ..., "model1": ...}`` (VPP), as Megatron-LM names them.
     Built from the bare GPTModel (the stored keys are the same through DDP/Float16Module), so
-    the loaded dicts fit ``GPTModel.load_state_dict``."""
+    the loaded dicts fit ``GPTModel.load_state_dict``. ``adapters_only``: the LoRA adapters'
+    entries alone (a LoRA checkpoint: the frozen base is not saved)."""
+    def entries(chunk):
+        state = unwrap(chunk).sharded_state_dict()
+        return {k: v for k, v in state.items() if is_adapter_name(k)} if adapters_only else state
+
     if len(model_chunks) == 1:
-        return {"model": unwrap(model_chunks[0]).sharded_state_dict()}
-    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+        return {"model": entries(model_chunks[0])}
+    return {f"model{i}": entries(chunk) for i, chunk in enumerate(model_chunks)}
 
 
-def _load_into_models(model_chunks: list[torch.nn.Module], state: dict) -> None:
+def _load_into_models(model_chunks: list[torch.nn.Module], state: dict, *, adapters_only: bool = False) -> None:
     keys = ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
     for chunk, key in zip(model_chunks, keys):
-        # Non-strict only for ``_extra_state`` a converted checkpoint may not carry (TE spec).
+        # Non-strict only for ``_extra_state`` a converted checkpoint may not carry (TE spec), and
+        # for the frozen base of a LoRA checkpoint (its adapters alone are stored).
         # Into the bare GPTModel: DDP/Float16Module wrappers do not return the key lists.
         missing, unexpected = unwrap(chunk).load_state_dict(state[key], strict=False)
-        missing = [k for k in missing if not k.endswith("._extra_state")]
+        missing = [k for k in missing if not k.endswith("._extra_state") and (is_adapter_name(k) or not adapters_only)]
         if missing or unexpected:
             raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, "
                                f"unexpected {unexpected[:5]}")
@@ -112,6 +123,10 @@ def load_model_weights(model_chunks: list[torch.nn.Module], ckpt_dir: str | Path
     from megatron.core import dist_checkpointing
 
     ckpt_dir = checkpoint_model_dir(Path(ckpt_dir))
+    if (ckpt_dir / "common.pt").is_file() and dist_checkpointing.load_common_state_dict(str(ckpt_dir)).get("lora"):
+        raise ConfigError(f"{ckpt_dir} is a LoRA checkpoint: it holds adapters, not a model; export the merged model "
+                          "with `megatron-gtpo convert --to hf --input <step dir> --output <dir>` and load that, or "
+                          "resume the LoRA run with --resume")
     sharded = model_sharded_state_dict(model_chunks)
     _drop_objects_missing_from(sharded, ckpt_dir)
     _load_into_models(model_chunks, dist_checkpointing.load(sharded, str(ckpt_dir)))
@@ -153,18 +168,19 @@ def _rng_sharded():
                          replica_id=(dims.dp_rank, dims.cp_rank))
 
 
-def _full_state(model_chunks, optimizer, *, is_loading: bool) -> dict:
-    state = model_sharded_state_dict(model_chunks)
+def _full_state(model_chunks, optimizer, *, is_loading: bool, adapters_only: bool = False) -> dict:
+    state = model_sharded_state_dict(model_chunks, adapters_only=adapters_only)
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_OPTIM_METADATA)
     state["rng_state"] = _rng_sharded()
     return state
 
 
 def save_checkpoint(root: str | Path, *, step: int, model_chunks: list[torch.nn.Module], optimizer,
-                    extra_state: dict, keep_last: int) -> Path:
+                    extra_state: dict, keep_last: int, lora: dict | None = None) -> Path:
     """Saves model, optimizer, RNG, ``step`` and ``extra_state`` as ``root/step_<step>``
     atomically (with its manifest), then deletes all but the newest ``keep_last`` intact steps.
-    Returns the step dir."""
+    ``lora`` (``checkpoint.adapters.lora_record``): a LoRA run, whose adapters alone are saved,
+    with this record in common.pt. Returns the step dir."""
     from megatron.core import dist_checkpointing
 
     if keep_last < 1:
@@ -178,9 +194,9 @@ def save_checkpoint(root: str | Path, *, step: int, model_chunks: list[torch.nn.
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crashed save
         tmp.mkdir()
     barrier()
-    state = _full_state(model_chunks, optimizer, is_loading=False)
+    state = _full_state(model_chunks, optimizer, is_loading=False, adapters_only=lora is not None)
     # Plain values: written once, to common.pt.
-    state.update(step=step, extra_state=extra_state, layout=_layout(model_chunks))
+    state.update(step=step, extra_state=extra_state, layout=_layout(model_chunks), lora=lora)
     dist_checkpointing.save(state, str(tmp))
     barrier()
     records, cost = _hash_written(tmp, rank)
@@ -296,20 +312,33 @@ def load_checkpoint(root: str | Path, *, model_chunks: list[torch.nn.Module], op
         raise FileNotFoundError(f"{directory} does not exist; available: latest is step {latest_step(root)}")
     if verify and (problems := verify_parallel(directory)):
         raise CheckpointError(f"checkpoint {directory} is unusable: " + "; ".join(problems))
-    saved, now = dist_checkpointing.load_common_state_dict(str(directory)).get("layout"), _layout(model_chunks)
+    common = dist_checkpointing.load_common_state_dict(str(directory))
+    saved, now = common.get("layout"), _layout(model_chunks)
     if saved != now:
         raise ValueError(f"{directory} was saved with layout {saved}, this run has {now}: resume with the same "
                          "TP/PP/VPP (the DP size may differ), or load only the weights with load_model_weights")
+    adapters_only = _check_lora_match(directory, common, model_chunks)
     optim_state.prime(optimizer)  # in the layout of the optimizer in use (TE, apex, torch)
-    state = _full_state(model_chunks, optimizer, is_loading=True)
+    state = _full_state(model_chunks, optimizer, is_loading=True, adapters_only=adapters_only)
     _drop_objects_missing_from(state, directory)
     loaded = dist_checkpointing.load(state, str(directory))
-    _load_into_models(model_chunks, loaded)
+    _load_into_models(model_chunks, loaded, adapters_only=adapters_only)
     with torch.no_grad():  # fp32 main params can be views of the (grad-requiring) model params
         optimizer.load_state_dict(loaded["optimizer"])
     optim_state.restore_steps(optimizer, loaded["optimizer"])
     _set_rng_state(loaded["rng_state"])
     return int(loaded["step"]), loaded["extra_state"]
+
+
+def _check_lora_match(directory: Path, common: dict, model_chunks) -> bool:
+    """Whether ``directory`` is a LoRA checkpoint; ValueError when the model is not of the same
+    kind (the driver refuses this before anything is built: ``checkpoint.adapters.lora_start``)."""
+    adapters_only = common.get("lora") is not None
+    has_adapters = any(is_adapter_name(name) for chunk in model_chunks for name, _ in unwrap(chunk).named_parameters())
+    if adapters_only != has_adapters:
+        raise ValueError(f"{directory} holds {'LoRA adapters' if adapters_only else 'full weights'}, but the model "
+                         f"{'has' if has_adapters else 'has no'} LoRA adapters")
+    return adapters_only
 
 
 class Checkpointer:
@@ -356,7 +385,9 @@ class Checkpointer:
         if self.last_saved == step:
             return
         extra = {"data": self.dataset.state_dict(), "scheduler": self.policy.scheduler.state_dict(), "run_id": run_id}
+        base = self.policy.base
         path = save_checkpoint(self.root, step=step, model_chunks=self.policy.chunks, optimizer=self.policy.optimizer,
-                               extra_state=extra, keep_last=self.keep_last)
+                               extra_state=extra, keep_last=self.keep_last,
+                               lora=None if base is None else lora_record(self.policy.lora, base))
         self.last_saved = step
         log.info("checkpoint: %s", path)

@@ -6,6 +6,13 @@ Examples::
     tools/convert_hf_checkpoint --to hf --input MCORE_DIR --output HF_DIR
     tools/convert_hf_checkpoint --to hf --input runs/x/checkpoints/step_00000100 \\
         --hf-config MCORE_DIR --output HF_DIR          # a training checkpoint (model weights only)
+    tools/convert_hf_checkpoint --to hf --input runs/lora/checkpoints/step_00000100 --output HF_DIR
+                                                       # a LoRA run: the base with the adapters merged
+    tools/convert_hf_checkpoint --to peft --input runs/lora/checkpoints/step_00000100 --output ADAPTER_DIR
+                                                       # a LoRA run: a PEFT adapter (peft, vLLM LoRA)
+
+A LoRA checkpoint holds the adapters only; its base is the one it records (path and sha256 of
+its weight files), or --base DIR, whose hash must match.
 
 The output is built in a hidden temp directory next to ``--output`` and renamed at the end, so
 a failure never leaves a partial output. Bad input exits with status 2 and names the file/field.
@@ -23,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_gtpo.convert.lora_export import adapter_to_peft, lora_checkpoint, merged_to_hf
 from megatron_gtpo.convert.offline import hf_to_megatron, megatron_to_hf
 from megatron_gtpo.utils.configuration import ConfigError
 from megatron_gtpo.utils.runtime import host_peak_rss_bytes, reset_host_peak_rss
@@ -36,9 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="convert_hf_checkpoint", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--to", required=True, choices=("megatron", "hf"), help="direction of the conversion")
+    parser.add_argument("--to", required=True, choices=("megatron", "hf", "peft"),
+                        help="direction of the conversion; peft: the PEFT adapter of a LoRA training checkpoint")
     parser.add_argument("--input", required=True, type=Path,
-                        help="HF model dir (--to megatron) or Megatron checkpoint dir (--to hf)")
+                        help="HF model dir (--to megatron), Megatron checkpoint dir (--to hf) or LoRA training "
+                        "step dir (--to hf: merged model, --to peft: adapter)")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="LoRA checkpoints: the base model's directory (default: the path it records; its "
+                        "weights' sha256 must match the recorded one)")
     parser.add_argument("--output", required=True, type=Path, help="directory to create; must not exist")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size the checkpoint is meant for "
                         "(validated; Megatron reshards at load, so any layout can load it)")
@@ -77,6 +90,15 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace, tmp: Path) -> int:
+    lora = args.to != "megatron" and lora_checkpoint(args.input) is not None
+    if args.to == "peft" or lora:
+        if args.hf_config is not None:
+            raise ConfigError("--hf-config does not apply to a LoRA checkpoint: its config comes from the base (--base)")
+        if args.to == "peft":
+            return adapter_to_peft(args.input, tmp, base=args.base)
+        return merged_to_hf(args.input, tmp, base=args.base, shard_bytes=int(args.max_shard_mb * 2**20))
+    if args.base is not None:
+        raise ConfigError(f"--base applies to LoRA checkpoints only; {args.input} is not one")
     if args.to == "megatron":
         return hf_to_megatron(args.input, tmp, tp=args.tp, pp=args.pp, vpp=args.vpp,
                               vocab_divisible_by=args.make_vocab_size_divisible_by)["bytes"]

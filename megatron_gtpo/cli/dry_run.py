@@ -96,7 +96,7 @@ def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (),
     mem = estimate_memory(request.shape, layout, sizes)
     problems, warnings = check_memory(mem, layout)
     lines = [*_layout_lines(layout, sizes), _push_line(request.shape, layout, sizes), *_host_lines(mem, layout),
-             *_memory_lines(mem, layout, sizes)]
+             *_lora_lines(mem, sizes), *_memory_lines(mem, layout, sizes)]
     for line in lines:
         print(line, file=out)
     for note in [*notes, *layout.warnings, *warnings]:
@@ -164,18 +164,37 @@ def _host_lines(mem: MemoryEstimate, lay: Layout) -> list[str]:
             f"shards (not one copy per worker)"]
 
 
+def _lora_lines(mem: MemoryEstimate, sizes: MemorySizes) -> list[str]:
+    """What LoRA trains and what it saves against full fine-tuning of the same layout (none without LoRA)."""
+    lora = sizes.lora
+    if lora is None:
+        return []
+    state, unit = mem.grads + mem.optimizer, GIB if mem.full_state >= GIB else 1 << 20
+    name = "GiB" if unit == GIB else "MiB"
+    targets = ", ".join(t.name for t in lora.targets())
+    return [f"lora     r={lora.rank}, alpha/r={lora.scale:g} on {targets}: {mem.adapters / sizes.param_bytes / 1e6:.1f} M "
+            f"adapter parameters per rank ({100 * mem.adapters / mem.weights:.1f}% of its weights); the base is frozen",
+            f"lora     gradients + optimizer {state / unit:.2f} {name} per GPU vs {mem.full_state / unit:.2f} {name} for "
+            f"full fine-tuning: {(mem.full_state - state) / unit:.2f} {name} saved ({100 * state / mem.full_state:.1f}% "
+            f"of full)"]
+
+
 def _memory_lines(mem: MemoryEstimate, lay: Layout, sizes: MemorySizes) -> list[str]:
     opt_bytes = optimizer_bytes_per_param(optimizer=sizes.optimizer, param_bytes=sizes.param_bytes)
     sharded = (f"sharded over DP={lay.dp}" + (f" x CP={lay.cp}" if lay.cp > 1 else "")) if sizes.distributed_optimizer \
         else "not sharded"
+    lora = sizes.lora is not None
+    sharded += "; LoRA adapters only" if lora else ""
     util = (f"gpu_memory_utilization={mem.gpu_memory_utilization} "
             f"({'set by the recipe' if not mem.planned else 'planned: what the rollout phase leaves' if mem.colocated else 'planned: a rollout node holds nothing else'})")
     held = "one decoder layer in vLLM's reload" if mem.colocated else f"one bucket of {sizes.bucket_bytes >> 20} MiB"
     rows = [
-        (f"weights ({_dtype(sizes.param_bytes)})", mem.weights, ""),
-        (f"gradients ({_dtype(sizes.grad_bytes)})", mem.grads, ""),
+        (f"weights ({_dtype(sizes.param_bytes)})", mem.weights,
+         f"frozen base + {mem.adapters / GIB:.2f} GiB of LoRA adapters" if lora else ""),
+        (f"gradients ({_dtype(sizes.grad_bytes)})", mem.grads, "LoRA adapters only" if lora else ""),
         (f"optimizer ({sizes.optimizer}, {opt_bytes} B/param)", mem.optimizer, sharded),
-        ("reference model (KL term)", mem.reference, "" if mem.reference else "none: kl_beta = 0"),
+        ("reference model (KL term)", mem.reference, "" if mem.reference else
+         "none: the base, adapters disabled" if lora and sizes.reference else "none: kl_beta = 0"),
         (f"logits (1 micro-batch: 2 copies, {_dtype(sizes.logits_bytes)})", mem.logits,
          f"last stage; {_micro_batch(lay, sizes)}"),
         (f"activations ({sizes.layer_spec} layers)", mem.activations,

@@ -8,6 +8,11 @@ Terms (bytes on the rank that holds them; trainer figures for the largest pipeli
   DP x CP under the distributed optimizer (Megatron shards it over the DP x CP group);
 * reference: the frozen reference model of a KL term (``algo.kl_beta > 0``): one more copy of the
   weights in the model dtype, on every trainer rank for the whole run;
+* LoRA (``model.lora.rank > 0``): the weights are the frozen base plus the adapters (per TP rank as
+  ``train.lora.adapter_params`` counts them, PP splits them by layers); gradients and optimizer
+  state cover the adapters only; the KL reference is the base itself (no copy); activations add
+  each adapter's ``A x`` (parts x r per token and adapted layer, kept for B's gradient); a push
+  holds one merged shard more;
 * logits: one micro-batch of logits on the last stage (packed: one row of the token budget; under
   CP this rank's 1/cp of its positions), two
   copies in the dtype the output layer returns (fp32, or the model dtype with
@@ -55,6 +60,7 @@ from dataclasses import dataclass
 from megatron_gtpo.models.shape import ModelShape
 from megatron_gtpo.parallel.cp_index import cp_sequence_multiple
 from megatron_gtpo.plan.layout import Layout
+from megatron_gtpo.train.lora import LoraConfig, adapter_params
 from megatron_gtpo.utils.configuration import ConfigError
 
 GIB = 1 << 30
@@ -105,6 +111,8 @@ class MemorySizes:
     sequence_multiple: int = 1
     """What micro-batch lengths are padded to (train/model.py ``padding_multiple``: FP8 recipe, TP,
     sequence parallelism): a packed row or a padded row can be up to this minus one token longer."""
+    lora: LoraConfig | None = None
+    """model.lora when LoRA is on (adapters on a frozen base); None: full fine-tuning."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,7 +120,12 @@ class MemoryEstimate:
     """Every term of the plan, bytes per GPU (see the module docstring)."""
 
     weights: int
-    """Trainer parameters in the model dtype."""
+    """Trainer parameters in the model dtype (with LoRA: the frozen base and the adapters)."""
+    adapters: int
+    """The LoRA adapters' share of ``weights`` (0 without LoRA)."""
+    full_state: int
+    """Gradients + optimizer state full fine-tuning would need on this rank (what LoRA saves, with ``grads``
+    and ``optimizer``)."""
     grads: int
     """Megatron DDP gradient buffer."""
     optimizer: int
@@ -228,6 +241,21 @@ def largest_tensor(shape: ModelShape) -> int:
     return max(shape.vocab * shape.hidden, shape.ffn * shape.hidden, shape.heads * shape.head_dim * shape.hidden)
 
 
+def stage_adapter_params(shape: ModelShape, layout: Layout, lora: LoraConfig | None) -> int:
+    """LoRA adapter parameters on one rank of the largest pipeline stage (0 without LoRA)."""
+    if lora is None or not lora.enabled:
+        return 0
+    return adapter_params(lora, shape, tp=layout.tp) // shape.layers * layout.layers_per_stage
+
+
+def lora_activations_per_layer(lora: LoraConfig | None) -> int:
+    """Elements per token and layer the adapters keep for backward: each ``h = A x`` (parts x r wide;
+    the input x is the layer's own, already kept)."""
+    if lora is None or not lora.enabled:
+        return 0
+    return sum(lora.parts(t) * lora.rank for t in lora.targets())
+
+
 def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> int:
     """Bytes Megatron's layers keep for backward over one micro-batch (``micro_batch_dims``: rows x
     s tokens, ``s / cp`` of them on this rank) on one rank of the largest stage, times the
@@ -264,7 +292,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
         core, rest = local * (a * d + a * s) + 2 * a * d * s, 6 * h + a * d + 5 * shape.ffn // tp + 2
     else:
         core, rest = local * (a + 2 * g) * d, 4 * h + a * d + 3 * shape.ffn // tp + 2
-    layer = rest * local + (0 if sizes.recompute == "selective" else core)  # per row
+    layer = (rest + lora_activations_per_layer(sizes.lora)) * local + (0 if sizes.recompute == "selective" else core)
     if sizes.recompute == "full":
         kept = layout.layers_per_stage * h * local + layer
     else:
@@ -298,26 +326,30 @@ def in_flight(layout: Layout) -> float:
 def estimate_memory(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> MemoryEstimate:
     """Every term of the plan for ``layout`` (see the module docstring)."""
     params = stage_params(shape, layout)
-    opt = params * optimizer_bytes_per_param(optimizer=sizes.optimizer, param_bytes=sizes.param_bytes)
+    adapters = stage_adapter_params(shape, layout, sizes.lora)
+    trainable = adapters or params
+    per_param = optimizer_bytes_per_param(optimizer=sizes.optimizer, param_bytes=sizes.param_bytes)
+    opt, full_opt = trainable * per_param, params * per_param
     if sizes.distributed_optimizer:
-        opt //= layout.dp * layout.cp
+        opt, full_opt = opt // (layout.dp * layout.cp), full_opt // (layout.dp * layout.cp)
+    reference = params * sizes.param_bytes if sizes.reference and not adapters else 0  # LoRA: the base is it
     rows, tokens = micro_batch_dims(layout, sizes)
     logits = 2 * rows * (tokens // layout.cp) * (shape.vocab // layout.tp) * sizes.logits_bytes
     rtp, colocated = layout.rollout_tp, layout.placement == "colocated"
     rollout_weights = (shape.layers * shape.layer_params(rtp)
                        + shape.embedding_params(rtp) * (1 if shape.tied_embeddings else 2)) * sizes.rollout_bytes
     held = shape.layer_params(rtp) * sizes.rollout_bytes if colocated else sizes.bucket_bytes
-    push = held + largest_tensor(shape) * sizes.param_bytes
+    push = held + largest_tensor(shape) * sizes.param_bytes * (2 if adapters else 1)  # LoRA: + one merged shard
     kv_sequence = layout.seq_len * shape.kv_bytes_per_token(tp=rtp, dtype_bytes=sizes.rollout_bytes)
     gpu = int(sizes.gpu_memory_gib * GIB)
-    resident = params * sizes.param_bytes * (2 if sizes.reference else 1) + (
-        0 if sizes.offload_trainer else params * sizes.grad_bytes + opt)
+    weights = (params + adapters) * sizes.param_bytes
+    resident = weights + reference + (0 if sizes.offload_trainer else trainable * sizes.grad_bytes + opt)
     util = sizes.gpu_memory_utilization
     if util is None:
         util = _share(gpu, resident) if colocated else SEPARATE_UTILIZATION
     return MemoryEstimate(
-        weights=params * sizes.param_bytes, grads=params * sizes.grad_bytes, optimizer=opt,
-        reference=params * sizes.param_bytes if sizes.reference else 0, logits=logits,
+        weights=weights, adapters=adapters * sizes.param_bytes, full_state=params * sizes.grad_bytes + full_opt,
+        grads=trainable * sizes.grad_bytes, optimizer=opt, reference=reference, logits=logits,
         activations=activation_bytes(shape, layout, sizes), push=push,
         host_staging=0 if colocated else push_bytes(shape, sizes), rollout_weights=rollout_weights,
         kv_per_sequence=kv_sequence, kv_needed=layout.sequences_per_engine * kv_sequence,

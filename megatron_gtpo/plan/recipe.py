@@ -19,6 +19,7 @@ import torch
 from megatron_gtpo.models.shape import ModelShape, load_model_shape
 from megatron_gtpo.plan.layout import LayoutRequest, plan_layout
 from megatron_gtpo.plan.memory import EngineBudget, MemorySizes, estimate_memory
+from megatron_gtpo.train.lora import check_rank_fits
 from megatron_gtpo.train.model import low_precision_recipe, padding_multiple
 from megatron_gtpo.utils.configuration import ConfigError
 
@@ -48,7 +49,8 @@ def recipe_request(cfg: Any, *, shape: ModelShape, nodes: int, gpus_per_node: in
         max_completion_tokens=cfg.rollout.max_tokens, cp=cfg.parallel.cp,
         cp_comm_type=cfg.model.megatron.get("cp_comm_type"))
     util, kv = vllm.get("gpu_memory_utilization"), vllm.get("kv_cache_memory_bytes")
-    spec = cfg.algorithm
+    spec, lora = cfg.algorithm, cfg.model.lora
+    check_rank_fits(lora, shape)  # the dry-run refuses what the trainer would
     sizes = MemorySizes(
         param_bytes=param_bytes, grad_bytes=4 if ddp.get("grad_reduce_in_fp32", False) else param_bytes,
         optimizer=str(optimizer.get("optimizer", "adam")),
@@ -61,7 +63,8 @@ def recipe_request(cfg: Any, *, shape: ModelShape, nodes: int, gpus_per_node: in
         # A half-precision output layer returns logits in the model dtype (train/step.py forward_kwargs)
         logits_bytes=4 if cfg.model.lm_head_fp32 else param_bytes, micro_batch_tokens=cfg.token_budget,
         sequence_multiple=padding_multiple(recipe=low_precision_recipe(megatron), tp=cfg.parallel.tp,
-                                           sequence_parallel=bool(megatron.get("sequence_parallel"))))
+                                           sequence_parallel=bool(megatron.get("sequence_parallel"))),
+        lora=lora if lora.enabled else None)
     return request, sizes, notes
 
 

@@ -117,7 +117,12 @@ class WeightSync(ABC):
         if key not in self._exporters:  # one per model: the plan is gathered once and cached
             plan = self._export
             self._exporters = {key: Exporter(model_chunks, hf_config=plan.hf_config, dims=plan.dims)}
-        return self.push(self._exporters[key], version=version).as_metrics()
+        exporter = self._exporters[key]
+        exporter.release()  # LoRA: nothing merged from the adapters of an earlier step survives
+        try:
+            return self.push(exporter, version=version).as_metrics()
+        finally:
+            exporter.release()  # nor stays allocated between pushes
 
     @abstractmethod
     def push(self, source: PushSource, *, version: int) -> SyncStats:

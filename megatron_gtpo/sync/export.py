@@ -19,6 +19,13 @@ output is a view of its bucket buffer. So a rank holds at most what its consumer
 (a sender: one bucket) plus one HF tensor and one TP piece. Unsplit tensors of TP=1 models and
 shard-local tensors alias the parameters: treat yielded tensors as read-only.
 Every rank must exhaust its iterators (they run collectives) in the same order.
+
+LoRA (``model.lora``): the adapters are not pushed; every adapted weight goes out merged,
+``W + (alpha / r) B A``, computed per TP shard on the rank that holds it when its first piece is
+asked for and dropped when the next parameter's is (q, k and v, gate and up are pieces of one
+merged shard). So a LoRA push holds one merged shard more than a full one, never a second model;
+``release`` (called by the weight sync around every push) drops it, so a push never sees the
+previous push's adapters.
 """
 
 from __future__ import annotations
@@ -37,17 +44,21 @@ from megatron_gtpo.parallel.collectives import comm_device
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.sync.shards import (BucketPlan, Entry, Mode, TensorMeta, delivered, full_shape, hf_order, param_map,
                                        plan_buckets, receives)
+from megatron_gtpo.train.lora_layers import is_adapter_name, merge_sources
 from megatron_gtpo.train.model import layer_offset, unwrap
 
 
 def local_params(model_chunks: list[torch.nn.Module], *, family: Family, tied: bool) -> dict:
     """``{(ParamMap.local, global layer or None): parameter}`` for this rank's chunks. The last
-    stage's copy of a tied embedding is left out (the first stage's is the source)."""
+    stage's copy of a tied embedding is left out (the first stage's is the source), and so are
+    LoRA adapters (their weights go out merged)."""
     out = {}
     for chunk in model_chunks:
         model = unwrap(chunk)
         offset = layer_offset(model)
         for name, param in model.named_parameters():
+            if is_adapter_name(name):
+                continue
             pm, local_layer = mp.find_param_map(name, family, tied=tied)
             if tied and pm.local == "output_layer.weight":
                 continue
@@ -62,7 +73,27 @@ class Exporter:
         self.dims, self.family = dims, family_of(hf_config)
         self.shapes = mp.shapes_of(hf_config)
         self.params = local_params(model_chunks, family=self.family, tied=tied_embeddings(hf_config))
+        self.merges = merge_sources(model_chunks)
+        """``{(local, layer): LoRA adapter}`` of the adapted weights (empty without LoRA)."""
+        self._merged: tuple[tuple[str, int | None], torch.Tensor] | None = None
         self._entries: list[Entry] | None = None
+
+    def release(self) -> None:
+        """Drops the cached merged shard (the adapters change between pushes)."""
+        self._merged = None
+
+    def _shard(self, entry: Entry) -> torch.Tensor:
+        """This rank's shard of ``entry``'s parameter as the engines get it: the parameter, or for a
+        LoRA-adapted weight its merged shard (computed once per parameter, see the module docstring)."""
+        key = (entry.local, entry.layer)
+        param = self.params[key].detach()
+        adapter = self.merges.get(key)
+        if adapter is None:
+            return param
+        if self._merged is None or self._merged[0] != key:
+            self._merged = None  # free the previous one before allocating the next
+            self._merged = (key, adapter.merged(param))
+        return self._merged[1]
 
     @property
     def entries(self) -> list[Entry]:
@@ -147,7 +178,7 @@ class Exporter:
     def _part(self, pm: mp.ParamMap, entry: Entry, part: int) -> torch.Tensor:
         """This rank's piece ``part`` of a parameter (its TP shard's q, k or v, gate or up slice, or
         the whole shard for unsplit kinds; a copy only for q/k/v, whose rows interleave per KV group)."""
-        shard = self.params[(entry.local, entry.layer)].detach()
+        shard = self._shard(entry)
         if pm.kind == mp.QKV:
             hd, per = self.shapes.head_dim, self.shapes.heads // self.shapes.groups
             tail = shard.shape[1:]

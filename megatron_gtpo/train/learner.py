@@ -1,7 +1,13 @@
 """The learner: the Megatron policy (and GRPO's frozen reference), built once, and its step.
 
-    ModelConfig --resolve_model + build_model + load weights--> Policy (chunks [, optimizer, scheduler])
+    ModelConfig --resolve_model + build_model + load weights [+ LoRA adapters]--> Policy (chunks [, optimizer,
+        scheduler])
     Batch --Learner.step--> reference log-probs (kl_beta > 0, this rank's rows) --train_step--> metrics
+
+LoRA (``model.lora.rank > 0``): the adapters are attached after the base weights load and before
+Megatron's DDP wraps the chunks, so the frozen base gets no gradient buffer and the (distributed)
+optimizer holds the adapters only; GRPO's KL reference is the same chunks with the adapters
+disabled (the base), not a second model.
 
 Only the driver (``megatron_gtpo/trainer.py``) builds a Learner; it hands the learner the sub-configs
 it needs and nothing else. The weight sync reads ``learner.policy.chunks``; the checkpointer saves
@@ -10,6 +16,7 @@ it needs and nothing else. The weight sync reads ``learner.policy.chunks``; the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -18,12 +25,16 @@ from typing import Any
 
 import torch
 
+from megatron_gtpo.checkpoint.adapters import BaseIdentity
 from megatron_gtpo.checkpoint.store import load_model_weights
 from megatron_gtpo.convert.load import load_hf_weights
 from megatron_gtpo.models.config import DTYPES, ModelConfig
 from megatron_gtpo.models.hf_config import has_hf_weights, read_hf_config
 from megatron_gtpo.models.resolve import resolve_model
+from megatron_gtpo.models.shape import shape_from_hf_config
 from megatron_gtpo.parallel.dims import ParallelDims
+from megatron_gtpo.train.lora import LoraConfig, check_rank_fits
+from megatron_gtpo.train.lora_layers import apply_lora, lora_disabled
 from megatron_gtpo.train.model import build_model, sequence_multiple
 from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gtpo.train.step import StepSettings, forward_stats, logprob_settings, process_groups, \
@@ -49,14 +60,23 @@ class Policy:
     """Parsed config.json."""
     has_hf_weights: bool
     """True when model_dir holds HF safetensors (vLLM can load them directly)."""
+    lora: LoraConfig | None = None
+    """The LoRA adapters' settings; None: full fine-tuning (or a frozen copy)."""
+    base: BaseIdentity | None = None
+    """The frozen base's identity (LoRA runs: recorded in every checkpoint)."""
 
 
-def build_policy(model: ModelConfig, *, dims: ParallelDims, optim: OptimConfig | None = None,
-                 total_steps: int = 1) -> Policy:
+def build_policy(model: ModelConfig, *, dims: ParallelDims, optim: OptimConfig | None = None, total_steps: int = 1,
+                 seed: int = 0, base: BaseIdentity | None = None) -> Policy:
     """Builds and loads the model; with ``optim`` also DDP, optimizer and scheduler (``total_steps``
-    optimizer steps: the default LR decay length); without, a frozen eval-mode copy."""
+    optimizer steps: the default LR decay length); without, a frozen eval-mode copy. With
+    ``model.lora`` on and ``optim``, LoRA adapters (initialised from ``seed``) on the frozen base
+    (``base``: its identity, for the checkpoints)."""
     model_dir = resolve_model(model.path)
     hf_config = read_hf_config(model_dir)
+    lora = model.lora if model.lora.enabled and optim is not None else None
+    if lora is not None:  # before the model is built: a rank that cannot fit fails in seconds
+        check_rank_fits(lora, shape_from_hf_config(hf_config, name=str(model.path)))
     chunks = build_model(hf_config, dims=dims, dtype=DTYPES[model.dtype], overrides=model.megatron,
                          weights_loaded=True, vocab_divisible_by=model.make_vocab_size_divisible_by,
                          lm_head_fp32=model.lm_head_fp32)
@@ -65,6 +85,10 @@ def build_policy(model: ModelConfig, *, dims: ParallelDims, optim: OptimConfig |
         load_hf_weights(chunks, hf_dir=model_dir, hf_config=hf_config, dims=dims)
     else:
         load_model_weights(chunks, model_dir)
+    if lora is not None:  # after the base weights load (the loader knows no adapters), before DDP
+        count = apply_lora(chunks, lora, seed=seed)
+        log.info("LoRA: %d adapters of rank %d (alpha/r = %g) on %s; the base is frozen", count, lora.rank,
+                 lora.scale, ", ".join(t.name for t in lora.targets()))
     optimizer = scheduler = None
     if optim is not None:
         chunks = wrap_ddp(chunks, optim)
@@ -74,7 +98,7 @@ def build_policy(model: ModelConfig, *, dims: ParallelDims, optim: OptimConfig |
             chunk.requires_grad_(False)
             chunk.eval()
     return Policy(chunks=chunks, optimizer=optimizer, scheduler=scheduler, model_dir=model_dir,
-                  hf_config=hf_config, has_hf_weights=hf)
+                  hf_config=hf_config, has_hf_weights=hf, lora=lora, base=base)
 
 
 class Learner:
@@ -89,12 +113,15 @@ class Learner:
 
     @classmethod
     def build(cls, model: ModelConfig, optim: OptimConfig, *, settings: StepSettings, dims: ParallelDims,
-              rollout_steps: int) -> Learner:
+              rollout_steps: int, seed: int = 0, base: BaseIdentity | None = None) -> Learner:
         """The policy with its optimizer (LR schedule over ``rollout_steps * mu`` optimizer steps)
-        and, when the algorithm has a KL term, a frozen reference copy of the initial model."""
+        and, when the algorithm has a KL term, a frozen reference copy of the initial model (with
+        LoRA: the base, i.e. the policy with its adapters disabled). ``seed``, ``base``: the LoRA
+        adapters' initialisation seed and the base's identity (``build_policy``)."""
         from megatron.core.utils import get_model_config
 
-        policy = build_policy(model, dims=dims, optim=optim, total_steps=rollout_steps * settings.spec.mu)
+        policy = build_policy(model, dims=dims, optim=optim, total_steps=rollout_steps * settings.spec.mu, seed=seed,
+                              base=base)
         # Every forward (policy, pi_old, reference) pads its micro-batches to what the model's config needs.
         settings = dataclasses.replace(settings, pad_to_multiple=sequence_multiple(get_model_config(policy.chunks[0])))
         learner = cls(policy, settings=settings, dims=dims, reference=None, model=model)
@@ -105,6 +132,9 @@ class Learner:
         """The frozen reference model when ``settings``' algorithm has a KL term (built once)."""
         if not settings.spec.needs_reference:
             return None
+        if self.policy.lora is not None:  # the base is the initial model: the policy without its adapters
+            log.info("KL reference: the frozen base with the LoRA adapters disabled (no second model)")
+            return self.policy
         if self._frozen is None:
             log.info("building the frozen reference model for the KL term (kl_beta=%g)", settings.spec.kl_beta)
             self._frozen = build_policy(self.model, dims=self.dims)
@@ -130,6 +160,9 @@ class Learner:
         if self.reference is None:
             return None
         _, mbs = rank_micro_batches(batch, self.settings, self.dims)
-        lp_settings = logprob_settings(self.settings, self.dims, process_groups(), self.reference.chunks)
-        stats = forward_stats(self.reference.chunks, batch, mbs, lp_settings)
+        chunks = self.reference.chunks
+        lp_settings = logprob_settings(self.settings, self.dims, process_groups(), chunks)
+        base = lora_disabled(chunks) if self.reference is self.policy else contextlib.nullcontext()
+        with base:
+            stats = forward_stats(chunks, batch, mbs, lp_settings)
         return None if stats is None else stats.logp

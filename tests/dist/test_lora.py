@@ -2,7 +2,8 @@
 tests/dist/scripts/lora_layouts.py; its docstring lists the checks): adapter placement and
 initialisation, TP gather and dist-checkpoint entries, merged weights per TP shard, loss, adapter
 gradients, grad norm and AdamW update with Megatron DDP + the distributed optimizer over the
-adapters only (the frozen base has no grad, no grad buffer, no optimizer state), a bf16 model's
+adapters only (the frozen base has no grad, no grad buffer, no optimizer state), the merged weight
+push of the trained adapters, the adapter-only checkpoint and its bit-exact resume, a bf16 model's
 dtypes, and sequence parallelism on the parallel linears themselves."""
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ TOL = 1e-6  # fp32
 
 
 @pytest.fixture(scope="module")
-def records():
-    return torchrun(REPO / "tests/dist/scripts/lora_layouts.py", 2, timeout=900)
+def records(tmp_path_factory):
+    return torchrun(REPO / "tests/dist/scripts/lora_layouts.py", 2, str(tmp_path_factory.mktemp("lora")), timeout=900)
 
 
 def rows(records, check, layout=None):
@@ -58,6 +59,28 @@ def test_lora_step_equals_one_process(records, layout):
         assert r["grad_err"] <= TOL, r
         assert abs(r["norm"] - r["ref_norm"]) <= TOL * r["ref_norm"], r
         assert r["update_err"] <= TOL, r
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_lora_push_sends_the_merged_weights_of_the_trained_adapters(records, layout):
+    """Bugs caught: the push sending the frozen base W (the engine would sample from the initial
+    policy forever), or an adapter tensor vLLM does not know, or a merge cached from an earlier push."""
+    for r in rows(records, "lora_push", layout):
+        assert r["base_vs_merged"] > 1e-3, r  # the trained adapters move the weights: an unmerged push shows
+        for push in (r["trained"], r["again"]):
+            assert push["err"] <= TOL and push["missing"] == [] and push["adapter_names"] == [], r
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_lora_checkpoint_holds_adapters_only_and_resumes_bit_exact(records, layout):
+    """Bugs caught: the frozen base written into every checkpoint, Adam's moments or the fp32 main
+    params of the adapters not restored, the LoRA record not stored."""
+    for r in rows(records, "lora_ckpt", layout):
+        assert r["step"] == 1 and r["extra"] == {"x": 1} and r["record_ok"], r
+        assert r["base_keys"] == [] and r["model_keys"] > 0 and r["optimizer_keys"] > 0, r
+        assert r["differs_before"] > 1e-3, r  # the fresh model starts elsewhere: the load must move it
+        assert r["adapter_err"] == 0.0 and r["state_err"] == 0.0, r
+        assert r["state_count"][0] == r["state_count"][1] > 0, r
 
 
 def test_lora_bf16_base_and_adapters_with_fp32_main_params(records):

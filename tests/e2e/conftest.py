@@ -157,3 +157,10 @@ def run_dapo_bf16(tmp_path_factory) -> runs.Run:
     in the engines, and the default packed micro-batches."""
     out = tmp_path_factory.mktemp("dapo") / "bf16"
     return runs.train(out, *runs.DAPO_BF16, steps=3)
+
+
+@pytest.fixture(scope="session")
+def run_lora(tmp_path_factory) -> runs.Run:
+    """runs.LORA (rank-8 LoRA GTPO, a checkpoint every step), 3 steps: tests/e2e/test_lora_train.py."""
+    out = tmp_path_factory.mktemp("lora") / "gtpo"
+    return runs.train(out, *runs.LORA, steps=runs.LORA_STEPS)

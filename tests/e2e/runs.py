@@ -47,6 +47,13 @@ PACKED_TOKENS = 600
 tokens): packed micro-batches mix rows. The default budget (one worst-case row, 280 tokens) runs in
 the DAPO run."""
 
+LORA = ["model.lora.rank=8", "model.lora.alpha=16", "optim.optimizer.lr=1e-2", "train.checkpoint_every=1",
+        "train.keep_last=3"]
+LORA_STEPS = 3
+"""GTPO with rank-8 LoRA adapters on q, k, v, o, gate, up, down of the frozen tiny policy, a
+checkpoint after every step; a learning rate at which the adapters visibly move the policy in a
+step (B starts at zero: step 1 samples from the base, steps 2-3 from merged weights)."""
+
 SAVING = "checkpoint: saving step {} into "  # logged by save_checkpoint right before the first write
 
 

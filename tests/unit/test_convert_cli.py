@@ -177,7 +177,7 @@ def test_help_through_the_wrapper():
     env = {**os.environ, "MEGATRON_GTPO_PYTHON": sys.executable}
     proc = subprocess.run([str(REPO / "tools" / "convert_hf_checkpoint"), "--help"], capture_output=True,
                           text=True, env=env, timeout=120)
-    assert proc.returncode == 0 and "--to {megatron,hf}" in proc.stdout and "--tp" in proc.stdout
+    assert proc.returncode == 0 and "--to {megatron,hf,peft}" in proc.stdout and "--tp" in proc.stdout
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -1,6 +1,6 @@
 """LoRA on the Megatron policy at TP=2, PP=2 and DP=2 against one process, on 2 gloo ranks.
 
-Usage: torchrun --nproc_per_node=2 lora_layouts.py
+Usage: torchrun --nproc_per_node=2 lora_layouts.py WORK_DIR (checkpoints go under it)
 
 Phase 0 (every rank alone): a TP1/PP1 Qwen2-shaped model (q/k/v biases, GQA) with adapters on all
 four layers, random B, plain autograd on the whole batch: loss, adapter gradients, merged weights,
@@ -16,6 +16,13 @@ of the rank's DP slice; one ``RESULT`` line per check:
                 (after the step) the optimizer state covers exactly this rank's adapter shards
   lora_step     loss, every adapter gradient (DDP main grads), the optimizer's grad norm and the
                 AdamW update equal the reference; frozen base params have no grad
+  lora_push     after the step, the weight push (``Exporter``, the path into vLLM) sends every
+                adapted HF tensor merged, ``W + s B A`` of the trained adapters, equal to the one-process
+                merge, and no adapter tensor; a second push through the same exporter after the adapters
+                changed sends the new merge (nothing stale is cached)
+  lora_ckpt     the trained state saved as a LoRA checkpoint holds adapter entries only (no base
+                tensor) plus the LoRA record; a fresh, differently initialised model at the same layout
+                resumes it bit-exact (adapters, Adam moments, fp32 main params)
   lora_bf16     a bf16 model at DP=2 (the GPU dtype): adapters bf16, base frozen, fp32 main params
                 in the optimizer for adapters only, a finite step
   lora_sp       column + row parallel linears with sequence parallelism (impossible in a local-spec
@@ -35,10 +42,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
+from megatron_gtpo.checkpoint.adapters import BaseIdentity, lora_record, saved_lora
+from megatron_gtpo.checkpoint.store import load_checkpoint, save_checkpoint
 from megatron_gtpo.convert import mapping as mp
-from megatron_gtpo.models.families import FAMILIES
+from megatron_gtpo.models.families import FAMILIES, family_of
 from megatron_gtpo.parallel.collectives import comm_device
 from megatron_gtpo.parallel.dims import init_distributed
+from megatron_gtpo.sync.export import Exporter
 from megatron_gtpo.train import lora_layers as L
 from megatron_gtpo.train import model as M
 from megatron_gtpo.train.lora import BY_NAME, LoraConfig
@@ -104,9 +114,22 @@ def reference(hf, data):
     params = L.adapter_parameters([model])
     torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=EPS, weight_decay=0.0).step()
     updated = keyed([model], lambda p: p.detach().clone())
+    merged_after = {n: t.clone() for n, t in L.merged_weights([model])}
     ps.destroy_model_parallel()
     return SimpleNamespace(full=full, init=init, adapters=adapters, loss=float(loss), grads=grads, norm=norm,
-                           merged=merged, updated=updated, frozen_clean=frozen_clean)
+                           merged=merged, updated=updated, frozen_clean=frozen_clean,
+                           hf_merged=hf_tensors(hf, merged_after), hf_before=hf_tensors(hf, merged),
+                           hf_base=hf_tensors(hf, {n: full[n] for n in merged}))
+
+
+def hf_tensors(hf, weights: dict) -> dict:
+    """Global Megatron weights (``decoder.layers.{l}.{local}``) as the HF tensors they split into."""
+    shapes, family, out = mp.shapes_of(hf), family_of(hf), {}
+    for name, tensor in weights.items():
+        layer, local = int(name.split(".")[2]), name.split(".", 3)[3]
+        pm = next(p for p in mp.layer_maps(family) if p.local == local)
+        out.update(zip(mp.hf_names(pm, layer), mp.split(pm, tensor, shapes)))
+    return out
 
 
 def build(hf, ref, *, tp: int, pp: int, dtype=torch.float32):
@@ -242,7 +265,66 @@ def optimizer_state_numel(optimizer) -> int:
     return total
 
 
-def run_layout(hf, data, ref, *, tp: int, pp: int) -> None:
+def push_errors(exporter, want: dict) -> dict:
+    """One push's HF tensors against ``want`` (the adapted ones): worst error, names missing, adapter names sent."""
+    got = {name: tensor.clone() for name, tensor in exporter.tensors("full")}
+    return {"err": max(err(got[n], t) for n, t in want.items() if n in got),
+            "missing": sorted(set(want) - set(got))[:3], "adapter_names": [n for n in got if "lora" in n][:3],
+            "sent": len(got)}
+
+
+def check_push(chunks, hf, ref, dims, layout) -> None:
+    exporter = Exporter(chunks, hf_config=hf, dims=dims)
+    trained = push_errors(exporter, ref.hf_merged)
+    exporter.release()  # what WeightSync.update does around every push
+    L.set_adapters(chunks, ref.adapters)  # the adapters change (back to their pre-step values)
+    again = push_errors(exporter, ref.hf_before)
+    moved = max(err(ref.hf_merged[n], t) for n, t in ref.hf_base.items())  # what an unmerged push would miss by
+    emit(check="lora_push", layout=layout, trained=trained, again=again, base_vs_merged=moved)
+
+
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """Every Adam moment and fp32 main param of this rank's optimizer shards, in a fixed order."""
+    out = []
+    for opt in megatron_optimizers(optimizer):
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                state = opt.optimizer.state.get(p, {})
+                out += [p.detach().clone()] + [state[k].clone() for k in ("exp_avg", "exp_avg_sq") if k in state]
+    return out
+
+
+def check_checkpoint(chunks, optimizer, hf, ref, *, layout, root) -> None:
+    """Save the trained LoRA state, rebuild a fresh model at the same layout, resume, compare."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    tp, pp = layout[0], layout[1]
+    record = lora_record(CFG, BaseIdentity(path="/base", sha256="0" * 64, files=1, bytes=1))
+    adapters_before = keyed(chunks, lambda p: p.detach().clone())
+    state_before = optimizer_tensors(optimizer)
+    path = save_checkpoint(root, step=1, model_chunks=chunks, optimizer=optimizer, extra_state={"x": 1}, keep_last=1,
+                           lora=record)
+    keys = list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    model_keys = [k for k in keys if not k.startswith(("optimizer.", "rng_state"))]
+    ps.destroy_model_parallel()
+    dims, fresh = build(hf, ref, tp=tp, pp=pp)  # B = 0, A as initialised: not the trained values
+    cfg = optim_config()
+    fresh = wrap_ddp(fresh, cfg)
+    opt2, _ = build_optimizer(fresh, cfg, total_steps=1)
+    differs_before = compare_local(fresh, ref.updated, lambda p: p)
+    step, extra = load_checkpoint(root, model_chunks=fresh, optimizer=opt2)
+    after = keyed(fresh, lambda p: p.detach())
+    state_after = optimizer_tensors(opt2)
+    emit(check="lora_ckpt", layout=layout, step=step, extra=extra, record_ok=saved_lora(path) == record,
+         model_keys=len(model_keys), base_keys=[k for k in model_keys if ".lora." not in k][:3],
+         optimizer_keys=sum(k.startswith("optimizer.") for k in keys), differs_before=differs_before,
+         adapter_err=max(err(after[k], v) for k, v in adapters_before.items()),
+         state_count=[len(state_before), len(state_after)],
+         state_err=max((err(a, b) for a, b in zip(state_before, state_after)), default=-1.0))
+    ps.destroy_model_parallel()
+
+
+def run_layout(hf, data, ref, *, tp: int, pp: int, work) -> None:
     layout = [tp, pp, 2 // (tp * pp)]
     dims, chunks = build(hf, ref, tp=tp, pp=pp)
     check_placement(chunks, ref, dims, layout)
@@ -264,7 +346,8 @@ def run_layout(hf, data, ref, *, tp: int, pp: int) -> None:
     emit(check="lora_step", layout=layout, last_stage=dims.is_last_stage, loss=loss, ref_loss=ref.loss,
          grad_err=grad_err, norm=float(norm), ref_norm=ref.norm, update_err=update_err, base_grads=base_grads,
          state_numel=int(state), adapter_numel=adapter_numel, ref_frozen_clean=ref.frozen_clean)
-    ps.destroy_model_parallel()
+    check_push(chunks, hf, ref, dims, layout)
+    check_checkpoint(chunks, optimizer, hf, ref, layout=layout, root=work / f"tp{tp}pp{pp}")
 
 
 def run_bf16(hf, data, ref) -> None:
@@ -362,11 +445,14 @@ def run_sequence_parallel() -> None:
 
 
 def main() -> None:
+    from pathlib import Path
+
+    work = Path(sys.argv[1])
     hf = C.tiny_config(tied=False)
     data = make_data()
     ref = reference(hf, data)
     for tp, pp in ((2, 1), (1, 2), (1, 1)):
-        run_layout(hf, data, ref, tp=tp, pp=pp)
+        run_layout(hf, data, ref, tp=tp, pp=pp, work=work)
     run_bf16(hf, data, ref)
     run_sequence_parallel()
 
