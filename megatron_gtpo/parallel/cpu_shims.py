@@ -109,6 +109,31 @@ def _install_causal_mask() -> None:
     )
 
 
+def _install_moe_shims() -> None:
+    """Two CUDA assumptions of Megatron-Core 0.16.1's mixture-of-experts layer.
+
+    * ``moe_utils.te_general_gemm``: the router's gating GEMM tests ``te_general_gemm is not None``,
+      but the name is bound only inside the ``try`` that imports Transformer Engine; without TE every
+      router forward raises NameError. None is what the code means (its torch.mm fallback runs).
+    * The alltoall token dispatcher computes the per-rank split sizes as tensors and moves them to
+      the host with ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which only moves CUDA tensors;
+      on CPU the split sizes stay tensors and gloo's ``all_to_all_single`` rejects them (it wants
+      lists of ints). Here CPU tensors get what CUDA ones get on a GPU: a host numpy array.
+    """
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_host
+
+
 def install_rng_tracker(seed: int) -> None:
     """Replaces ``tensor_parallel.model_parallel_cuda_manual_seed``.
 
@@ -170,5 +195,6 @@ def install(*, device_mode: bool = True) -> bool:
         if device_mode:
             CudaToCpuMode().__enter__()  # stays active for the life of the process
         _install_causal_mask()
+        _install_moe_shims()
         _INSTALLED = True
     return True

@@ -30,14 +30,26 @@ class ParallelConfig:
     """Virtual pipeline chunks per PP rank (interleaved 1F1B); None = no interleaving. Needs pp > 1."""
     dp: int = 1
     """Data-parallel size. torchrun launches tp * pp * dp ranks."""
+    ep: int = 1
+    """Expert-parallel size (mixture-of-experts models): the routed experts of every layer are split
+    over ``ep`` ranks, each holding experts / ep of them, and tokens travel to their experts by
+    all-to-all. Expert-parallel ranks are taken from the tp * dp ranks of a pipeline stage (no extra
+    ranks: Megatron's layout), so ep * etp must divide tp * dp, and ep must divide the experts."""
+    etp: int = 1
+    """Expert tensor-parallel size: each expert's weights are cut ``etp`` ways like a dense MLP over
+    TP. 1 (the default here; Megatron's own default is the dense TP): fine-grained experts are small,
+    and whole experts per rank avoid a reduction per expert."""
     timeout_s: float = 1800
     """Seconds a collective may wait for its peers before it fails instead of hanging: applies to
     the default group, the gloo control group and Megatron's groups. Raise it when a rank can
     legitimately be busy alone for longer (e.g. rank 0 scoring or saving between collectives)."""
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep", "etp"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        require((self.tp * self.dp) % (self.ep * self.etp) == 0, "ep", self.ep,
+                f"a value with ep * etp dividing tp * dp = {self.tp * self.dp} (expert-parallel ranks come from the "
+                f"tensor- and data-parallel ranks of a stage; etp={self.etp})")
         require(self.timeout_s > 0, "timeout_s", self.timeout_s, "a number of seconds > 0")
         require(self.vpp is None or (self.vpp >= 2 and self.pp >= 2), "vpp", self.vpp,
                 "null, or an integer >= 2 together with pp >= 2")
@@ -66,6 +78,16 @@ class ParallelDims:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep: int = 1
+    """Expert-parallel size (1 for dense models)."""
+    etp: int = 1
+    """Expert tensor-parallel size."""
+    ep_rank: int = 0
+    """This rank's index in its expert-parallel group: it holds experts ep_rank * E/ep .. (ep_rank+1) * E/ep - 1."""
+    etp_rank: int = 0
+    """This rank's index in its expert tensor-parallel group."""
+    edp_rank: int = 0
+    """This rank's index among the replicas of its experts (expert data parallel: tp * dp / (ep * etp) of them)."""
 
     @property
     def is_last_stage(self) -> bool:
@@ -73,11 +95,13 @@ class ParallelDims:
 
 
 def init_distributed(*, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234,
-                     timeout_s: float = ParallelConfig.timeout_s) -> ParallelDims:
+                     timeout_s: float = ParallelConfig.timeout_s, ep: int = 1, etp: int = 1) -> ParallelDims:
     """Initialises the default group (gloo on CPU, NCCL on GPU), the CPU shims (and strict mode,
     see strict.py), the gloo control group, Megatron's model-parallel groups with the control
     plane's twins of the DP and PP groups, and the RNG tracker; every group gets ``timeout_s``
-    (``parallel.timeout_s``). Works single-process too (world of 1, no torchrun needed).
+    (``parallel.timeout_s``). ``ep``/``etp``: expert parallelism of a mixture of experts, carved out
+    of the tp * dp ranks of each stage (Megatron's expert groups). Works single-process too (world
+    of 1, no torchrun needed).
     """
     from megatron.core import parallel_state as ps
 
@@ -95,6 +119,9 @@ def init_distributed(*, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: 
     if world % (tp * pp) != 0:
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}; "
                          f"launch a multiple of {tp * pp} ranks or change parallel.tp/parallel.pp")
+    if (world // pp) % (ep * etp):
+        raise ValueError(f"ep*etp = {ep}*{etp} does not divide the {world // pp} ranks of a pipeline stage "
+                         "(expert-parallel ranks come from the tensor- and data-parallel ones): change parallel.ep/etp")
     strict_mode = strict.requested() or strict.active()
     on_cpu = cpu_shims.install(device_mode=not strict_mode)
     if on_cpu and strict_mode:
@@ -105,6 +132,7 @@ def init_distributed(*, tp: int = 1, pp: int = 1, vpp: int | None = None, seed: 
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp,
+            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
             distributed_timeout_minutes=timeout_s / 60,
         )
         control.add_twins([ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()])
@@ -131,6 +159,9 @@ def current_dims(vpp: int | None = None) -> ParallelDims:
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+        edp_rank=ps.get_expert_data_parallel_rank(),
     )
 
 

@@ -40,6 +40,22 @@ have ``padded_vocab_size(vocab_size, tp, divisible_by)`` rows (a multiple of
 Rows ``>= vocab_size`` are padding: zero when loaded from HF, excluded from log-probs, entropy and
 greedy argmax (``true_vocab_size`` gives the trainer the real size), stripped on export/conversion.
 
+Mixture-of-experts families (``Family.experts``: Qwen3-MoE, Qwen2-MoE, Mixtral) get Megatron's MoE
+layer in every block (:func:`moe_settings`): a softmax top-k router (``moe_router_pre_softmax``
+where the family does not renormalise the top-k probabilities, so both give exactly HF's weights),
+the routed experts (SequentialMLP on the local spec; TEGroupedMLP, grouped GEMM, with TE), Qwen2-MoE's
+shared expert with its sigmoid gate, and the alltoall token dispatcher. HF -> Megatron::
+
+    model.layers.i.{block}.gate.weight                  decoder.layers.j.mlp.router.weight (replicated)
+    model.layers.i.{block}.experts.e.{gate,up}          decoder.layers.j.mlp.experts.local_experts.l.linear_fc1.weight
+      (Mixtral w1, w3)                                    [gate ; up], l = e - ep_rank * E/ep (TE: linear_fc1.weight{l})
+    model.layers.i.{block}.experts.e.down (Mixtral w2)  decoder.layers.j.mlp.experts.local_experts.l.linear_fc2.weight
+    model.layers.i.mlp.shared_expert.{gate,up,down}     decoder.layers.j.mlp.shared_experts.linear_fc{1,2}.weight
+    model.layers.i.mlp.shared_expert_gate.weight        decoder.layers.j.mlp.shared_experts.gate_weight
+
+In the dist-checkpoint the experts are stacked as ``decoder.layers.mlp.experts.experts.linear_fc{1,2}.weight``
+of global shape ``[num_layers, num_experts, ...]`` (SequentialMLP's and TEGroupedMLP's common format).
+
 Not mapped: Mistral's and Phi-3's ``sliding_window`` (sequences longer than the window attend
 further than in HF); ``attention_bias``/``mlp_bias`` where the family has no such bias and RoPE types
 other than default/llama3 (Phi-3's longrope) are rejected (``families.check_supported``).
@@ -54,7 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_gtpo.models.config import VOCAB_DIVISIBLE_BY
-from megatron_gtpo.models.families import check_supported
+from megatron_gtpo.models.families import Family, check_supported
 from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, head_dim_of, num_kv_heads_of, rope_settings,
                                             tied_embeddings)
 from megatron_gtpo.models.shape import shape_from_hf_config
@@ -76,17 +92,32 @@ def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIV
     return -(-vocab_size // multiple) * multiple
 
 
-def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None) -> None:
+def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None, ep: int = 1, etp: int = 1) -> None:
     """Raises ConfigError with every reason ``hf_config`` cannot be split into this layout
     (``parallel.layout.model_split_problems``: the rules the dry-run reports too)."""
-    problems = model_split_problems(shape_from_hf_config(hf_config, name="model"), tp=tp, pp=pp, vpp=vpp)
+    problems = model_split_problems(shape_from_hf_config(hf_config, name="model"), tp=tp, pp=pp, vpp=vpp,
+                                    ep=ep, etp=etp)
     if problems:
         raise ConfigError("config.json: " + "; ".join(problems))
 
 
+MOE_DERIVED = {
+    "num_moe_experts": "config.json", "moe_router_topk": "config.json", "moe_ffn_hidden_size": "config.json",
+    "moe_router_pre_softmax": "config.json (norm_topk_prob)", "moe_router_score_function": "config.json",
+    "moe_shared_expert_intermediate_size": "config.json", "moe_shared_expert_gate": "config.json",
+    "moe_router_num_groups": "config.json", "moe_router_group_topk": "config.json",
+    "moe_router_topk_scaling_factor": "config.json", "moe_router_enable_expert_bias": "config.json",
+    "expert_model_parallel_size": "parallel.ep", "expert_tensor_parallel_size": "parallel.etp",
+    "moe_enable_routing_replay": "model.moe_routing_replay",
+}
+"""Megatron MoE settings the model's own description decides (the routing HF computes, the layout,
+the replay switch): an override would train another function than the engines sample from."""
+
+
 def validate_overrides(overrides: dict | None) -> dict:
     """Checks that every key is a real ``TransformerConfig`` field (Megatron settings are passed
-    through natively, not mirrored); ConfigError names an unknown key."""
+    through natively, not mirrored) and none is one of :data:`MOE_DERIVED`; ConfigError names the
+    key and where its value comes from."""
     from megatron.core.transformer import TransformerConfig
 
     overrides = dict(overrides or {})
@@ -95,7 +126,33 @@ def validate_overrides(overrides: dict | None) -> dict:
     if unknown:
         raise ConfigError(f"unknown Megatron TransformerConfig field(s) in overrides: {', '.join(unknown)}; "
                           "use field names of megatron.core.transformer.TransformerConfig")
+    fixed = sorted(set(overrides) & set(MOE_DERIVED))
+    if fixed:
+        raise ConfigError(f"model.megatron.{fixed[0]} cannot be overridden: it is set from {MOE_DERIVED[fixed[0]]}; "
+                          "remove it from model.megatron")
     return overrides
+
+
+def moe_settings(hf_config: dict, family: Family, *, ep: int, etp: int) -> dict:
+    """Megatron's MoE settings for a mixture-of-experts family ({} for a dense one). The router is
+    the family's (top-k over softmax scores; pre-softmax where HF does not renormalise the top-k),
+    experts are split ``ep`` x ``etp`` ways, tokens move with the alltoall dispatcher (the one that
+    scales with EP), and no auxiliary loss is added by default (``moe_aux_loss_coeff`` 0, no
+    z-loss): RL fine-tunes a pretrained router whose balance the policy gradient should not trade
+    against (docs/moe.md says why); both pass through ``model.megatron`` (``moe_aux_loss_coeff``,
+    ``moe_z_loss_coeff``)."""
+    layout = family.experts
+    if layout is None:
+        return {}
+    sizes = layout.sizes(hf_config)
+    out = dict(num_moe_experts=sizes["experts"], moe_router_topk=sizes["top_k"],
+               moe_ffn_hidden_size=sizes["ffn"], moe_router_score_function="softmax",
+               moe_router_pre_softmax=not layout.normalises(hf_config), moe_token_dispatcher_type="alltoall",
+               moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+               expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    if sizes["shared_ffn"]:
+        out.update(moe_shared_expert_intermediate_size=sizes["shared_ffn"], moe_shared_expert_gate=True)
+    return out
 
 
 def _cpu_safe_defaults(*, on_gpu: bool) -> dict:
@@ -116,19 +173,23 @@ def init_settings(*, on_gpu: bool, weights_loaded: bool) -> dict:
     return {"use_cpu_initialization": not on_gpu, "perform_initialization": not (on_gpu and weights_loaded)}
 
 
-def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | None,
-                               dtype: torch.dtype, overrides: dict | None = None, weights_loaded: bool = False):
-    """``TransformerConfig`` for an HF config of a supported family at layout (tp, pp, vpp).
+def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | None, dtype: torch.dtype,
+                               overrides: dict | None = None, weights_loaded: bool = False,
+                               experts: tuple[int, int] = (1, 1)):
+    """``TransformerConfig`` for an HF config of a supported family at layout (tp, pp, vpp) with
+    ``experts`` = (ep, etp) for a mixture of experts.
 
-    ``overrides`` are native TransformerConfig fields applied last (e.g. recompute, fp8); an
-    unknown key or a value TransformerConfig rejects raises ConfigError. ``weights_loaded``: real
-    weights are loaded after the build (see ``init_settings``).
+    ``overrides`` are native TransformerConfig fields applied last (e.g. recompute, fp8, MoE
+    ``moe_aux_loss_coeff``); an unknown key, one the model decides (:data:`MOE_DERIVED`) or a
+    value TransformerConfig rejects raises ConfigError. ``weights_loaded``: real weights are loaded
+    after the build (see ``init_settings``).
     """
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
     family = check_supported(hf_config)
-    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp)
+    ep, etp = experts
+    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
     overrides = validate_overrides(overrides)
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
@@ -148,6 +209,7 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         # The local spec always uses DotProductAttention; "local" only pins the NVTE_* env vars.
         attention_backend=AttnBackend.auto if on_gpu else AttnBackend.local,
         **_cpu_safe_defaults(on_gpu=on_gpu),
+        **moe_settings(hf_config, family, ep=ep, etp=etp),
     )
     if pp == 2 and vpp:
         # With two stages the previous and next stage are the same rank, and Megatron's batched
@@ -180,14 +242,16 @@ def te_available() -> bool:
     return bool(gpt_layer_specs.HAVE_TE)
 
 
-def layer_spec(*, qk_layernorm: bool, use_te: bool):
-    """Megatron layer spec: the TE spec on CUDA with TE, otherwise the pure-PyTorch local spec."""
+def layer_spec(*, qk_layernorm: bool, use_te: bool, num_experts: int | None = None, grouped_gemm: bool = False):
+    """Megatron layer spec: the TE spec on CUDA with TE, otherwise the pure-PyTorch local spec; with
+    ``num_experts`` the MoE layer in every block (grouped GEMM experts with ``grouped_gemm``)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
+    moe = {"num_experts": num_experts, "moe_grouped_gemm": grouped_gemm} if num_experts else {}
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **moe)
+    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", **moe)
 
 
 def _resolve_use_te(use_te: bool | None) -> bool:
@@ -216,9 +280,14 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
-    config = transformer_config_from_hf(hf_config, tp=dims.tp, pp=dims.pp, vpp=dims.vpp,
-                                        dtype=dtype, overrides=overrides, weights_loaded=weights_loaded)
-    spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=_resolve_use_te(use_te))
+    use_te = _resolve_use_te(use_te)
+    if check_supported(hf_config).experts is not None:  # grouped GEMM where TE provides it (GPU)
+        overrides = {"moe_grouped_gemm": use_te, **(overrides or {})}
+    config = transformer_config_from_hf(hf_config, tp=dims.tp, pp=dims.pp, vpp=dims.vpp, dtype=dtype,
+                                        overrides=overrides, weights_loaded=weights_loaded,
+                                        experts=(dims.ep, dims.etp))
+    spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=use_te, num_experts=config.num_moe_experts,
+                      grouped_gemm=config.moe_grouped_gemm)
     rope = rope_settings(hf_config)
     vocab = int(hf_config["vocab_size"])
     padded = padded_vocab_size(vocab, tp=dims.tp, divisible_by=vocab_divisible_by)
