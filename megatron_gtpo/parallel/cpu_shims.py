@@ -134,6 +134,31 @@ def _install_moe_shims() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_host
 
 
+class _GuardGroup:
+    """Answers ``size() == 1`` for the one read of ``MoELayer.attn_tp_group`` (see below)."""
+
+    def size(self) -> int:
+        return 1
+
+
+def lift_moe_tp_guard(model: torch.nn.Module) -> int:
+    """Lets Megatron-Core 0.16.1's MoE layers train with TP > 1 on CPU; returns the layers changed.
+
+    ``MoELayer.forward`` refuses to train with attention TP > 1 unless sequence parallelism is on,
+    for performance: without it every TP rank dispatches the same tokens to the experts (the
+    results are the same, the expert compute and the all-to-all are duplicated). Sequence
+    parallelism needs Transformer Engine's or Apex's norms, which the local spec on CPU cannot have,
+    so on CPU the layer's ``attn_tp_group`` (read by that guard alone) answers size 1. GPU runs turn
+    sequence parallelism on instead (``train/model.py`` refuses MoE with TP > 1 without it there).
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    for layer in layers:
+        layer.attn_tp_group = _GuardGroup()
+    return len(layers)
+
+
 def install_rng_tracker(seed: int) -> None:
     """Replaces ``tensor_parallel.model_parallel_cuda_manual_seed``.
 

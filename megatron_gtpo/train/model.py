@@ -74,7 +74,7 @@ from megatron_gtpo.models.families import Family, check_supported
 from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, head_dim_of, num_kv_heads_of, rope_settings,
                                             tied_embeddings)
 from megatron_gtpo.models.shape import shape_from_hf_config
-from megatron_gtpo.parallel import strict
+from megatron_gtpo.parallel import cpu_shims, strict
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.layout import model_split_problems
 from megatron_gtpo.utils.configuration import ConfigError
@@ -217,6 +217,10 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         # upstream Megatron-LM #750/#1450). Unbatched p2p is correct (tests/dist trainstep VPP).
         kwargs["batch_p2p_comm"] = False
     kwargs.update(overrides)
+    if family.experts is not None and tp > 1 and on_gpu and not kwargs["sequence_parallel"]:
+        raise ConfigError(f"a mixture of experts with TP={tp} trains only with sequence parallelism (Megatron-Core "
+                          "refuses it otherwise: every TP rank would dispatch the same tokens): set "
+                          "model.megatron.sequence_parallel: true")
     try:
         return TransformerConfig(**kwargs)
     except (ValueError, AssertionError, TypeError) as err:
@@ -310,6 +314,8 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
             fp32_output_layer(model.output_layer)
         if torch.cuda.is_available() or strict.active():  # strict mode takes the GPU path: all on the device
             model.cuda(torch.cuda.current_device())
+        if config.num_moe_experts and dims.tp > 1 and not torch.cuda.is_available():
+            cpu_shims.lift_moe_tp_guard(model)  # no sequence parallelism on the local spec (see there)
         if config.fp16 or config.bf16:
             model = Float16Module(config, model)
         chunks.append(model)
