@@ -26,11 +26,9 @@ from __future__ import annotations
 import torch
 
 from megatron_gtpo.algo.checks import as_mask
+from megatron_gtpo.algo.choices import AGG_MODES
 
 Tensor = torch.Tensor
-
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
 
 def aggregate(per_token_loss: Tensor, mask: Tensor, *, mode: str, num_tokens: float | Tensor | None = None,
               num_seqs: float | Tensor | None = None, constant: float | None = None) -> Tensor:
@@ -62,12 +60,14 @@ def aggregation_weights(mask: Tensor, *, mode: str, num_tokens: float | Tensor |
     * token-mean: ``1 / num_tokens``; seq-mean-token-mean: ``1 / (|o_i| num_seqs)``;
     * seq-mean-token-sum: ``1 / num_seqs``; seq-mean-token-sum-norm: ``1 / (num_seqs L)``.
 
-    Used by the diagnostics (``algo/diagnostics.py``): the algorithm's own token weights omega.
+    Used by the diagnostics (``algo/diagnostics.py``): the algorithm's own token weights omega. A bool
+    ``mask`` is the caller's contract, as in ``aggregate`` (a 0/1 mask is checked and converted).
     """
-    mask = as_mask(mask)
+    if mask.dtype != torch.bool:
+        mask = as_mask(mask)
     row_div, denom = _divisors(mask, mode=mode, num_tokens=num_tokens, num_seqs=num_seqs, constant=constant)
-    row = torch.ones(mask.shape[0], dtype=dtype, device=mask.device) / torch.as_tensor(denom, dtype=dtype,
-                                                                                        device=mask.device)
+    # a Python denominator divides as a scalar: no host data copied to the device
+    row = torch.ones(mask.shape[0], dtype=dtype, device=mask.device) / denom
     if row_div is not None:
         row = row / row_div.to(dtype)
     return torch.where(mask, row[:, None], torch.zeros((), dtype=dtype, device=mask.device))
@@ -98,3 +98,13 @@ def _normaliser(value, local):
     if isinstance(value, Tensor):
         return value.clamp(min=1)
     return max(float(value), 1.0)
+
+
+def masked_extremum(values: Tensor, mask: Tensor, *, largest: bool) -> Tensor:
+    """0-d max (``largest``) or min of ``values`` over ``mask``, 1 when the mask is empty, computed
+    without reading a device value back (no host sync: the emptiness test stays on the device)."""
+    one = torch.ones((), dtype=values.dtype, device=values.device)
+    if not mask.numel():
+        return one
+    masked = torch.where(mask, values, float("-inf") if largest else float("inf"))
+    return torch.where(mask.any(), masked.max() if largest else masked.min(), one)

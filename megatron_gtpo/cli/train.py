@@ -38,6 +38,9 @@ def parse_args(argv):
     add_resume_options(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the config, model, data and parallel layout, print them, and exit")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="ranks the launcher will start (slurm/train.sbatch passes trainer nodes x ranks per "
+                             "node): refused in seconds, before anything loads, unless it equals parallel.tp x pp x dp")
     parser.add_argument("--prepare-only", action="store_true",
                         help="validate, write the resolved <output-dir>/config.yaml and exit: the ranks are "
                              "started elsewhere (slurm/train.sbatch runs `python -m megatron_gtpo.cli.worker` on every node)")
@@ -59,6 +62,9 @@ def prepare(args):
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     cfg = load_config(args.recipe, overrides)
+    if args.world_size is not None and (problem := cfg.parallel.world_size_problem(
+            args.world_size, launcher=f"the launcher (--world-size {args.world_size})")):
+        raise ConfigError(problem)
     if not checked and not args.dry_run:  # before the model/data checks and before config.yaml is written
         check_resume(cfg.output_dir, args.resume)
     return cfg, preflight(cfg)

@@ -7,6 +7,7 @@ Started on every rank by ``megatron-gtpo train`` (through torchrun), ``slurm/tra
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megatron_gtpo.checkpoint.files import CheckpointError, add_resume_options
@@ -28,8 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    cfg = load_config(args.config)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if problem := cfg.parallel.world_size_problem(world, launcher="torchrun (WORLD_SIZE)"):
+        print(f"megatron-gtpo: error: {problem}", file=sys.stderr, flush=True)  # before anything loads
+        return 2
     try:
-        run(load_config(args.config), resume=args.resume)
+        run(cfg, resume=args.resume)
     except STOPS as err:  # a clear stop, named by its own message, instead of a traceback
         print(f"megatron-gtpo: error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         return 1

@@ -25,7 +25,11 @@ Terms (bytes on the rank that holds them; trainer figures for the largest pipeli
   share leaves after its weights (``kv_needed``: the KV of all of an engine's sequences at full
   length, for the warning when that is less);
 * reserve: 5% of the GPU for the CUDA context, NCCL buffers and allocator fragmentation, outside
-  both budgets.
+  both budgets;
+* host staging (separate transport, host memory of one rollout node, not GPU memory): each rollout
+  server receives one copy of the push into one node-local staging area, from which each of its
+  engine's workers copies only its own shards to its GPU, so a node holds one copy of the model in
+  the push dtype (:func:`push_bytes`), whatever the engine's TP (not one per worker).
 
 Phases of a colocated step (rollout/memory.py runs them): *rollout* (trainer weights and reference,
 plus gradients and optimizer unless ``rollout.offload_trainer``, next to vLLM's share); *train*
@@ -90,6 +94,9 @@ class MemorySizes:
     micro_batch_tokens: int = 0
     """Packed micro-batches (``train.micro_batch_tokens`` resolved): one row of at most this many
     tokens each; 0: padded micro-batches of ``micro_batch_size`` rows of the longest sequence."""
+    sequence_multiple: int = 1
+    """What micro-batch lengths are padded to (train/model.py ``padding_multiple``: FP8 recipe, TP,
+    sequence parallelism): a packed row or a padded row can be up to this minus one token longer."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +117,8 @@ class MemoryEstimate:
     """Tensors the layers keep for backward: one micro-batch x those in flight (see activation_bytes)."""
     push: int
     """Extra memory of a weight push (buffers and in-flight tensors)."""
+    host_staging: int
+    """Host memory of one rollout node for a push (separate transport; 0 colocated): one copy."""
     rollout_weights: int
     """vLLM engine weights on one GPU."""
     kv_per_sequence: int
@@ -195,6 +204,11 @@ def stage_params(shape: ModelShape, layout: Layout) -> int:
     return blocks + vocab + shape.hidden
 
 
+def push_bytes(shape: ModelShape, sizes: MemorySizes) -> int:
+    """Bytes of one whole weight push: every HF tensor in the trainer's dtype."""
+    return shape.params_total() * sizes.param_bytes
+
+
 def optimizer_bytes_per_param(*, optimizer: str, param_bytes: int) -> int:
     """fp32 state per parameter: moments (Adam 2, SGD 1) plus a master copy for half-precision models."""
     moments = 2 if optimizer == "adam" else 1
@@ -248,12 +262,13 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
 
 def micro_batch_dims(layout: Layout, sizes: MemorySizes) -> tuple[int, int]:
     """(rows, tokens per row) of the largest micro-batch: padded, ``micro_batch_size`` rows of the
-    longest sequence; packed, one row of the token budget. Megatron's local spec attends over a
+    longest sequence; packed, one row of the token budget; either rounded up to the padding multiple. Megatron's local spec attends over a
     packed row as a whole (a block-diagonal mask, train/model_input.py), so its scores and
     probabilities are those of one ``budget``-token sequence; TE's THD attention keeps none."""
+    multiple = sizes.sequence_multiple
     if sizes.micro_batch_tokens:
-        return 1, sizes.micro_batch_tokens
-    return layout.micro_batch_size, layout.seq_len
+        return 1, -(-sizes.micro_batch_tokens // multiple) * multiple
+    return layout.micro_batch_size, -(-layout.seq_len // multiple) * multiple
 
 
 def in_flight(layout: Layout) -> float:
@@ -288,7 +303,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> Me
     return MemoryEstimate(
         weights=params * sizes.param_bytes, grads=params * sizes.grad_bytes, optimizer=opt,
         reference=params * sizes.param_bytes if sizes.reference else 0, logits=logits,
-        activations=activation_bytes(shape, layout, sizes), push=push, rollout_weights=rollout_weights,
+        activations=activation_bytes(shape, layout, sizes), push=push,
+        host_staging=0 if colocated else push_bytes(shape, sizes), rollout_weights=rollout_weights,
         kv_per_sequence=kv_sequence, kv_needed=layout.sequences_per_engine * kv_sequence,
         kv_cache_bytes=sizes.kv_cache_bytes, gpu=gpu, gpu_memory_utilization=util,
         planned=sizes.gpu_memory_utilization is None, offload_trainer=sizes.offload_trainer, colocated=colocated)

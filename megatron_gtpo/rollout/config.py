@@ -91,12 +91,15 @@ class RolloutConfig:
     seed: int = 0
     """Base sampling seed; each prompt of each step gets its own seed derived from it."""
 
-    request_seeds: bool | None = None
+    request_seeds: bool | None = True
     """Give every vLLM request its own seed (derived from ``seed``, the step and the prompt), so
-    completions do not depend on how prompts are spread over engines. vLLM's GPU sampler handles
-    seeded requests one by one in a Python loop, so on GPUs the default (None = auto) is off: the
-    engines then sample from their own generator, seeded with ``seed`` at start-up (reproducible for
-    a fixed layout, not across layouts). None: on without CUDA, off with CUDA."""
+    completions do not depend on how prompts are spread over engines. On by default, GPUs included:
+    vLLM 0.32's GPU model runner (V2, its default with Triton) samples every request in one batched
+    Gumbel kernel that reads each request's seed (``v1/worker/gpu/sample/gumbel.py``), so seeds cost
+    nothing there; a request without one gets a seed drawn from the process-global NumPy RNG
+    (``v1/worker/gpu/sample/states.py``), which the per-rank schedulers of a colocated engine of TP > 1
+    (external launcher) must then draw identically, or their batches and collectives diverge. False:
+    unseeded requests. None (resolved configs of older runs, where it meant "auto"): on."""
 
     staleness: int = 0
     """One-step-off rollouts: 0 = every step generates with the weights it trains from (on-policy up
@@ -139,12 +142,8 @@ class RolloutConfig:
                 "unset: the model directory comes from the conversion step")
 
     def seeded_requests(self) -> bool:
-        """``request_seeds`` with None resolved for this machine."""
-        if self.request_seeds is not None:
-            return self.request_seeds
-        import torch  # only here: the config module stays importable without torch
-
-        return not torch.cuda.is_available()
+        """``request_seeds`` resolved (None: on)."""
+        return self.request_seeds is not False
 
     def sampling(self) -> Sampling:
         """The sampling record of every rollout (everything a generate call needs but prompts and seed)."""

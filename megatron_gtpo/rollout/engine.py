@@ -2,7 +2,7 @@
 
     list[Prompt], Sampling, seeds --sample / submit+wait / generate--> list[Completion]
     load_weights(stream of HF tensors, version) --vLLM layer-wise in-place reload--> serves it
-    sleep() / wake_up(tags): vLLM sleep level 1 and its tagged wake-up (weights, kv_cache)
+    sleep() / wake_up(tags): vLLM sleep level 2 and its tagged wake-up (weights, kv_cache)
 
 It implements the :class:`~megatron_gtpo.rollout.protocol.Engine` and
 :class:`~megatron_gtpo.rollout.protocol.LocalWeights` protocols; ``submit`` generates at once and
@@ -336,14 +336,16 @@ class RolloutEngine:
     # ----------------------------------------------------------------------------- memory
 
     def sleep(self) -> None:
-        """Gives the accelerator memory back to the trainer after a rollout: vLLM sleep level 1
-        (weights offloaded to host RAM, KV cache freed; level 1 keeps the weights, so a rejected
-        push loses nothing). vLLM supports it on GPUs only (``enable_sleep_mode``); on CPU only the
-        state changes, so the driver's order is still enforced and recorded."""
+        """Gives the accelerator memory back to the trainer after a rollout: vLLM sleep level 2
+        (weights and KV cache discarded, only model buffers kept on the host): the push after the
+        train step rewrites every weight, so level 1's copy of the weights to host RAM and back
+        would be overwritten unread (a failed push raises and stops the run). vLLM supports it on
+        GPUs only (``enable_sleep_mode``); on CPU only the state changes, so the driver's order is
+        still enforced and recorded."""
         if self._awake == set():
             return
         if self._sleep_mode:
-            self._llm.sleep(level=1)
+            self._llm.sleep(level=2)
         self._awake = set()
         self.memory_events.append("sleep")
 

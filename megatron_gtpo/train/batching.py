@@ -77,7 +77,7 @@ def collate(groups: list[ScoredGroup], *, pad_id: int) -> Batch:
 def local_rows(batch_size: int, *, dp: int, dp_rank: int, micro_batch_size: int) -> slice:
     """This DP rank's contiguous block of global rows; the global batch must split evenly into DP
     ranks and micro-batches (Megatron's pipeline schedules need equally sized micro-batches)."""
-    problem = batch_split_problem(batch_size, dp=dp, micro_batch_size=micro_batch_size)
+    problem = batch_split_problem(batch_size, dp=dp, rows_per_micro_batch=micro_batch_size)
     if problem:
         raise ValueError(problem)
     per_rank = batch_size // dp
@@ -110,6 +110,9 @@ class MicroBatch:
     padding tail is one more segment); None: one row per sequence (padded micro-batch)."""
     max_seqlen: int = 0
     """Packed micro-batch: its longest segment (THD attention's ``max_seqlen``, the RoPE table length)."""
+    index: int = 0
+    """Position in the step's list of micro-batches (schedule order): how an update refers to what
+    an earlier update of the step kept for this micro-batch (``train/loss.py``)."""
     moe: MoeTokens | None = None
     """Mixture-of-experts policy: its tokens as the MoE layers see them (``train/routing.py``:
     replayed engine routing, router statistics); None for dense policies."""
@@ -163,12 +166,12 @@ def micro_batches(batch: Batch, rows: slice, *, micro_batch_size: int, common_le
     all_rows = torch.arange(batch.size)[rows]
     shared = _rounded(int(ends[all_rows].max()), pad_to_multiple) if common_length else None
     out = []
-    for idx in all_rows.split(micro_batch_size):
+    for index, idx in enumerate(all_rows.split(micro_batch_size)):
         seq_len = shared or _rounded(int(ends[idx].max()), pad_to_multiple)
         out.append(MicroBatch(rows=idx.to(device), input_ids=_model_input(batch, idx, seq_len).to(device),
                               position_ids=torch.arange(seq_len).expand(len(idx), seq_len).contiguous().to(device),
                               start=batch.prompt_lengths[idx].to(device), lengths=batch.lengths[idx].to(device),
-                              width=max(int(batch.lengths[idx].max()), 1)))
+                              width=max(int(batch.lengths[idx].max()), 1), index=index))
     return out
 
 
@@ -261,8 +264,8 @@ def packed_micro_batches(batch: Batch, rows: slice, *, token_budget: int, count:
     bins = pack_rows(lengths, count, token_budget)
     totals = [sum(lengths[i] for i in b) for b in bins]
     shared = _rounded(max(totals), pad_to_multiple) if common_length else None
-    return [_packed(batch, all_rows[torch.tensor(b)], shared or _rounded(total, pad_to_multiple)).to(device)
-            for b, total in zip(bins, totals)]
+    return [dataclasses.replace(_packed(batch, all_rows[torch.tensor(b)], shared or _rounded(total, pad_to_multiple)),
+                                index=index).to(device) for index, (b, total) in enumerate(zip(bins, totals))]
 
 
 def _packed(batch: Batch, idx: Tensor, seq_len: int) -> MicroBatch:

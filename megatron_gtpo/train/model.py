@@ -75,8 +75,10 @@ from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, head_dim_of, n
                                             tied_embeddings)
 from megatron_gtpo.models.shape import shape_from_hf_config
 from megatron_gtpo.parallel import cpu_shims, strict
+from megatron_gtpo.parallel.cp_attention import cp_layer_spec
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.parallel.layout import model_split_problems
+from megatron_gtpo.parallel.cp_index import cp_multiple
+from megatron_gtpo.parallel.layout import context_parallel_problems, model_split_problems
 from megatron_gtpo.utils.configuration import ConfigError
 
 def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
@@ -92,32 +94,22 @@ def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIV
     return -(-vocab_size // multiple) * multiple
 
 
-def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None, ep: int = 1, etp: int = 1) -> None:
+def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None, cp: int = 1, cp_comm_type=None,
+                 experts: tuple[int, int] = (1, 1)) -> None:
     """Raises ConfigError with every reason ``hf_config`` cannot be split into this layout
-    (``parallel.layout.model_split_problems``: the rules the dry-run reports too)."""
-    problems = model_split_problems(shape_from_hf_config(hf_config, name="model"), tp=tp, pp=pp, vpp=vpp,
-                                    ep=ep, etp=etp)
+    (``parallel.layout.model_split_problems``: the rules the dry-run reports too); ``experts`` =
+    (ep, etp) of a mixture of experts."""
+    shape = shape_from_hf_config(hf_config, name="model")
+    problems = model_split_problems(shape, tp=tp, pp=pp, vpp=vpp, ep=experts[0], etp=experts[1])
+    problems += context_parallel_problems(shape, tp=tp, cp=cp, comm_type=cp_comm_type,
+                                          cp_attention=te_available() or not torch.cuda.is_available())
     if problems:
         raise ConfigError("config.json: " + "; ".join(problems))
 
 
-MOE_DERIVED = {
-    "num_moe_experts": "config.json", "moe_router_topk": "config.json", "moe_ffn_hidden_size": "config.json",
-    "moe_router_pre_softmax": "config.json (norm_topk_prob)", "moe_router_score_function": "config.json",
-    "moe_shared_expert_intermediate_size": "config.json", "moe_shared_expert_gate": "config.json",
-    "moe_router_num_groups": "config.json", "moe_router_group_topk": "config.json",
-    "moe_router_topk_scaling_factor": "config.json", "moe_router_enable_expert_bias": "config.json",
-    "expert_model_parallel_size": "parallel.ep", "expert_tensor_parallel_size": "parallel.etp",
-    "moe_enable_routing_replay": "model.moe_routing_replay",
-}
-"""Megatron MoE settings the model's own description decides (the routing HF computes, the layout,
-the replay switch): an override would train another function than the engines sample from."""
-
-
 def validate_overrides(overrides: dict | None) -> dict:
     """Checks that every key is a real ``TransformerConfig`` field (Megatron settings are passed
-    through natively, not mirrored) and none is one of :data:`MOE_DERIVED`; ConfigError names the
-    key and where its value comes from."""
+    through natively, not mirrored); ConfigError names an unknown key."""
     from megatron.core.transformer import TransformerConfig
 
     overrides = dict(overrides or {})
@@ -126,10 +118,6 @@ def validate_overrides(overrides: dict | None) -> dict:
     if unknown:
         raise ConfigError(f"unknown Megatron TransformerConfig field(s) in overrides: {', '.join(unknown)}; "
                           "use field names of megatron.core.transformer.TransformerConfig")
-    fixed = sorted(set(overrides) & set(MOE_DERIVED))
-    if fixed:
-        raise ConfigError(f"model.megatron.{fixed[0]} cannot be overridden: it is set from {MOE_DERIVED[fixed[0]]}; "
-                          "remove it from model.megatron")
     return overrides
 
 
@@ -157,7 +145,9 @@ def moe_settings(hf_config: dict, family: Family, *, ep: int, etp: int) -> dict:
 
 def _cpu_safe_defaults(*, on_gpu: bool) -> dict:
     """Fusion flags: the CUDA-only kernels stay off on CPU (megatron_cpu.md section 4). On GPU the
-    recipes turn on what their stack provides (configs/gpu/*.yaml: TE's RoPE fusion, ...)."""
+    recipes turn on what their stack provides: configs/gpu/*.yaml set ``apply_rope_fusion`` (TE's
+    fused RoPE; Megatron refuses it without TE). ``gradient_accumulation_fusion`` stays off: Megatron's
+    output layer needs apex's ``fused_weight_gradient_mlp_cuda`` for it (plan/preflight.check_fusions)."""
     return {
         "masked_softmax_fusion": False, "persist_layer_norm": False,
         "gradient_accumulation_fusion": False, "apply_rope_fusion": False,
@@ -174,23 +164,23 @@ def init_settings(*, on_gpu: bool, weights_loaded: bool) -> dict:
 
 
 def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | None, dtype: torch.dtype,
-                               overrides: dict | None = None, weights_loaded: bool = False,
-                               experts: tuple[int, int] = (1, 1)):
-    """``TransformerConfig`` for an HF config of a supported family at layout (tp, pp, vpp) with
-    ``experts`` = (ep, etp) for a mixture of experts.
+                               overrides: dict | None = None, weights_loaded: bool = False, cp: int = 1):
+    """``TransformerConfig`` for an HF config of a supported family at layout (tp, pp, vpp).
 
-    ``overrides`` are native TransformerConfig fields applied last (e.g. recompute, fp8, MoE
-    ``moe_aux_loss_coeff``); an unknown key, one the model decides (:data:`MOE_DERIVED`) or a
+    ``overrides`` are native TransformerConfig fields applied last (e.g. recompute, fp8,
+    ``cp_comm_type``, MoE ``moe_aux_loss_coeff``; the builder passes a mixture's expert-parallel
+    sizes as ``expert_model_parallel_size`` / ``expert_tensor_parallel_size``); an unknown key or a
     value TransformerConfig rejects raises ConfigError. ``weights_loaded``: real weights are loaded
-    after the build (see ``init_settings``).
+    after the build (see ``init_settings``). ``cp``: context-parallel size (``context_parallel_size``).
     """
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
     family = check_supported(hf_config)
-    ep, etp = experts
-    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
     overrides = validate_overrides(overrides)
+    ep, etp = overrides.pop("expert_model_parallel_size", 1), overrides.pop("expert_tensor_parallel_size", 1)
+    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp, cp=cp, cp_comm_type=overrides.get("cp_comm_type"),
+                 experts=(ep, etp))
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
         num_layers=int(hf_config["num_hidden_layers"]), hidden_size=int(hf_config["hidden_size"]),
@@ -202,7 +192,7 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         add_qkv_bias=family.qkv_bias, qk_layernorm=family.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
+        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
         params_dtype=dtype, pipeline_dtype=dtype,
         bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16), sequence_parallel=False,
         **init_settings(on_gpu=on_gpu, weights_loaded=weights_loaded),
@@ -227,14 +217,60 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         raise ConfigError(f"TransformerConfig rejected the settings (overrides {sorted(overrides)}): {err}") from None
 
 
+# Token counts Transformer Engine 2.11 needs per low-precision recipe (Megatron's fp8_recipe names;
+# "nvfp4" is the fp4 recipe): (the whole micro-batch, each sequence-parallel shard).
+#  * the whole micro-batch: the token dimension is a leading dimension of the FP8 weight-gradient
+#    GEMM, which cuBLASLt needs 16-byte aligned (TE common/gemm/cublaslt_gemm.cu "ld % 16 ... Caller
+#    must pad"; Megatron's get_fp8_align_size: 16, 32 for mxfp8) and a whole number of scaling blocks
+#    for the block-scaled recipes;
+#  * each shard: with sequence parallelism TE checks the local input of a column-parallel linear
+#    *before* its all-gather (module/layernorm_linear.py, layernorm_mlp.py, linear.py):
+#    assert_dim_for_fp8_exec wants the product of all but the last dimension divisible by 8, and
+#    assert_dim_for_all_gather wants it quantizable: rows divisible by the scaling block,
+#    MXFP8_BLOCK_SCALING_SIZE = 32, Float8BlockQuantizer.block_len = 128, NVFP4 16.
+# "custom" recipes get the largest TE block (128): their quantizer is not known here.
+LOW_PRECISION_TOKEN_MULTIPLES = {"delayed": (16, 8), "tensorwise": (16, 8), "mxfp8": (32, 32),
+                                 "blockwise": (128, 128), "nvfp4": (32, 16), "custom": (128, 128)}
+
+
+def padding_multiple(*, recipe: str | None, tp: int, sequence_parallel: bool) -> int:
+    """The multiple every micro-batch's token count must be padded to: the one home of the rule.
+    ``recipe``: the FP8 (or FP4) recipe in use, None for bf16/fp32; with sequence parallelism the
+    sequence is split over the ``tp`` ranks and every shard must satisfy the per-shard rule, so
+    ``T % (shard x tp) == 0`` (delayed/tensorwise: 8 x tp, mxfp8: 32 x tp, blockwise: 128 x tp)."""
+    if recipe is None:
+        whole, shard = 1, 1
+    elif recipe in LOW_PRECISION_TOKEN_MULTIPLES:
+        whole, shard = LOW_PRECISION_TOKEN_MULTIPLES[recipe]
+    else:
+        raise ConfigError(f"model.megatron.fp8_recipe={recipe!r}: no padding rule for it; use one of "
+                          f"{', '.join(LOW_PRECISION_TOKEN_MULTIPLES)}")
+    return math.lcm(whole, shard * tp) if sequence_parallel and tp > 1 else whole
+
+
+def low_precision_recipe(settings) -> str | None:
+    """The FP8/FP4 recipe name of a TransformerConfig or of ``model.megatron`` overrides (a dict),
+    None when neither ``fp8`` nor ``fp4`` is set (Megatron's default recipes: delayed, nvfp4)."""
+    get = settings.get if isinstance(settings, dict) else lambda key, default=None: getattr(settings, key, default)
+    if get("fp8"):
+        recipe = get("fp8_recipe") or "delayed"
+    elif get("fp4"):
+        name = str(getattr(get("fp4_recipe"), "value", get("fp4_recipe") or "nvfp4"))
+        return "nvfp4" if name == "nvfp4" else "custom"
+    else:
+        return None
+    return str(getattr(recipe, "value", recipe))
+
+
 def sequence_multiple(config) -> int:
     """The multiple every micro-batch's sequence length must be padded to for this TransformerConfig:
-    16 with FP8 (Transformer Engine's FP8 GEMMs need token counts divisible by 16), times the TP
-    size with sequence parallelism (the sequence is split over the TP ranks); 1 otherwise."""
-    multiple = 16 if getattr(config, "fp8", None) else 1
-    if getattr(config, "sequence_parallel", False):
-        multiple = math.lcm(multiple, int(config.tensor_model_parallel_size))
-    return multiple
+    ``padding_multiple`` of its FP8/FP4 recipe, TP size and sequence parallelism. With context
+    parallelism that rule holds for each rank's 1/cp share, and the sequence itself splits into
+    2 x cp chunks (parallel/cp_index.py)."""
+    per_rank = padding_multiple(recipe=low_precision_recipe(config), tp=int(config.tensor_model_parallel_size),
+                                sequence_parallel=bool(getattr(config, "sequence_parallel", False)))
+    cp = int(getattr(config, "context_parallel_size", 1) or 1)
+    return math.lcm(per_rank * cp, cp_multiple(cp)) if cp > 1 else per_rank
 
 
 def te_available() -> bool:
@@ -246,16 +282,23 @@ def te_available() -> bool:
     return bool(gpt_layer_specs.HAVE_TE)
 
 
-def layer_spec(*, qk_layernorm: bool, use_te: bool, num_experts: int | None = None, grouped_gemm: bool = False):
-    """Megatron layer spec: the TE spec on CUDA with TE, otherwise the pure-PyTorch local spec; with
-    ``num_experts`` the MoE layer in every block (grouped GEMM experts with ``grouped_gemm``)."""
+def layer_spec(*, qk_layernorm: bool, use_te: bool, cp: int = 1, num_experts: int | None = None,
+               grouped_gemm: bool = False):
+    """Megatron layer spec: the TE spec on CUDA with TE, otherwise the pure-PyTorch local spec
+    (with cp > 1 on CPU: its attention swapped for the exact CP stand-in, parallel/cp_attention.py);
+    with ``num_experts`` the MoE layer in every block (grouped GEMM experts with ``grouped_gemm``)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
     moe = {"num_experts": num_experts, "moe_grouped_gemm": grouped_gemm} if num_experts else {}
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **moe)
-    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", **moe)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **moe)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", **moe)
+    try:
+        return cp_layer_spec(spec, cp=cp, on_gpu=torch.cuda.is_available())
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _resolve_use_te(use_te: bool | None) -> bool:
@@ -286,11 +329,11 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
 
     use_te = _resolve_use_te(use_te)
     if check_supported(hf_config).experts is not None:  # grouped GEMM where TE provides it (GPU)
-        overrides = {"moe_grouped_gemm": use_te, **(overrides or {})}
+        overrides = {"moe_grouped_gemm": use_te, **(overrides or {}), "expert_model_parallel_size": dims.ep,
+                     "expert_tensor_parallel_size": dims.etp}
     config = transformer_config_from_hf(hf_config, tp=dims.tp, pp=dims.pp, vpp=dims.vpp, dtype=dtype,
-                                        overrides=overrides, weights_loaded=weights_loaded,
-                                        experts=(dims.ep, dims.etp))
-    spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=use_te, num_experts=config.num_moe_experts,
+                                        overrides=overrides, weights_loaded=weights_loaded, cp=dims.cp)
+    spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=use_te, cp=dims.cp, num_experts=config.num_moe_experts,
                       grouped_gemm=config.moe_grouped_gemm)
     rope = rope_settings(hf_config)
     vocab = int(hf_config["vocab_size"])

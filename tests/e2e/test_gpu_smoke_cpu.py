@@ -46,6 +46,12 @@ def check_megatron_parts(result: dict) -> None:
     assert ckpt["abs_loss_vs_step2"] < 1e-6  # gloo/CPU is deterministic: the repeated step 2 is step 2
     assert ckpt["logp_local_mean"] < 0 and ckpt["logp_local_std"] > 0
 
+    opt = parts["optim_state"]  # torch's AdamW here; TE's FusedAdam on a GPU machine with TE
+    assert (opt["optimizer"], opt["step_in"], opt["state_keys"]) == ("torch.optim.adamw.AdamW", "per parameter",
+                                                                    ["exp_avg", "exp_avg_sq", "step"]), opt
+    assert opt["adam_norm_loaded"] == opt["adam_norm_saved"] > 0
+    assert opt["abs_loss_resumed_vs_uninterrupted"] == 0.0  # CPU: the resumed step 2 is step 2, bit for bit
+
     export = parts["export"]
     assert export["checked_against_hf"] and export["numel"] == local["model_params"]
     assert parts["logprob"]["logp_abs_max"] < 1e-4
@@ -53,7 +59,7 @@ def check_megatron_parts(result: dict) -> None:
 
 def test_gpu_smoke_runs_on_cpu(tmp_path):
     proc, result = run_smoke(tmp_path, "--skip", "vllm")
-    assert result["ok"] and result["ran"] == ["logprob", "local", "checkpoint", "export"], result
+    assert result["ok"] and result["ran"] == ["logprob", "local", "checkpoint", "optim_state", "export"], result
     assert "SKIP te_bf16:" in proc.stdout and "SKIP vllm: left out with --skip" in proc.stdout
     check_megatron_parts(result)
     assert not list(tmp_path.glob("gpu-smoke-*"))  # the temporary checkpoint folder was removed
@@ -65,7 +71,7 @@ def test_gpu_smoke_with_vllm_on_cpu(tmp_path):
     engine (bf16), then greedy tokens of vLLM and Megatron: the same bf16 weights agree token for
     token until a bf16 near-tie (see the assertion)."""
     _, result = run_smoke(tmp_path)
-    assert result["ok"] and result["ran"] == ["logprob", "local", "checkpoint", "export", "vllm"], result
+    assert result["ok"] and result["ran"] == ["logprob", "local", "checkpoint", "optim_state", "export", "vllm"], result
     check_megatron_parts(result)
     vllm = result["parts"]["vllm"]
     # Same bf16 weights, two bf16 kernels (vLLM's CPU GEMMs, Megatron's torch ops): greedy decoding

@@ -7,7 +7,9 @@
   records of ``rollout/config.py``); nothing tells engine kinds apart by ``hasattr``/``isinstance``;
 * no import circles between the package's modules (function-level imports included);
 * own-module imports sit at the top of files, except the few listed below with the reason;
-* no function takes more than 8 parameters; files stay under 500 lines, functions under 60.
+* no function takes more than 8 parameters; files stay under 500 lines, functions under 60;
+* no ``pre_pass`` under megatron_gtpo/ (the pre-pass step is a test reference, tests/prepass.py);
+* the algorithm is resolved once, by ``RunConfig.algorithm`` (config.py), and nowhere else.
 """
 
 from __future__ import annotations
@@ -199,3 +201,19 @@ def test_no_dispatch_on_engine_kinds():
                 if any(k in ast.unparse(node.args[1]) for k in kinds):
                     found.append((rel(f), node.lineno, ast.unparse(node)))
     assert found == []
+
+
+def test_no_pre_pass_in_the_package():
+    hits = [(rel(f), n) for f in FILES for n, line in enumerate(f.read_text().splitlines(), 1)
+            if "pre_pass" in line or "prepass" in line]
+    assert hits == [], "the pre-pass step lives in tests/prepass.py only"
+
+
+def test_the_algorithm_is_resolved_once_on_the_run_config():
+    calls = []
+    for f in FILES:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "resolve" \
+                    and any(k.arg == "max_completion_tokens" for k in node.keywords):
+                calls.append(rel(f))
+    assert calls == ["megatron_gtpo/config.py"], calls

@@ -74,7 +74,8 @@ def test_driver_order_sleep_after_generate_weights_before_push_kv_before_generat
     generate(engine)
     step = ["generate", "sleep", "wake:weights", "push", "wake:kv_cache"]
     assert engine.memory_events == step * 2 + ["generate"]
-    vllm_step = ["vllm.generate", "vllm.sleep(level=1)", "vllm.wake_up(['weights'])", "vllm.reload",
+    # level 2: the push rewrites every weight, so level 1's host copy of them would go unread
+    vllm_step = ["vllm.generate", "vllm.sleep(level=2)", "vllm.wake_up(['weights'])", "vllm.reload",
                  "vllm.wake_up(['kv_cache'])"]
     assert engine._llm.calls == vllm_step * 2 + ["vllm.generate"]
 

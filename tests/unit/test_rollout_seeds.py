@@ -1,5 +1,6 @@
-"""rollout.request_seeds: seeded requests on CPU (reproducible across layouts), vLLM's batched
-sampler (no per-request seed) on GPUs, where seeded requests take a per-request Python loop."""
+"""rollout.request_seeds: seeded requests by default on CPU and GPU (reproducible across layouts; on
+GPUs vLLM 0.32's model runner V2 samples seeded requests in one batched kernel, and unseeded ones
+would draw their seeds from each rank's global NumPy RNG)."""
 
 from __future__ import annotations
 
@@ -39,13 +40,13 @@ def test_engine_seeds_requests_only_when_asked(monkeypatch, request_seeds, expec
     assert seeds == ([10, 20, 30] if expect_seeded else [None, None, None])
 
 
-def test_auto_is_seeded_without_cuda_and_explicit_values_win(monkeypatch):
+@pytest.mark.parametrize("cuda", [False, True])
+def test_seeded_by_default_on_cpu_and_gpu_and_explicit_values_win(monkeypatch, cuda):
     import torch
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert RolloutConfig().seeded_requests() is True
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert RolloutConfig().seeded_requests() is False
+    assert RolloutConfig(request_seeds=None).seeded_requests() is True  # the old "auto" of resolved configs
     assert RolloutConfig(request_seeds=True).seeded_requests() is True
     assert RolloutConfig(request_seeds=False).seeded_requests() is False
 

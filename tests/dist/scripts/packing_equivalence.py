@@ -11,12 +11,10 @@ the same weights. Prints one ``RESULT {json}`` line per check; tests/dist/test_p
 
 from __future__ import annotations
 
-import argparse
 import math
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_gtpo.algo import AlgoConfig
@@ -137,13 +135,9 @@ def _check_forward_stats(chunks, batch, full, dims, name) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("layouts", nargs="+")
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    batch = C.make_batch(5, num_groups=4, group_size=4)  # 16 rows of 7..20 tokens
+    layouts, batch = C.start_layouts()
     ref = _reference(batch)
-    for item in args.layouts:
+    for item in layouts:
         parts = [int(x) for x in item.split(",")]
         layout_phase(batch, ref, (parts[0], parts[1], parts[2] if len(parts) > 2 else None))
 
