@@ -148,7 +148,7 @@ def build(cfg, *, resume: bool | str) -> Parts:
     _refuse_context_parallel(cfg.parallel.cp)
     preempt = PreemptionFlag()  # first: a preemption signal during start-up must not kill the job
     dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, seed=cfg.train.seed,
-                            timeout_s=cfg.parallel.timeout_s)
+                            timeout_s=cfg.parallel.timeout_s, ep=cfg.parallel.ep, etp=cfg.parallel.etp)
     setup_logging(dims.rank)
     point = prepare_resume(cfg.output_dir, resume)  # before the expensive parts: a bad resume fails in seconds
     spec = cfg.algorithm

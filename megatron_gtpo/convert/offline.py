@@ -126,7 +126,7 @@ def open_hf(input_dir: Path, *, tp: int, pp: int, vpp: int | None, ep: int = 1, 
     """Validates an HF checkpoint (config, layout, tensor names and shapes) before any write."""
     hf_config = read_hf_config(input_dir)
     family = check_supported(hf_config, source=str(input_dir / "config.json"))
-    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp, experts=(ep, etp))
     tied = tied_embeddings(hf_config)
     reader = HFReader(input_dir)
     expected = _expected_shapes(hf_config, family, tied)

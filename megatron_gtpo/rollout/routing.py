@@ -33,6 +33,20 @@ def routing_source() -> str:
     return "vllm" if torch.cuda.is_available() else "capture"
 
 
+def replay_problem(*, transport: str, vllm: dict) -> str | None:
+    """Why the engines of this layout cannot return the routing that ``model.moe_routing_replay:
+    rollout`` replays, or None."""
+    if transport != "colocated":
+        return (f"model.moe_routing_replay=rollout needs engines that return their routing; the rollout servers of "
+                f"sync.transport={transport!r} do not send routed experts back yet: use sync.transport: colocated, "
+                "or model.moe_routing_replay: none")
+    if int(vllm.get("pipeline_parallel_size", 1)) > 1:
+        return ("model.moe_routing_replay=rollout: vLLM 0.32 returns no routed experts from a pipeline-parallel engine "
+                f"(rollout.vllm.pipeline_parallel_size={vllm['pipeline_parallel_size']}): set it to 1, or "
+                "model.moe_routing_replay: none")
+    return None
+
+
 def routing_kwargs(source: str) -> dict:
     """vLLM engine arguments a routing source needs."""
     return {"enable_return_routed_experts": True} if source == "vllm" else {"enable_prefix_caching": False}

@@ -31,6 +31,7 @@ from megatron_gtpo.train.batching import (MicroBatch, global_normalisers, local_
                                           packed_micro_batches)
 from megatron_gtpo.train.logprobs import LogprobSettings
 from megatron_gtpo.train.model import true_vocab_size
+from megatron_gtpo.train.routing import tokens_of
 from megatron_gtpo.types import Batch
 
 Tensor = torch.Tensor
@@ -56,6 +57,9 @@ class StepSettings:
     micro_batch_tokens: int = 0
     """> 0: packed micro-batches of at most this many tokens (``train.micro_batch_tokens``); 0: padded
     micro-batches of ``micro_batch_size`` rows."""
+    moe: bool = False
+    """A mixture-of-experts policy: every micro-batch carries its tokens as the MoE layers see them
+    (``MicroBatch.moe``: the engine's routing to replay, the tokens the router metrics count)."""
 
 
 @dataclass(kw_only=True)
@@ -159,12 +163,17 @@ def rank_micro_batches(batch: Batch, settings: StepSettings, dims: ParallelDims)
     rows = local_rows(batch.size, dp=dims.dp, dp_rank=dims.dp_rank,
                       micro_batch_size=1 if budget else settings.micro_batch_size)
     if not budget:
-        return rows, micro_batches(batch, rows, micro_batch_size=settings.micro_batch_size,
-                                   common_length=dims.pp > 1, pad_to_multiple=settings.pad_to_multiple, device=device)
-    count = micro_batch_count(batch, dp=dims.dp, token_budget=budget,
-                              multiple=dims.pp if (dims.vpp and dims.pp > 1) else 1)
-    return rows, packed_micro_batches(batch, rows, token_budget=budget, count=count, common_length=dims.pp > 1,
-                                      pad_to_multiple=settings.pad_to_multiple, device=device)
+        mbs = micro_batches(batch, rows, micro_batch_size=settings.micro_batch_size, common_length=dims.pp > 1,
+                            pad_to_multiple=settings.pad_to_multiple, device=device)
+    else:
+        count = micro_batch_count(batch, dp=dims.dp, token_budget=budget,
+                                  multiple=dims.pp if (dims.vpp and dims.pp > 1) else 1)
+        mbs = packed_micro_batches(batch, rows, token_budget=budget, count=count, common_length=dims.pp > 1,
+                                   pad_to_multiple=settings.pad_to_multiple, device=device)
+    if settings.moe:
+        mbs = [dataclasses.replace(mb, moe=tokens_of(batch.routed_experts, mb, prompt_lengths=batch.prompt_lengths,
+                                                     lengths=batch.lengths, device=device)) for mb in mbs]
+    return rows, mbs
 
 
 def plan_step(model_chunks, batch: Batch, settings: StepSettings, dims: ParallelDims, *,

@@ -222,6 +222,11 @@ def attach(chunks, *, replay: bool, layers: int) -> RouterWatch:
     return watch
 
 
+def watch_of(chunks) -> RouterWatch | None:
+    """The RouterWatch :func:`attach` put on ``chunks``, or None (a dense policy)."""
+    return getattr(unwrap(chunks[0]), "moe_watch", None)
+
+
 def forward_context(model, mb):
     """The context ``model_input.forward`` runs one chunk's forward of ``mb`` in: the chunk's watch
     with the micro-batch's MoE tokens, or nothing (dense model, no watch, no MoE tokens)."""
