@@ -146,21 +146,28 @@ class _GuardGroup:
         return 1
 
 
-def lift_moe_tp_guard(model: torch.nn.Module) -> int:
+def lift_moe_tp_guard(model: torch.nn.Module, *, tp: int) -> int:
     """Lets Megatron-Core 0.16.1's MoE layers train with TP > 1 on CPU; returns the layers changed.
 
     ``MoELayer.forward`` refuses to train with attention TP > 1 unless sequence parallelism is on,
-    for performance: without it every TP rank dispatches the same tokens to the experts (the
-    results are the same, the expert compute and the all-to-all are duplicated). Sequence
+    for performance: without it every TP rank dispatches the same tokens to the experts. Sequence
     parallelism needs Transformer Engine's or Apex's norms, which the local spec on CPU cannot have,
     so on CPU the layer's ``attn_tp_group`` (read by that guard alone) answers size 1. GPU runs turn
     sequence parallelism on instead (``train/model.py`` refuses MoE with TP > 1 without it there).
+
+    The duplicated dispatch leaves the forward exact (each TP rank combines its own copy), but every
+    expert then sees each token ``tp`` times, so its weight gradient is ``tp`` times the true one
+    (measured: relative error 1.0 at TP=2 x EP=2 against one process, tests/dist/test_moe_step.py).
+    A hook on each expert parameter divides its gradient by ``tp`` before Megatron accumulates it.
+    The routers and the shared expert see each token once per rank, as in dense TP: unchanged.
     """
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     for layer in layers:
         layer.attn_tp_group = _GuardGroup()
+        for param in layer.experts.parameters():
+            param.register_hook(lambda grad: grad / tp)
     return len(layers)
 
 

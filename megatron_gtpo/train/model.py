@@ -358,7 +358,7 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
         if torch.cuda.is_available() or strict.active():  # strict mode takes the GPU path: all on the device
             model.cuda(torch.cuda.current_device())
         if config.num_moe_experts and dims.tp > 1 and not torch.cuda.is_available():
-            cpu_shims.lift_moe_tp_guard(model)  # no sequence parallelism on the local spec (see there)
+            cpu_shims.lift_moe_tp_guard(model, tp=dims.tp)  # no sequence parallelism on the local spec (see there)
         if config.fp16 or config.bf16:
             model = Float16Module(config, model)
         chunks.append(model)
