@@ -18,6 +18,7 @@ from megatron_gtpo.algo.config import AlgoConfig
 from megatron_gtpo.algo.spec import AlgoSpec
 from megatron_gtpo.data.config import DataConfig
 from megatron_gtpo.models.config import ModelConfig
+from megatron_gtpo.parallel.cp_index import cp_padded_length
 from megatron_gtpo.parallel.dims import ParallelConfig
 from megatron_gtpo.parallel.layout import batch_split_problem
 from megatron_gtpo.reward.config import RewardConfig
@@ -93,8 +94,9 @@ class RunConfig:
     @property
     def longest_row(self) -> int:
         """Tokens of the longest possible training row: a prompt of data.max_prompt_tokens and a
-        completion of rollout.max_tokens."""
-        return self.data.max_prompt_tokens + self.rollout.max_tokens
+        completion of rollout.max_tokens, padded to a multiple of 2 x parallel.cp under context
+        parallelism (every sequence of a packed row is)."""
+        return cp_padded_length(self.data.max_prompt_tokens + self.rollout.max_tokens, self.parallel.cp)
 
     @property
     def token_budget(self) -> int:

@@ -36,8 +36,9 @@ from megatron_gtpo.train.batching import collate
 from megatron_gtpo.train.learner import Learner
 from megatron_gtpo.train.snapshot import ParamSnapshot
 from megatron_gtpo.train.step import StepSettings
-from megatron_gtpo.utils.configuration import ConfigError, to_dict
-from megatron_gtpo.utils.runtime import PreemptionFlag, setup_logging, signals_blocked, start_checkpoint_helpers
+from megatron_gtpo.utils.configuration import to_dict
+from megatron_gtpo.utils.runtime import (PreemptionFlag, setup_logging, signals_blocked, start_checkpoint_helpers,
+                                         startup_report)
 
 log = logging.getLogger("megatron_gtpo")
 
@@ -133,27 +134,23 @@ class Parts:
     start_step: int
 
 
-def _refuse_context_parallel(cp: int) -> None:
-    """Issue 23 phase B wires the CP building blocks into the train step; until then a CP run is
-    refused before anything starts (the dry-runs plan and validate it)."""
-    if cp > 1:
-        raise ConfigError(f"parallel.cp={cp}: the train step does not use context parallelism yet (its building "
-                          "blocks, parallel/cp_*.py and train/cp_*.py, are tested against CP=1; the step, memory "
-                          "plan and recipes follow); set parallel.cp=1")
-
-
 def build(cfg, *, resume: bool | str) -> Parts:
     """Builds every part in an order that fails fast: groups, the checkpoint to resume (verified),
     policy, engines, data, reward, tracking; then pushes the (restored) weights into the engines."""
-    _refuse_context_parallel(cfg.parallel.cp)
     preempt = PreemptionFlag()  # first: a preemption signal during start-up must not kill the job
-    dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, seed=cfg.train.seed,
-                            timeout_s=cfg.parallel.timeout_s, ep=cfg.parallel.ep, etp=cfg.parallel.etp)
+    dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, cp=cfg.parallel.cp,
+                            seed=cfg.train.seed, timeout_s=cfg.parallel.timeout_s, ep=cfg.parallel.ep,
+                            etp=cfg.parallel.etp)
     setup_logging(dims.rank)
     point = prepare_resume(cfg.output_dir, resume)  # before the expensive parts: a bad resume fails in seconds
     spec = cfg.algorithm
+    scorer = None
+    with signals_blocked():  # reward worker processes must not die of a preemption signal
+        if dims.rank == 0:  # started now: the workers import and warm up while the policy and engines build
+            scorer = RewardScorer(cfg.reward, overlong=overlong_punishment(spec))
+            scorer.start()
     settings = step_settings(cfg)
-    log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
+    log.info("building the policy (%s, tp=%d cp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.cp, dims.pp, dims.dp)
     learner = Learner.build(cfg.model, cfg.optim, settings=settings, dims=dims, rollout_steps=cfg.train.steps)
     policy = learner.policy
     rollout_cfg, budget = plan_engine_memory(cfg, model_dir=str(policy.model_dir), world=dims.world)
@@ -171,10 +168,6 @@ def build(cfg, *, resume: bool | str) -> Parts:
     if offload is not None:
         offload.reload()  # a checkpoint restore writes into the optimizer state
     dataset = build_dataset(cfg.data, tokenizer=engines.tokenizer, progress=dims.rank == 0)
-    scorer = None
-    with signals_blocked():  # reward worker processes must not die of a preemption signal
-        if dims.rank == 0:
-            scorer = RewardScorer(cfg.reward, overlong=overlong_punishment(spec))
     start_checkpoint_helpers()
     rows_unit = dims.dp * cfg.train.rows_per_micro_batch
     collector = RolloutCollector(
@@ -196,7 +189,8 @@ def build(cfg, *, resume: bool | str) -> Parts:
     tokenizer = engines.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     held_out = _held_out_prompts(cfg, tokenizer) if cfg.train.eval_every else []
-    log.info("ready: %d prompts, starting at step %d of %d", len(dataset), start_step, cfg.train.steps)
+    log.info("ready: %d prompts, starting at step %d of %d (%s)", len(dataset), start_step, cfg.train.steps,
+             startup_report())
     return Parts(learner=learner, collector=collector, weight_sync=weight_sync, checkpointer=checkpointer,
                  reporter=reporter, memory=memory, scorer=scorer, held_out=held_out, pad_id=int(pad_id), start_step=start_step)
 

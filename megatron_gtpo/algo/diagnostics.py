@@ -40,7 +40,7 @@ F64 = torch.float64
 
 def token_omega(spec: AlgoSpec, mask: Tensor, prepared: PreparedBatch, *, num_tokens: float | Tensor | None = None,
                 num_seqs: float | Tensor | None = None, is_weights: Tensor | None = None,
-                check: bool = True) -> Tensor:
+                lengths: Tensor | None = None, check: bool = True) -> Tensor:
     """``omega`` [B, T] float64: weight of token (i, t) in the policy-gradient part of ``compute_loss``
     at rho = 1, so that ``-d loss / d logp_{i,t} = omega_{i,t} * prepared.advantages_i`` (spec 1's
     coefficient ``c_{i,t}``; spec 6 Eq. 1 ``alpha s`` with GTPO's delta inside the advantage)::
@@ -49,13 +49,14 @@ def token_omega(spec: AlgoSpec, mask: Tensor, prepared: PreparedBatch, *, num_to
 
     ``mask`` [B, T] and ``prepared`` hold the same rows (``PreparedBatch.rows``; lambda is cut to the
     mask's width); ``num_tokens``/``num_seqs`` are what ``compute_loss`` gets (the GLOBAL counts in
-    the trainer); ``is_weights`` [B, T] the mismatch weights of ``TokenInputs``. 0 outside ``mask``.
+    the trainer); ``is_weights`` [B, T] the mismatch weights and ``lengths`` [B] the completion
+    lengths of ``TokenInputs`` (context parallelism: ``mask`` holds a rank's share). 0 outside ``mask``.
     ``check=False``: no value checks (the train step's per-micro-batch call, no host sync).
     """
     if check:
         mask = as_mask(mask)
     omega = aggregation_weights(mask, mode=spec.agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                                constant=spec.constant, dtype=F64)
+                                constant=spec.constant, dtype=F64, lengths=lengths)
     if prepared.seq_scale is not None:
         check_shape(prepared.seq_scale, tuple(mask.shape[:1]), name="seq_scale", what="[B], one per completion")
         omega = omega * prepared.seq_scale.detach().to(F64)[:, None]
@@ -71,10 +72,11 @@ def token_omega(spec: AlgoSpec, mask: Tensor, prepared: PreparedBatch, *, num_to
 
 def kl_penalty(spec: AlgoSpec, kl: Tensor, mask: Tensor, prepared: PreparedBatch, *,
                num_tokens: float | Tensor | None = None, num_seqs: float | Tensor | None = None,
-               check: bool = True) -> Tensor:
+               lengths: Tensor | None = None, check: bool = True) -> Tensor:
     """KL part of the loss, ``kl_beta * aggregate(seq_scale_i * k3_{i,t})`` (0-d float64), as
     ``compute_loss`` adds it [spec 2, S4 Eq. 1 ``beta R``]. ``kl`` [B, T] = ``kl_k3(logp, ref_logp)``
-    (detached); ``prepared`` the same rows. Summable over micro-batches with the GLOBAL normalisers.
+    (detached); ``prepared`` the same rows; ``lengths`` as in ``token_omega``. Summable over
+    micro-batches (and context-parallel shares) with the GLOBAL normalisers.
     ``check=False``: ``mask`` is a checked bool mask (no host sync)."""
     if check:
         mask = as_mask(mask)
@@ -83,7 +85,7 @@ def kl_penalty(spec: AlgoSpec, kl: Tensor, mask: Tensor, prepared: PreparedBatch
     if prepared.seq_scale is not None:
         x = x * prepared.seq_scale.detach().to(F64)[:, None]
     return spec.kl_beta * aggregate(x, mask, mode=spec.agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                                    constant=spec.constant)
+                                    constant=spec.constant, lengths=lengths)
 
 
 @dataclass

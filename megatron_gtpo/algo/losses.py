@@ -45,7 +45,8 @@ Metrics = dict[str, Tensor]
 
 @dataclass(kw_only=True)
 class TokenInputs:
-    """Per-token tensors of the completions being scored, in the completion view."""
+    """Per-token tensors of the completions being scored, in the completion view (under context
+    parallelism: the tokens one rank computes, ``mask`` holding those and ``lengths`` the whole ones)."""
 
     logp: Tensor  # [B, T] float, carries the gradient
     """log pi_theta of each sampled completion token (at the sampling temperature)."""
@@ -58,6 +59,9 @@ class TokenInputs:
     is_weights: Tensor | None = None  # [B, T] float >= 0, detached
     """Train-inference mismatch weights (``importance.mismatch_weights``) multiplying each token's
     advantage next to lambda; None: no correction (the loss is then bit-identical to the plain one)."""
+    lengths: Tensor | None = None  # [B] long
+    """Completion lengths ``|o_i|`` when ``mask`` holds only part of each completion (context
+    parallelism: the tokens this rank computes); None: ``mask.sum(dim=1)``."""
 
 
 def compute_loss(spec: AlgoSpec, tokens: TokenInputs, prepared: PreparedBatch, *,
@@ -95,7 +99,7 @@ def compute_loss(spec: AlgoSpec, tokens: TokenInputs, prepared: PreparedBatch, *
     if prepared.seq_scale is not None:
         per_token = per_token * prepared.seq_scale.to(logp.dtype)[:, None]
     loss = aggregate(per_token, mask, mode=spec.agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                     constant=spec.constant)
+                     constant=spec.constant, lengths=tokens.lengths)
     return loss, _metrics(mask, ratio=ratio, adv=adv, spec=spec, kl=kl)
 
 

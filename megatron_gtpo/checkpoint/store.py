@@ -143,12 +143,13 @@ def _layout(model_chunks) -> dict:
 
 
 def _rng_sharded():
-    """This rank's RNG as a ShardedObject over the (PP, TP) grid; DP replicas share DP rank 0's."""
+    """This rank's RNG as a ShardedObject over the (PP, TP) grid; DP replicas and CP ranks (the same
+    RNG streams: Megatron seeds by PP and TP rank) share the main replica's, DP and CP rank 0's."""
     from megatron.core.dist_checkpointing import ShardedObject
 
     dims = current_dims()
     return ShardedObject("rng_state", _rng_state(), (dims.pp, dims.tp), (dims.pp_rank, dims.tp_rank),
-                         replica_id=dims.dp_rank)
+                         replica_id=(dims.dp_rank, dims.cp_rank))
 
 
 def _full_state(model_chunks, optimizer, *, is_loading: bool) -> dict:

@@ -170,7 +170,8 @@ def _host_lines(mem: MemoryEstimate, lay: Layout) -> list[str]:
 
 def _memory_lines(mem: MemoryEstimate, lay: Layout, sizes: MemorySizes) -> list[str]:
     opt_bytes = optimizer_bytes_per_param(optimizer=sizes.optimizer, param_bytes=sizes.param_bytes)
-    sharded = f"sharded over DP={lay.dp}" if sizes.distributed_optimizer else "not sharded"
+    sharded = (f"sharded over DP={lay.dp}" + (f" x CP={lay.cp}" if lay.cp > 1 else "")) if sizes.distributed_optimizer \
+        else "not sharded"
     if sizes.distributed_optimizer and mem.expert_weights:
         sharded += f" (experts over their {expert_data_parallel(lay)} expert-DP rank(s))"
     experts = f"{mem.expert_weights / GIB:.1f} GiB of it this EP rank's experts" if mem.expert_weights else ""
@@ -210,7 +211,8 @@ def _memory_lines(mem: MemoryEstimate, lay: Layout, sizes: MemorySizes) -> list[
 
 def _micro_batch(lay: Layout, sizes: MemorySizes) -> str:
     rows, tokens = micro_batch_dims(lay, sizes)
-    return f"packed: 1 row of {tokens} tokens" if sizes.micro_batch_tokens else f"{rows} rows x {tokens} tokens"
+    share = f", {tokens // lay.cp} of them on each of CP={lay.cp} ranks" if lay.cp > 1 else ""
+    return (f"packed: 1 row of {tokens} tokens" if sizes.micro_batch_tokens else f"{rows} rows x {tokens} tokens") + share
 
 
 def _dtype(nbytes: int) -> str:

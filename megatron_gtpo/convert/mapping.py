@@ -348,6 +348,17 @@ def tp_shard(pm: ParamMap, tensor: torch.Tensor, *, tp: int, rank: int) -> torch
     return tensor.chunk(tp, dim=dim)[rank].contiguous()
 
 
+def tp_unshard(pm: ParamMap, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Shards of all TP ranks (in rank order) -> the global tensor; the inverse of tp_shard
+    (LoRA's adapter gather uses it; the converter tests check the pair)."""
+    if len(shards) == 1 or pm.kind == REPLICATED:
+        return shards[0]
+    if pm.kind == FC1:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=1 if pm.kind == ROW else 0)
+
+
 def global_expert(local: int, *, experts: int, ep: int, ep_rank: int) -> int:
     """Global index of expert-parallel rank ``ep_rank``'s ``local``-th expert: Megatron gives each
     rank a contiguous block of ``experts / ep``."""

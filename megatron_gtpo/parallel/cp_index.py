@@ -19,6 +19,8 @@ CP attention needs to know where the keys it gathers came from (``gathered_index
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 Tensor = torch.Tensor
@@ -30,6 +32,13 @@ def cp_multiple(cp: int) -> int:
     if cp < 1:
         raise ValueError(f"parallel.cp={cp} must be an integer >= 1")
     return 2 * cp if cp > 1 else 1
+
+
+def cp_sequence_multiple(per_rank: int, cp: int) -> int:
+    """The multiple a micro-batch's sequence length must have when each CP rank's share must be a
+    multiple of ``per_rank`` (FP8 recipe, TP with sequence parallelism) and the sequence splits into
+    2 x cp chunks; ``per_rank`` itself without CP."""
+    return math.lcm(per_rank * cp, cp_multiple(cp)) if cp > 1 else per_rank
 
 
 def cp_padded_length(length: int, cp: int) -> int:

@@ -127,6 +127,14 @@ class ParallelDims:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
+    @property
+    def first_copy(self) -> bool:
+        """True on the ranks of data-parallel replica 0 and context-parallel rank 0: together one
+        copy of every weight of the model. CP ranks hold identical weights, as DP replicas do, so
+        what must happen once per weight (a push's senders, an export's writer, a checkpoint's main
+        replica) happens on these ranks only."""
+        return self.dp_rank == 0 and self.cp_rank == 0
+
 
 def init_distributed(*, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, seed: int = 1234,
                      timeout_s: float = ParallelConfig.timeout_s, ep: int = 1, etp: int = 1) -> ParallelDims:

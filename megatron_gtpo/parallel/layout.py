@@ -108,6 +108,9 @@ def context_parallel_problems(shape: ModelShape, *, tp: int, cp: int, comm_type=
     if cp == 1:
         return []
     problems = []
+    if shape.is_moe:  # routing replay and the router metrics index tokens of whole (unsharded) sequences
+        problems.append(f"parallel.cp={cp} with a mixture of experts ({shape.experts} experts) is not supported yet: "
+                        "set parallel.cp=1 (use parallel.ep for the experts and parallel.tp for long sequences)")
     if not cp_attention:
         problems.append(f"parallel.cp={cp} needs a context-parallel attention: Megatron's local layer spec on GPU "
                         "has none (its DotProductAttention refuses CP); use Transformer Engine's layer spec, or "
@@ -122,6 +125,11 @@ def context_parallel_problems(shape: ModelShape, *, tp: int, cp: int, comm_type=
         problems.append(f"model.megatron.cp_comm_type=a2a scatters the {per_rank} attention heads of a TP rank "
                         f"(num_attention_heads={shape.heads} / TP={tp}) over parallel.cp={cp} ranks: choose "
                         f"parallel.cp among {divisors(per_rank)}, or cp_comm_type p2p / all_gather")
+    kv_per_rank = shape.kv_heads_per_rank(tp) if tp else None
+    if "a2a" in kinds and per_rank is not None and kv_per_rank and kv_per_rank % cp:
+        problems.append(f"model.megatron.cp_comm_type=a2a scatters the {kv_per_rank} KV heads of a TP rank "
+                        f"(num_key_value_heads={shape.kv_heads}, TP={tp}) over parallel.cp={cp} ranks too: choose "
+                        f"parallel.cp among {divisors(kv_per_rank)}, or cp_comm_type p2p / all_gather")
     return problems
 
 

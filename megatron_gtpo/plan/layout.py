@@ -177,9 +177,6 @@ def plan_layout(req: LayoutRequest) -> Layout:
                                max_prompt_tokens=req.max_prompt_tokens, max_tokens=req.max_completion_tokens)
     if too_long:
         problems.append(too_long)
-    if cp > 1:
-        warnings.append(f"parallel.cp={cp}: the memory plan below does not divide activations and logits by CP yet "
-                        "(issue 23 phase B): they are the CP=1 figures, an overestimate")
     if tp > gpus_per_node:
         warnings.append(f"TP={tp} spans nodes ({gpus_per_node} GPUs each): every layer then all-reduces "
                         f"over the network; keep parallel.tp <= {gpus_per_node}")

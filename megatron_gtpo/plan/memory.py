@@ -5,10 +5,11 @@ Terms (bytes on the rank that holds them; trainer figures for the largest pipeli
 * weights: the model dtype; gradients: Megatron DDP's grad buffer (fp32 with
   ``ddp.grad_reduce_in_fp32``), never sharded; optimizer: Adam's two moments plus an fp32 master
   copy for half-precision models (12 B/param; 8 for fp32), SGD one moment plus the copy, divided by
-  DP under the distributed optimizer;
+  DP x CP under the distributed optimizer (Megatron shards it over the DP x CP group);
 * reference: the frozen reference model of a KL term (``algo.kl_beta > 0``): one more copy of the
   weights in the model dtype, on every trainer rank for the whole run;
-* logits: one micro-batch of logits on the last stage (packed: one row of the token budget), two
+* logits: one micro-batch of logits on the last stage (packed: one row of the token budget; under
+  CP this rank's 1/cp of its positions), two
   copies in the dtype the output layer returns (fp32, or the model dtype with
   ``fp32_output=False``: train/step.py): the output layer's
   ``[s, b, V]`` result and its ``[b, s, V]`` transpose during the forward; in backward the logits'
@@ -17,6 +18,12 @@ Terms (bytes on the rank that holds them; trainer figures for the largest pipeli
 * activations: what Megatron's layers keep for backward over one micro-batch
   (:func:`activation_bytes`; its size: :func:`micro_batch_dims`), times the micro-batches a
   pipeline keeps in flight;
+* context parallelism (``parallel.cp``) divides the tokens of every micro-batch a rank holds, so
+  its logits and per-token activations, by CP: a rank keeps ``s / cp`` positions of each sequence.
+  What attention keeps of the others depends on the kernel: Transformer Engine's ring (p2p) keeps
+  only its own chunks (the K/V of the other ranks pass through, and are exchanged again in
+  backward); the CPU stand-in all-gathers K and V, so it keeps them for the whole sequence, and its
+  scores are ``[heads, s / cp, s]``;
 * push: what a weight push holds on top (``sync.bucket_mb``): colocated engines receive tensors
   one at a time into vLLM's layer-wise reload, which keeps up to one decoder layer, plus one
   gathered tensor; a sender of the separate pool holds one bucket plus one gathered tensor;
@@ -53,6 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_gtpo.models.shape import ModelShape
+from megatron_gtpo.parallel.cp_index import cp_sequence_multiple
 from megatron_gtpo.plan.layout import Layout
 from megatron_gtpo.utils.configuration import ConfigError
 
@@ -248,8 +256,9 @@ def largest_tensor(shape: ModelShape) -> int:
 
 def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> int:
     """Bytes Megatron's layers keep for backward over one micro-batch (``micro_batch_dims``: rows x
-    s tokens) on one rank of the largest stage, times the micro-batches a pipeline keeps in
-    flight (1F1B: up to PP on the first stage; interleaving adds (PP - 1) / (PP x VPP) of that).
+    s tokens, ``s / cp`` of them on this rank) on one rank of the largest stage, times the
+    micro-batches a pipeline keeps in flight (1F1B: up to PP on the first stage; interleaving adds
+    (PP - 1) / (PP x VPP) of that).
 
     Per token and layer, in elements (h hidden, f SwiGLU width, a query / g KV heads of width d per
     TP rank, s the sequence; norms are replicated over TP):
@@ -259,32 +268,36 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
       the softmax probabilities (as), the output projection's input (ad), fc1's output, SiLU's
       output, the gate product and fc2's input (5f): ``6h + 4ad + 5f + as + 2``; plus one
       ``[b a, s, s]`` scores buffer per process (Megatron's global memory buffer). Measured exactly
-      by ``tests/unit/test_memory_activations.py``.
+      by ``tests/unit/test_memory_activations.py``. Under CP the stand-in attention
+      (parallel/cp_attention.py) keeps its local q (ad per local token) but k, v of the WHOLE
+      sequence (2ad x s per row) and probabilities of its queries against every key (as per local
+      token); the scores buffer is ``[b a, s / cp, s]``.
     * ``te`` (Transformer Engine, GPUs): the fused norm+linear layers keep their input and
       normalised output (4h + 2), fused attention q, k, v at their own heads and its output
       ((2a + 2g) d, no probabilities), the fused SwiGLU fc1's output and fc2's input (3f):
-      ``4h + (2a + 2g) d + 3f + 2`` (from those modules' saved tensors; not measured here).
+      ``4h + (2a + 2g) d + 3f + 2`` (from those modules' saved tensors; not measured here), per
+      local token under CP (TE's CP attention keeps its own chunks only).
 
     ``selective`` recompute drops the core attention's part (q, k, v, probabilities), ``full`` keeps
     each layer's input (h) plus one layer's whole set while it is recomputed. The last stage adds the
     final norm and the output layer's input (3h + 1).
     """
     rows, s = micro_batch_dims(layout, sizes)
-    tp, h, d = layout.tp, shape.hidden, shape.head_dim
+    tp, h, d, cp = layout.tp, shape.hidden, shape.head_dim, layout.cp
     a, g = shape.heads // tp, shape.kv_heads_per_rank(tp)
     f, moe = _mlp_width(shape, layout), _dispatch_elements(shape)
-    if sizes.layer_spec == "local":
-        core, rest = 3 * a * d + a * s, 6 * h + a * d + 5 * f + 2 + moe
+    local = s // cp  # positions of each sequence on this rank
+    if sizes.layer_spec == "local":  # per row: q and probabilities per local token, k and v whole
+        core, rest = local * (a * d + a * s) + 2 * a * d * s, 6 * h + a * d + 5 * f + 2 + moe
     else:
-        core, rest = (a + 2 * g) * d, 4 * h + a * d + 3 * f + 2 + moe
-    layer = rest + (0 if sizes.recompute == "selective" else core)
+        core, rest = local * (a + 2 * g) * d, 4 * h + a * d + 3 * f + 2 + moe
+    layer = rest * local + (0 if sizes.recompute == "selective" else core)  # per row
     if sizes.recompute == "full":
-        kept = layout.layers_per_stage * h + layer
+        kept = layout.layers_per_stage * h * local + layer
     else:
         kept = layout.layers_per_stage * layer
-    tokens = rows * s
-    scores = rows * a * s * s if sizes.layer_spec == "local" else 0
-    return int((in_flight(layout) * tokens * (kept + 3 * h + 1) + scores) * sizes.param_bytes)
+    scores = rows * a * local * s if sizes.layer_spec == "local" else 0
+    return int((in_flight(layout) * rows * (kept + (3 * h + 1) * local) + scores) * sizes.param_bytes)
 
 
 def _mlp_width(shape: ModelShape, layout: Layout) -> int:
@@ -308,10 +321,12 @@ def _dispatch_elements(shape: ModelShape) -> int:
 
 def micro_batch_dims(layout: Layout, sizes: MemorySizes) -> tuple[int, int]:
     """(rows, tokens per row) of the largest micro-batch: padded, ``micro_batch_size`` rows of the
-    longest sequence; packed, one row of the token budget; either rounded up to the padding multiple. Megatron's local spec attends over a
-    packed row as a whole (a block-diagonal mask, train/model_input.py), so its scores and
-    probabilities are those of one ``budget``-token sequence; TE's THD attention keeps none."""
-    multiple = sizes.sequence_multiple
+    longest sequence; packed, one row of the token budget; either rounded up to the padding multiple
+    (under CP: ``cp_index.cp_sequence_multiple``, each rank then holding 1/cp of the tokens).
+    Megatron's local spec attends over a packed row as a whole (a block-diagonal mask,
+    train/model_input.py), so its scores and probabilities are those of one ``budget``-token
+    sequence; TE's THD attention keeps none."""
+    multiple = cp_sequence_multiple(sizes.sequence_multiple, layout.cp)
     if sizes.micro_batch_tokens:
         return 1, -(-sizes.micro_batch_tokens // multiple) * multiple
     return layout.micro_batch_size, -(-layout.seq_len // multiple) * multiple
@@ -330,12 +345,12 @@ def estimate_memory(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> Me
     """Every term of the plan for ``layout`` (see the module docstring)."""
     params = stage_params(shape, layout)
     opt = params * optimizer_bytes_per_param(optimizer=sizes.optimizer, param_bytes=sizes.param_bytes)
-    if sizes.distributed_optimizer:  # experts over their expert-data-parallel ranks, the rest over DP
+    if sizes.distributed_optimizer:  # experts over their expert-data-parallel ranks, the rest over DP x CP
         experts = stage_expert_params(shape, layout)
         per = optimizer_bytes_per_param(optimizer=sizes.optimizer, param_bytes=sizes.param_bytes)
-        opt = (params - experts) * per // layout.dp + experts * per // expert_data_parallel(layout)
+        opt = (params - experts) * per // (layout.dp * layout.cp) + experts * per // expert_data_parallel(layout)
     rows, tokens = micro_batch_dims(layout, sizes)
-    logits = 2 * rows * tokens * (shape.vocab // layout.tp) * sizes.logits_bytes
+    logits = 2 * rows * (tokens // layout.cp) * (shape.vocab // layout.tp) * sizes.logits_bytes
     rtp, colocated = layout.rollout_tp, layout.placement == "colocated"
     engine_ep = rtp if sizes.engine_expert_parallel else 1  # vLLM's EP spans the engine's TP ranks
     engine_layer = shape.layer_params(rtp, ep=engine_ep, etp=1 if engine_ep > 1 else rtp)
@@ -366,10 +381,10 @@ def check_memory(mem: MemoryEstimate, layout: Layout) -> tuple[list[str], list[s
     problems, warnings, gib = [], [], _gib
     usable = mem.gpu - mem.reserve
     if mem.trainer_total > usable:
-        problems.append(f"trainer needs {gib(mem.trainer_total)} GiB per GPU (weights + gradients + optimizer + "
-                        f"logits) but a GPU has {gib(usable)} GiB after the reserve: raise parallel.tp/parallel.pp"
-                        f"{'/parallel.ep' if mem.expert_weights else ''}, "
-                        f"set optim.optimizer.use_distributed_optimizer=true, or use more GPUs")
+        problems.append(f"trainer needs {gib(mem.trainer_total)} GiB per GPU (weights + gradients + optimizer "
+                        f"{gib(mem.trainer_state)} GiB, logits + activations of one micro-batch "
+                        f"{gib(mem.logits + mem.activations)} GiB at CP={layout.cp}) but a GPU has {gib(usable)} GiB "
+                        f"after the reserve: " + _trainer_fix(mem, layout))
     if mem.rollout_weights >= mem.engine_share:
         problems.append(f"a vLLM engine needs {gib(mem.rollout_weights)} GiB of weights per GPU, more than its share "
                         f"gpu_memory_utilization={mem.gpu_memory_utilization} x {gib(mem.gpu)} GiB: raise "
@@ -416,6 +431,23 @@ def check_engine_start(budget: EngineBudget, *, free: int, total: int) -> None:
             f"(the plan expected the trainer to hold {_gib(budget.trainer_resident)} GiB): lower "
             f"rollout.vllm.gpu_memory_utilization to <= {free / total:.2f}, set rollout.offload_trainer=true, or "
             f"check the layout with `megatron-gtpo dry-run`")
+
+
+def _trainer_fix(mem: MemoryEstimate, layout: Layout) -> str:
+    """What to change when the trainer does not fit: the sequence's share first when it dominates
+    (logits and per-token activations shrink about as 1/cp; the CP size named is the smallest
+    doubling that would fit by that rule: the dry-run with it checks the rest)."""
+    state = (f"raise parallel.tp/parallel.pp{'/parallel.ep' if mem.expert_weights else ''}, set "
+             "optim.optimizer.use_distributed_optimizer=true, or use more GPUs")
+    sequence, usable = mem.logits + mem.activations, mem.gpu - mem.reserve
+    if sequence < mem.trainer_state:
+        return state
+    fits = [cp for cp in (layout.cp * 2 ** k for k in range(1, 7))
+            if mem.trainer_state + sequence * layout.cp / cp <= usable]
+    cp = f"set parallel.cp={fits[0]}" if fits else "raise parallel.cp"
+    return (f"the sequence's logits and activations dominate: {cp} (each rank then holds 1/cp of every "
+            f"sequence; parallel.dp = GPUs / (TP x CP x PP)), shorten the micro-batches "
+            f"(train.micro_batch_tokens, or model.megatron.recompute_granularity), or " + state)
 
 
 def _share(gpu: int, resident: int) -> float:

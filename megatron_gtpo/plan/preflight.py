@@ -185,4 +185,4 @@ def _cp_note(cp: int) -> str:
         return ""
     attention = "Transformer Engine's CP attention" if torch.cuda.is_available() else \
         "the exact CPU stand-in for TE's CP attention"
-    return f"; context parallel over {cp} ranks with {attention} (training with it: issue 23 phase B)"
+    return f"; context parallel over {cp} ranks with {attention}"

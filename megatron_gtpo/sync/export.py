@@ -65,8 +65,8 @@ def local_params(model_chunks: list[torch.nn.Module], *, family: Family, tied: b
 
 
 def _coords(dims: ParallelDims) -> dict[str, int]:
-    return {"rank": dims.rank, "pp": dims.pp_rank, "tp": dims.tp_rank, "dp": dims.dp_rank, "ep": dims.ep_rank,
-            "etp": dims.etp_rank, "edp": dims.edp_rank}
+    return {"rank": dims.rank, "pp": dims.pp_rank, "tp": dims.tp_rank, "dp": dims.dp_rank, "cp": dims.cp_rank,
+            "ep": dims.ep_rank, "etp": dims.etp_rank, "edp": dims.edp_rank}
 
 
 class Exporter:
@@ -84,7 +84,7 @@ class Exporter:
     @property
     def entries(self) -> list[Entry]:
         """Every parameter of the whole pipeline in HF order (gathered once, then cached): dense ones
-        from TP rank 0 of DP replica 0 of each stage, experts from the EP rank that holds them."""
+        from TP rank 0 of DP replica 0 (CP rank 0) of each stage, experts from the EP rank that holds them."""
         if self._entries is None:
             mine = [(local, layer, expert, tuple(p.shape), str(p.dtype))
                     for (local, layer, expert), p in self.params.items()]
@@ -92,7 +92,7 @@ class Exporter:
             self.senders = sender_ranks([c for c, _ in gathered], moe=self.shapes.experts > 0)
             entries = []
             for c, items in gathered:
-                expert_holder, dense_holder = c["etp"] == 0 and c["edp"] == 0, c["tp"] == 0 and c["dp"] == 0
+                expert_holder, dense_holder = c["etp"] == 0 and c["edp"] == 0, c["tp"] == 0 and c["dp"] == 0 and c["cp"] == 0
                 for local, layer, expert, shape, dtype in items:
                     if (dense_holder if expert is None else expert_holder):
                         entries.append(Entry(local=local, layer=layer, owner=c["pp"], shard_shape=shape, dtype=dtype,
@@ -104,7 +104,8 @@ class Exporter:
 
     def receives(self, entry: Entry, mode: Mode) -> bool:
         d = self.dims
-        return receives(mode, tp_rank=d.tp_rank, dp_rank=d.dp_rank, pp_rank=d.pp_rank, owner=entry.owner, rank=d.rank)
+        return receives(mode, tp_rank=d.tp_rank, dp_rank=d.dp_rank, pp_rank=d.pp_rank, owner=entry.owner, rank=d.rank,
+                        cp_rank=d.cp_rank)
 
     def metas(self, mode: Mode) -> list[TensorMeta]:
         """What :meth:`tensors` yields on this rank, in order: the push plan, before any byte moves."""
@@ -118,8 +119,8 @@ class Exporter:
 
     def pack(self, bucket: BucketPlan, buffer: torch.Tensor | None) -> bool:
         """``senders`` mode: writes ``bucket`` into ``buffer`` (uint8, >= ``bucket.nbytes``) on its
-        sender (``self.senders[bucket.owner]``: TP rank 0 of data-parallel replica 0 of the owner
-        stage, or for experts expert-TP rank 0 of the EP rank holding them); the sender's other
+        sender (``self.senders[bucket.owner]``: TP rank 0 of data-parallel replica 0 (CP rank 0) of the
+        owner stage, or for experts expert-TP rank 0 of the EP rank holding them); the sender's other
         (expert-)TP ranks send their shards; everybody else does nothing. True on the sender."""
         sender = self.entries and self.senders[bucket.owner] == self.dims.rank
         metas = iter(bucket.tensors)
@@ -272,11 +273,12 @@ class Exporter:
 
     def _to_first(self, pm, entry: Entry, part: int, meta: TensorMeta, *, pp_group) -> torch.Tensor | None:
         """Full tensors on global rank 0 only: TP gather to TP rank 0 of the owner stage, then a
-        point-to-point send to stage 0 when the owner is another stage."""
+        point-to-point send to stage 0 when the owner is another stage (ranks of DP replica 0 and CP
+        rank 0 only: the other copies of the weights take no part)."""
         d = self.dims
         if pm.is_expert:
             return self._expert_to_first(pm, entry, part, meta)
-        if d.dp_rank != 0:
+        if not d.first_copy:
             return None
         tensor = self._gather_hf(pm, entry, part, None, to_all=False) if entry.owner == d.pp_rank else None
         if d.tp_rank != 0:

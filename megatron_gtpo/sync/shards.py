@@ -16,9 +16,9 @@ Delivery modes (:func:`delivery_mode`) say what one rank receives:
   its own way. Shards are broadcast along the pipeline (the same TP rank of every stage). Not for
   families whose checkpoint fuses pieces into one tensor (Phi-3's qkv_proj): vLLM 0.32 cuts a fused
   tensor by its full q/k/v sizes, so it only loads it whole (``full``).
-* ``senders``: the separate rollout pool. TP rank 0 of data-parallel replica 0 of every pipeline
-  stage gathers its own stage's tensors and sends them straight to every server; nobody else
-  receives anything. A mixture of experts adds one sender per expert-parallel rank of a stage
+* ``senders``: the separate rollout pool. TP rank 0 of data-parallel replica 0 (and context-parallel
+  rank 0: CP ranks hold the same weights) of every pipeline stage gathers its own stage's tensors
+  and sends them straight to every server; nobody else receives anything. A mixture of experts adds one sender per expert-parallel rank of a stage
   (expert-TP rank 0 of expert replica 0), which sends the experts it holds itself: no rank ever
   gathers all experts (:func:`sender_ranks`).
 
@@ -138,21 +138,22 @@ def delivery_mode(*, transport: str, trainer_tp: int, engine_tp: int, family: Fa
 
 def sender_ranks(coords: list[dict[str, int]], *, moe: bool) -> list[int]:
     """Global ranks of the ``senders`` mode, in push order, from every rank's coordinates (``rank``,
-    ``pp``, ``tp``, ``dp``, ``ep``, ``etp``, ``edp``): per stage the dense sender (TP rank 0 of DP
-    replica 0) and, for a mixture of experts, expert-TP rank 0 of expert replica 0 of each EP rank."""
-    out = {c["rank"] for c in coords if c["tp"] == 0 and c["dp"] == 0}
+    ``pp``, ``tp``, ``dp``, ``cp``, ``ep``, ``etp``, ``edp``): per stage the dense sender (TP rank 0 of
+    DP replica 0, CP rank 0) and, for a mixture of experts, expert-TP rank 0 of expert replica 0 of
+    each EP rank."""
+    out = {c["rank"] for c in coords if c["tp"] == 0 and c["dp"] == 0 and c["cp"] == 0}
     if moe:
         out |= {c["rank"] for c in coords if c["etp"] == 0 and c["edp"] == 0}
     return sorted(out)
 
 
-def receives(mode: Mode, *, tp_rank: int, dp_rank: int, pp_rank: int, owner: int, rank: int) -> bool:
+def receives(mode: Mode, *, tp_rank: int, dp_rank: int, pp_rank: int, owner: int, rank: int, cp_rank: int = 0) -> bool:
     """Whether a rank with these coordinates ends up holding the tensors of an entry of ``owner``."""
     if mode in ("full", "local"):
         return True
     if mode == "first":
         return rank == 0
-    return tp_rank == 0 and dp_rank == 0 and pp_rank == owner
+    return tp_rank == 0 and dp_rank == 0 and cp_rank == 0 and pp_rank == owner
 
 
 def delivered(entry: Entry, mode: Mode, *, family: Family, shapes: mp.Shapes, tp: int) -> list[TensorMeta]:

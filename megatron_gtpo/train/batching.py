@@ -189,9 +189,11 @@ def token_budget_problem(budget: int, longest: int, what: str = "the longest row
     return None
 
 
-def row_tokens(batch: Batch) -> Tensor:
-    """``[B]`` long: model tokens of every row of the batch (prompt + completion, at least 1)."""
-    return (batch.prompt_lengths + batch.lengths).clamp(min=1)
+def row_tokens(batch: Batch, multiple: int = 1) -> Tensor:
+    """``[B]`` long: model tokens of every row of the batch (prompt + completion, at least 1), each
+    rounded up to ``multiple`` (context parallelism pads every packed sequence to 2 x cp)."""
+    tokens = (batch.prompt_lengths + batch.lengths).clamp(min=1)
+    return tokens if multiple == 1 else -(-tokens // multiple) * multiple
 
 
 def balanced_partition(lengths: list[int], count: int) -> list[list[int]]:
@@ -241,26 +243,30 @@ def pack_rows(lengths: list[int], count: int, budget: int) -> list[list[int]]:
     return sorted(bins, key=lambda b: b[0])
 
 
-def micro_batch_count(batch: Batch, *, dp: int, token_budget: int, multiple: int = 1) -> int:
+def micro_batch_count(batch: Batch, *, dp: int, token_budget: int, multiple: int = 1, seq_multiple: int = 1) -> int:
     """Packed micro-batches per DP rank for this step: the most any DP rank needs (every rank holds
     the whole Batch and computes every rank's need, so all agree without communicating), rounded up
-    to ``multiple`` (the interleaved pipeline schedule needs a multiple of PP) where the rows allow."""
-    lengths, per_rank = row_tokens(batch).tolist(), batch.size // dp
+    to ``multiple`` (the interleaved pipeline schedule needs a multiple of PP) where the rows allow.
+    ``seq_multiple``: every sequence counts as its length rounded up to it (``packed_micro_batches``)."""
+    lengths, per_rank = row_tokens(batch, seq_multiple).tolist(), batch.size // dp
     count = max(fewest_bins(lengths[r * per_rank:(r + 1) * per_rank], token_budget) for r in range(dp))
     return min(-(-count // multiple) * multiple, per_rank)
 
 
 def packed_micro_batches(batch: Batch, rows: slice, *, token_budget: int, count: int, common_length: bool,
-                         pad_to_multiple: int = 1, device=None) -> list[MicroBatch]:
+                         pad_to_multiple: int = 1, seq_multiple: int = 1, device=None) -> list[MicroBatch]:
     """``count`` packed micro-batches of ``rows`` (each one row of whole sequences, at most
     ``token_budget`` real tokens; ``micro_batch_count`` gives the count every DP rank must use).
 
     The packed length is rounded up to ``pad_to_multiple`` (FP8, sequence parallelism) with a
     padding tail; ``common_length`` (pipeline parallel): every micro-batch takes the longest packed
-    length of the step. ``device``: where the tensors are placed (default: CPU).
+    length of the step. ``seq_multiple``: each sequence counts as its length rounded up to it, in
+    the budget and the packed length (context parallelism pads every sequence to 2 x cp when it
+    splits the row: ``train/cp_shard.py``; the row built here holds the sequences unpadded, with a
+    tail to that length). ``device``: where the tensors are placed (default: CPU).
     """
     all_rows = torch.arange(batch.size)[rows]
-    lengths = row_tokens(batch)[all_rows].tolist()
+    lengths = row_tokens(batch, seq_multiple)[all_rows].tolist()
     bins = pack_rows(lengths, count, token_budget)
     totals = [sum(lengths[i] for i in b) for b in bins]
     shared = _rounded(max(totals), pad_to_multiple) if common_length else None

@@ -4,7 +4,7 @@ Three views of one micro-batch's tokens::
 
     completion view [mb, T]      the loss's (train/batching.py): completion token t of row b
     sequence view   [mb, S]      the whole model input (padded rows, or one packed row [1, S])
-    shard view      [mb, S/cp]   what this CP rank runs the model on: the positions ``index`` of
+    shard view      [mb, S/cp]   what this CP rank runs the model on: the positions ``seq_index`` of
                                  the sequence view (parallel/cp_index.py), the same for every row
 
 Padded rows are split as Megatron's ``get_batch_on_this_cp_rank`` splits them (2 x cp chunks, rank
@@ -41,7 +41,9 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True, kw_only=True)
 class CPShard:
-    """This CP rank's share of one micro-batch (built by :func:`shard_micro_batch`)."""
+    """This CP rank's share of one micro-batch (built by :func:`shard_micro_batch`). The train step
+    uses it where it uses a ``MicroBatch`` without CP: ``rows``, ``width``, ``lengths`` and
+    ``index`` are the micro-batch's."""
 
     mb: MicroBatch
     """The whole micro-batch (packed: re-laid by :func:`pad_packed`), on every rank of the group."""
@@ -49,14 +51,38 @@ class CPShard:
     """Context-parallel size."""
     rank: int
     """This rank's index in the CP group."""
-    index: Tensor  # [S/cp] long
+    seq_index: Tensor  # [S/cp] long
     """Sequence-view position of each token this rank holds, in storage order."""
     input_ids: Tensor  # [mb, S/cp] long
     position_ids: Tensor  # [mb, S/cp] long: global positions (restarting per sequence when packed)
     targets: Tensor  # [mb, S/cp] long
     """The token following each held position in the sequence view: the fused pass's targets."""
+    slot: Tensor  # [mb, width] long
+    """The local slot whose output predicts completion column t of row b (0 where not held)."""
+    held: Tensor  # [mb, width] bool
+    """The completion tokens whose prediction this rank computes (each token: exactly one rank)."""
     cu_seqlens: Tensor | None = None  # [segments + 1] int32
     """Packed: cumulative REAL lengths of the sequences (TE's ``cu_seqlens_q/kv``); None: padded rows."""
+    key_index: Tensor | None = None  # [S] long
+    """Packed: sequence positions of the keys the stand-in attention gathers (all ranks' shares in
+    all-gather order), for its block-causal mask; None: padded rows."""
+
+    @property
+    def rows(self) -> Tensor:
+        return self.mb.rows
+
+    @property
+    def width(self) -> int:
+        return self.mb.width
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.mb.lengths
+
+    @property
+    def index(self) -> int:
+        """The micro-batch's place in the step's schedule (``MicroBatch.index``)."""
+        return self.mb.index
 
     @property
     def seq_len(self) -> int:
@@ -66,34 +92,28 @@ class CPShard:
     def packed(self) -> bool:
         return self.mb.cu_seqlens is not None
 
-    def _source(self) -> tuple[Tensor, Tensor]:
-        """``(slot [mb, width], held [mb, width])``: the local slot that predicts completion column t
-        of row b (-1 where another rank holds it) and whether this rank holds that loss token."""
-        mb = self.mb
-        cols = torch.arange(mb.width, device=self.index.device)
-        src = (mb.start.to(cols.device)[:, None] + cols - 1).clamp(min=0, max=self.seq_len - 1)
-        slot = inverse_index(self.index, self.seq_len)[src]
-        held = (slot >= 0) & (cols < mb.lengths.to(cols.device)[:, None])
-        return slot, held
+    def to(self, device) -> CPShard:
+        """This shard (and its micro-batch) with every tensor on ``device`` (None: where they are)."""
+        if device is None:
+            return self
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), Tensor)}
+        return dataclasses.replace(self, mb=self.mb.to(device), **moved)
 
-    @property
-    def held(self) -> Tensor:
-        """``[mb, width]`` bool: the completion tokens whose prediction this rank computes."""
-        return self._source()[1]
-
-    def take(self, local: Tensor) -> Tensor:
+    def take(self, local: Tensor, width: int | None = None) -> Tensor:
         """Completion view ``[mb, width]`` of a shard-view output ``local`` ``[mb, S/cp]`` (packed:
-        ``[1, S/cp]``) aligned with the PREDICTING position: 0 where this rank does not hold the token."""
-        slot, held = self._source()
-        index = slot.clamp(min=0).to(local.device)
+        ``[1, S/cp]``) aligned with the PREDICTING position: 0 where this rank does not hold the
+        token. ``width`` >= the micro-batch's: zero columns added (the global batch's width)."""
+        index = self.slot.to(local.device)
         out = local[0][index] if self.packed else local.gather(1, index)
-        return torch.where(held.to(local.device), out, torch.zeros((), dtype=out.dtype, device=out.device))
+        out = torch.where(self.held.to(local.device), out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return out if width is None or width == out.shape[1] else torch.nn.functional.pad(out, (0, width - out.shape[1]))
 
     def to_shard(self, values: Tensor) -> Tensor:
         """Shard view ``[mb, S/cp]`` (packed ``[1, S/cp]``) of a completion-view tensor ``values``
         ``[mb, >= width]``: slot j gets the value of the completion token its position predicts, 0
         where it predicts none (prompt, padding). The inverse of :meth:`take` on held tokens."""
-        mb, g = self.mb, self.index.to(values.device)
+        mb, g = self.mb, self.seq_index.to(values.device)
         start, lengths = mb.start.to(values.device), mb.lengths.to(values.device)
         if self.packed:
             bounds = mb.cu_seqlens[1:].to(device=values.device, dtype=g.dtype)
@@ -111,9 +131,19 @@ class CPShard:
         stand-in builds their load-balanced causal mask itself)."""
         if not self.packed:
             return None
-        cu = self.mb.cu_seqlens
-        keys = gathered_index([thd_partitioned_index(cu, self.cp, r) for r in range(self.cp)])
-        return cp_attention_mask(self.index, keys.to(self.index.device), cu.to(self.index.device))
+        return cp_attention_mask(self.seq_index, self.key_index, self.mb.cu_seqlens)
+
+
+def _held_slots(mb: MicroBatch, seq_index: Tensor) -> tuple[Tensor, Tensor]:
+    """``(slot, held)`` ``[mb, width]``: the local slot that predicts completion column t of row b
+    (0 where another rank holds it) and whether this rank holds that loss token. A model output at
+    sequence position g predicts token g + 1, so column t is predicted at g = start_b + t - 1."""
+    seq_len = int(mb.input_ids.shape[1])
+    cols = torch.arange(mb.width, device=seq_index.device)
+    src = (mb.start.to(cols.device)[:, None] + cols - 1).clamp(min=0, max=seq_len - 1)
+    slot = inverse_index(seq_index, seq_len)[src]
+    held = (slot >= 0) & (cols < mb.lengths.to(cols.device)[:, None])
+    return slot.clamp(min=0), held
 
 
 def pad_packed(mb: MicroBatch, *, cp: int, pad_id: int, seq_len: int | None = None) -> tuple[MicroBatch, Tensor]:
@@ -153,19 +183,24 @@ def pad_packed(mb: MicroBatch, *, cp: int, pad_id: int, seq_len: int | None = No
 def shard_micro_batch(mb: MicroBatch, *, cp: int, rank: int, pad_id: int, seq_len: int | None = None) -> CPShard:
     """This CP rank's share of ``mb`` (padded rows: their length must be a multiple of 2 x cp;
     packed: re-laid by :func:`pad_packed` first, ``seq_len`` as there). Every row needs a prompt of
-    at least one token (the first completion token is predicted from the position before it)."""
+    at least one token (the first completion token is predicted from the position before it).
+    Index arithmetic with host reads: build shards from CPU micro-batches, then move them
+    (:meth:`CPShard.to`), as the train step's plan does."""
     if bool((mb.start < 1).any()):
         raise ValueError("context parallelism needs a prompt of >= 1 token in every row")
-    cu_real = None
+    cu_real = keys = None
     if mb.cu_seqlens is not None:
         mb, cu_real = pad_packed(mb, cp=cp, pad_id=pad_id, seq_len=seq_len)
         index = thd_partitioned_index(mb.cu_seqlens, cp, rank).to(mb.input_ids.device)
+        keys = gathered_index([thd_partitioned_index(mb.cu_seqlens, cp, r) for r in range(cp)])
+        keys = keys.to(mb.input_ids.device)
     else:
         index = load_balanced_index(mb.input_ids.shape[1], cp, rank, device=mb.input_ids.device)
     targets = torch.roll(mb.input_ids, shifts=-1, dims=1)
-    return CPShard(mb=mb, cp=cp, rank=rank, index=index, input_ids=mb.input_ids.index_select(1, index),
+    slot, held = _held_slots(mb, index)
+    return CPShard(mb=mb, cp=cp, rank=rank, seq_index=index, input_ids=mb.input_ids.index_select(1, index),
                    position_ids=mb.position_ids.index_select(1, index), targets=targets.index_select(1, index),
-                   cu_seqlens=cu_real)
+                   slot=slot, held=held, cu_seqlens=cu_real, key_index=keys)
 
 
 def forward(model, shard: CPShard, **extra):

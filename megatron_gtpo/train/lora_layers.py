@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_gtpo.convert import mapping as mp
+from megatron_gtpo.models.families import FAMILIES
 from megatron_gtpo.train.lora import BY_NAME, LoraConfig, Target
 from megatron_gtpo.train.model import layer_offset, unwrap
 
@@ -87,8 +88,9 @@ def layer_parts(target: Target, config, *, tp: int, rows: int) -> Parts:
 
 
 def base_param_map(target: Target) -> mp.ParamMap:
-    """The mapping entry of ``target``'s base weight (kind, HF names; the same in every family)."""
-    return next(pm for pm in mp.layer_maps("llama") if pm.local == f"{target.path}.weight")
+    """The mapping entry of ``target``'s base weight in the default (unfused) HF layout: its kind and
+    the per-projection HF names (q/k/v_proj, gate/up_proj) that PEFT's adapters are named after."""
+    return next(pm for pm in mp.layer_maps(FAMILIES["llama"]) if pm.local == f"{target.path}.weight")
 
 
 # ----------------------------------------------------------------------------- pure math

@@ -5,7 +5,9 @@ micro-batch; here that is :meth:`Update.loss`, which
 
 1. turns the TP-sharded logits ``[mb, s, V/TP]`` into per-token log-probs and entropies with the
    fused vocab-parallel pass (``train/logprobs.py``) and moves them to the completion view
-   ``[mb, T]`` that ``algo/`` expects (``MicroBatch.take``),
+   ``[mb, T]`` that ``algo/`` expects (``StepPlan.token_stats``; under context parallelism this
+   rank's share, scored on the tokens it holds, ``StepPlan.loss_mask``, with the whole completion
+   lengths and <H>_i: train/cp_loss.py),
 2. takes this micro-batch's rows of what the step prepared once for the whole global batch
    (``train/plan.py``: advantages, GTPO's lambda and scales) and of what is known about pi_old
    (:class:`PiOld`: GTPO's shaped advantages, pi_old's log-probs at mu > 1, the mismatch weights),
@@ -38,6 +40,7 @@ from megatron_gtpo import algo
 from megatron_gtpo.algo import PreparedBatch
 from megatron_gtpo.parallel import collectives
 from megatron_gtpo.train.batching import MicroBatch
+from megatron_gtpo.train.cp_shard import CPShard
 from megatron_gtpo.train.metric_sums import F64, MetricSums
 from megatron_gtpo.train.plan import StepPlan, to_device
 
@@ -80,7 +83,7 @@ class Update:
         self._logp: list[Tensor | None] = [None] * count
         self._weights: list[Tensor | None] = [None] * count
 
-    def loss(self, mb: MicroBatch, logits: Tensor):
+    def loss(self, mb: MicroBatch | CPShard, logits: Tensor):
         """Loss of one micro-batch, already rescaled for Megatron, and an empty dict (its metrics
         stay on the device in ``self.sums``)."""
         plan, spec = self.plan, self.plan.spec
@@ -90,22 +93,22 @@ class Update:
         floor = spec.entropy_prob_floor if self.pi_old.prepared is None and same_temperature else 0.0
         # The logits (the output layer's fresh output) have no other consumer: their storage can
         # take the gradient, so backward never holds two logits-sized buffers.
-        logp_seq, ent_seq = plan.logprobs.token_stats(logits, mb.input_ids, inplace_backward=True,
-                                                      entropy_prob_floor=floor)
-        logp, mask = mb.take(logp_seq), plan.mask[mb.rows, :mb.width]
-        rows = self._rows(mb, logits, ent_seq)
+        logp, entropy = plan.token_stats(mb, logits, inplace_backward=True, entropy_prob_floor=floor)
+        mask = plan.loss_mask(mb)  # under CP: the tokens this rank holds; mb.lengths the whole completions
+        rows = self._rows(mb, logits, entropy)
         old_logp = self._old_logp(mb, logp)
-        tokens = algo.TokenInputs(logp=logp, mask=mask, old_logp=old_logp, ref_logp=plan.local(plan.ref_logp, mb),
+        tokens = algo.TokenInputs(logp=logp, mask=mask, lengths=mb.lengths, old_logp=old_logp,
+                                  ref_logp=plan.local(plan.ref_logp, mb),
                                   is_weights=self._is_weights(mb, logp.detach() if old_logp is None else old_logp, mask))
         loss, metrics = algo.compute_loss(spec, tokens, rows, num_tokens=plan.num_tokens, num_seqs=plan.num_seqs)
         tokens_f64 = mask.sum().to(F64)
         self.sums.add_token_metrics(metrics, tokens_f64)
         self.sums.add("loss", loss.detach(), torch.full((), plan.metric_weight, dtype=F64, device=loss.device))
         self.sums.count_nonfinite("loss", loss)
-        self.observer.micro_batch(self, mb, tokens, rows, ent_seq)
+        self.observer.micro_batch(self, mb, tokens, rows, entropy)
         return loss * plan.loss_scale, {}
 
-    def _rows(self, mb: MicroBatch, logits: Tensor, entropy: Tensor) -> PreparedBatch:
+    def _rows(self, mb: MicroBatch | CPShard, logits: Tensor, entropy: Tensor) -> PreparedBatch:
         """This micro-batch's loss inputs; GTPO's at the first update shaped with this forward's <H>_i."""
         if self.pi_old.prepared is not None:
             return self.pi_old.prepared.rows(mb.rows)
@@ -114,20 +117,22 @@ class Update:
         return algo.shape_rows(self.plan.spec, self.plan.prepared.rows(mb.rows), mean_h, check=False)
 
     @torch.no_grad()
-    def _row_entropy(self, mb: MicroBatch, logits: Tensor, entropy: Tensor) -> Tensor:
-        """GTPO's <H>_i [mb] of pi_old from this forward: its floored entropy output, or one more
-        no-grad pass at the statistic's own temperature (raw logits). Non-finite values are counted
-        (checked before the optimizer step), not raised here."""
+    def _row_entropy(self, mb: MicroBatch | CPShard, logits: Tensor, entropy: Tensor) -> Tensor:
+        """GTPO's <H>_i [mb] of pi_old from this forward (``entropy``: the completion view): its
+        floored entropy output, or one more no-grad pass at the statistic's own temperature (raw
+        logits), averaged over each whole completion (under CP: over the CP group, the same on every
+        CP rank, so the filter decides alike). Non-finite values are counted (checked before the
+        optimizer step), not raised here."""
         spec, logprobs = self.plan.spec, self.plan.logprobs
         temperature = spec.entropy_temperature(logprobs.temperature)
         if temperature != logprobs.temperature:
-            _, entropy = logprobs.token_stats(logits.detach(), mb.input_ids, entropy_prob_floor=spec.entropy_prob_floor,
-                                              temperature=temperature)
+            _, entropy = self.plan.token_stats(mb, logits.detach(), entropy_prob_floor=spec.entropy_prob_floor,
+                                               temperature=temperature)
         mean_h = self.plan.completion_mean(entropy.detach().float(), mb)
         self.sums.count_nonfinite("GTPO's <H>_i (mean token entropy of a completion)", mean_h)
         return mean_h
 
-    def _old_logp(self, mb: MicroBatch, logp: Tensor) -> Tensor | None:
+    def _old_logp(self, mb: MicroBatch | CPShard, logp: Tensor) -> Tensor | None:
         """pi_old's log-probs [mb, width]: known, or (first update) None, the ratio being exactly 1
         on pi_old's own forward; kept at mu > 1 for the later updates."""
         if self.pi_old.logp is not None:
@@ -137,7 +142,7 @@ class Update:
         return None
 
     @torch.no_grad()
-    def _is_weights(self, mb: MicroBatch, train_logp: Tensor, mask: Tensor) -> Tensor | None:
+    def _is_weights(self, mb: MicroBatch | CPShard, train_logp: Tensor, mask: Tensor) -> Tensor | None:
         """The mismatch weights (None without a correction): known, or computed from pi_old's
         log-probs ``train_logp`` once, their spread metrics recorded, kept at mu > 1."""
         spec = self.plan.spec

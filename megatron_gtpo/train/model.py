@@ -77,7 +77,7 @@ from megatron_gtpo.models.shape import shape_from_hf_config
 from megatron_gtpo.parallel import cpu_shims, strict
 from megatron_gtpo.parallel.cp_attention import cp_layer_spec
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.parallel.cp_index import cp_multiple
+from megatron_gtpo.parallel.cp_index import cp_sequence_multiple
 from megatron_gtpo.parallel.layout import context_parallel_problems, model_split_problems
 from megatron_gtpo.utils.configuration import ConfigError
 
@@ -165,7 +165,7 @@ def init_settings(*, on_gpu: bool, weights_loaded: bool) -> dict:
 
 def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | None, dtype: torch.dtype,
                                overrides: dict | None = None, weights_loaded: bool = False, cp: int = 1):
-    """``TransformerConfig`` for an HF config of a supported family at layout (tp, pp, vpp).
+    """``TransformerConfig`` for an HF config of a supported family at layout (tp, pp, vpp, cp).
 
     ``overrides`` are native TransformerConfig fields applied last (e.g. recompute, fp8,
     ``cp_comm_type``, MoE ``moe_aux_loss_coeff``; the builder passes a mixture's expert-parallel
@@ -269,8 +269,7 @@ def sequence_multiple(config) -> int:
     2 x cp chunks (parallel/cp_index.py)."""
     per_rank = padding_multiple(recipe=low_precision_recipe(config), tp=int(config.tensor_model_parallel_size),
                                 sequence_parallel=bool(getattr(config, "sequence_parallel", False)))
-    cp = int(getattr(config, "context_parallel_size", 1) or 1)
-    return math.lcm(per_rank * cp, cp_multiple(cp)) if cp > 1 else per_rank
+    return cp_sequence_multiple(per_rank, int(getattr(config, "context_parallel_size", 1) or 1))
 
 
 def te_available() -> bool:

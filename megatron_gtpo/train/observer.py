@@ -5,7 +5,9 @@ On by default (this is a bias-research stack): ``train_step`` builds one per ste
 metric comes from (the pure functions are in ``algo/``, the optimizer-state readings in
 ``train/diagnostics.py``)::
 
-    per micro-batch, inside the loss      device work only, into the update's MetricSums (no host sync)
+    per micro-batch, inside the loss      device work only, into the update's MetricSums (no host sync);
+                                          under CP on the tokens this rank holds (their sums add up
+                                          over DP x CP like the loss's)
         every update      entropy/mean (all but GTPO, whose <H>_i comes with the whole batch)
         first update      mismatch/* (engine vs trainer log-probs, pi_old = this forward)
                           D2's KL part and the share of the loss due to the mismatch weights
@@ -22,6 +24,7 @@ import torch
 from megatron_gtpo import algo
 from megatron_gtpo.algo import PreparedBatch, TokenInputs
 from megatron_gtpo.train.batching import MicroBatch
+from megatron_gtpo.train.cp_shard import CPShard
 from megatron_gtpo.train.diagnostics import AdamStep, adam_step, batch_bias, momentum_metrics
 from megatron_gtpo.train.metric_sums import F64, MetricSums
 from megatron_gtpo.train.plan import StepPlan
@@ -42,12 +45,14 @@ class StepObserver:
         self._adam: list[AdamStep | None] = []
 
     @torch.no_grad()
-    def micro_batch(self, update, mb: MicroBatch, tokens: TokenInputs, rows: PreparedBatch, entropy: Tensor) -> None:
+    def micro_batch(self, update, mb: MicroBatch | CPShard, tokens: TokenInputs, rows: PreparedBatch,
+                    entropy: Tensor) -> None:
         """Called by ``Update.loss`` (``train/loss.py``) for every micro-batch, with the loss's own
-        inputs; ``entropy`` is the forward's per-position entropy ``[mb, s]``."""
+        inputs (under CP: the tokens this rank holds, ``tokens.mask``, of the whole completions,
+        ``tokens.lengths``); ``entropy`` is the forward's entropy in the completion view ``[mb, width]``."""
         sums, spec = update.sums, self.plan.spec
-        if not spec.needs_mean_entropy:
-            mean_h = algo.completion_mean_entropy(mb.take(entropy.detach()), tokens.mask, check=False)
+        if not spec.needs_mean_entropy:  # whole completions on every CP rank: the pair's mean is unchanged
+            mean_h = self.plan.completion_mean(entropy.detach(), mb)
             sums.add("entropy/mean", mean_h.sum(), torch.full((), tokens.mask.shape[0], dtype=F64,
                                                               device=mean_h.device))
         if update.index == 0:
@@ -61,7 +66,7 @@ class StepObserver:
         the KL part ``kl_beta * aggregate(seq_scale k3)`` and the share of the loss due to the mismatch
         weights, ``sum_i A_i sum_t omega_{i,t} (1 - w_{i,t})`` (``BatchBias.metrics`` adds them up)."""
         plan, mask = self.plan, tokens.mask
-        norms = {"num_tokens": plan.num_tokens, "num_seqs": plan.num_seqs, "check": False}
+        norms = {"num_tokens": plan.num_tokens, "num_seqs": plan.num_seqs, "lengths": tokens.lengths, "check": False}
         weight = torch.full((), plan.metric_weight, dtype=F64, device=mask.device)
         if tokens.ref_logp is not None and plan.spec.kl_beta > 0:
             zero = torch.zeros((), dtype=tokens.logp.dtype, device=mask.device)
@@ -72,7 +77,7 @@ class StepObserver:
             weighted = algo.token_omega(plan.spec, mask, rows, is_weights=tokens.is_weights, **norms)
             sums.add("bias/surrogate_is_term", ((plain - weighted) * rows.advantages.double()[:, None]).sum(), weight)
 
-    def _overshoot(self, sums: MetricSums, update: int, mb: MicroBatch, tokens: TokenInputs,
+    def _overshoot(self, sums: MetricSums, update: int, mb: MicroBatch | CPShard, tokens: TokenInputs,
                    rows: PreparedBatch) -> None:
         """D4 at inner update k >= 1: of the tokens in the advantage-favoured clipped region at update
         k - 1 (>= 1: at update 0 the ratio is 1), the share whose |log rho| grew by update k."""

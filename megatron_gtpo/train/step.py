@@ -30,7 +30,6 @@ Metric values are means over the mu updates except ``mismatch/*`` and D2's ``bia
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -41,14 +40,15 @@ from megatron_gtpo import algo
 from megatron_gtpo.parallel import collectives, control
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.layout import pipeline_problem
-from megatron_gtpo.train import metric_sums, model_input, routing
+from megatron_gtpo.train import cp_loss, cp_shard, metric_sums, model_input, routing
 from megatron_gtpo.train.batching import MicroBatch
+from megatron_gtpo.train.cp_shard import CPShard
 from megatron_gtpo.train.logprobs import LogprobSettings
 from megatron_gtpo.train.loss import PiOld, Update
 from megatron_gtpo.train.observer import ZERO_WHEN_EMPTY, StepObserver
 from megatron_gtpo.train.optim import current_lr, zero_grads
 from megatron_gtpo.train.plan import (StepPlan, StepSettings, logprob_settings, plan_step, process_groups,
-                                      rank_micro_batches)
+                                      rank_micro_batches, token_stats)
 from megatron_gtpo.types import Batch
 
 Tensor = torch.Tensor
@@ -112,10 +112,10 @@ def update(policy, plan: StepPlan, k: int, pi_old: PiOld, observer: StepObserver
 
 def finish(plan: StepPlan, pi_old: PiOld, updates: list[UpdateResult], observer: StepObserver) -> dict[str, float]:
     """The step's metrics, on every rank: every update's sums read in one go (last stage, reduced
-    over DP), merged over the updates, with the whole-batch metrics and the observer's."""
+    over DP x CP), merged over the updates, with the whole-batch metrics and the observer's."""
     result = None
     if plan.is_last_stage:
-        per_update = metric_sums.read([u.sums for u in updates], plan.comm.dp)
+        per_update = metric_sums.read([u.sums for u in updates], plan.metric_group)
         for metrics, u in zip(per_update, updates):
             metrics.update({name: 0.0 for name in ZERO_WHEN_EMPTY if math.isnan(metrics.get(name, 0.0))})
             metrics.update(u.optim)
@@ -170,22 +170,26 @@ def forward_kwargs(chunk) -> dict:
     return {"fp32_output": False} if isinstance(chunk, Float16Module) or isinstance(inner, Float16Module) else {}
 
 
-def run_schedule(model_chunks, mbs: list[MicroBatch], loss_for, *, forward_only: bool) -> list[dict]:
-    """Megatron's forward_backward_func over ``mbs``; ``loss_for(mb, logits)`` runs on the last stage.
-    Returns what the loss functions returned next to the loss (last stage only; empty elsewhere)."""
+def run_schedule(model_chunks, mbs: list[MicroBatch] | list[CPShard], loss_for, *, forward_only: bool) -> list[dict]:
+    """Megatron's forward_backward_func over ``mbs`` (under CP this rank's shares: the model runs on
+    them, Megatron's schedule takes the WHOLE sequence length and divides it by CP itself);
+    ``loss_for(mb, logits)`` runs on the last stage. Returns what the loss functions returned next
+    to the loss (last stage only; empty elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     extra = forward_kwargs(model_chunks[0])
+    sharded = isinstance(mbs[0], CPShard)
+    model_call = cp_shard.forward if sharded else model_input.forward
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        return model_input.forward(model, mb, **extra), partial(loss_for, mb)
+        return model_call(model, mb, **extra), partial(loss_for, mb)
 
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=[iter(mbs) for _ in model_chunks],
         model=model_chunks, num_microbatches=len(mbs),
-        seq_length=mbs[0].input_ids.shape[1], micro_batch_size=mbs[0].input_ids.shape[0],
-        forward_only=forward_only)
+        seq_length=mbs[0].seq_len if sharded else mbs[0].input_ids.shape[1],
+        micro_batch_size=mbs[0].input_ids.shape[0], forward_only=forward_only)
 
 
 @dataclass(kw_only=True)
@@ -201,22 +205,26 @@ class ForwardStats:
 
 
 @torch.no_grad()
-def forward_stats(model_chunks, batch: Batch, mbs: list[MicroBatch], settings: LogprobSettings, *,
+def forward_stats(model_chunks, batch: Batch, mbs: list[MicroBatch] | list[CPShard], settings: LogprobSettings, *,
                   entropy_prob_floor: float = 0.0, entropy_temperature: float | None = None) -> ForwardStats | None:
     """No-grad forward of this rank's micro-batches: per-token log-probs and <H>_i of its rows in
     the global batch's completion width. Returns None on all but the last pipeline stage.
     ``entropy_temperature``: the entropies' temperature when it differs from the sampling one
-    (GTPO's raw-logit statistic, one more pass over the logits)."""
+    (GTPO's raw-logit statistic, one more pass over the logits). Under CP (``mbs`` are this rank's
+    shares) the values are gathered over the CP group: every CP rank returns whole completions."""
     width = batch.token_ids.shape[1]
     other = entropy_temperature is not None and entropy_temperature != settings.temperature
+    cp_group = cp_loss.cp_groups()[0] if isinstance(mbs[0], CPShard) else None
 
     def loss_for(mb, logits):
-        logp, ent = settings.token_stats(logits, mb.input_ids, entropy_prob_floor=entropy_prob_floor)
+        logp, ent = token_stats(settings, mb, logits, entropy_prob_floor=entropy_prob_floor, width=width)
         if other:
-            _, ent = settings.token_stats(logits, mb.input_ids, entropy_prob_floor=entropy_prob_floor,
-                                          temperature=entropy_temperature)
-        view = dataclasses.replace(mb, width=width)  # the global width: rows line up with the Batch
-        return logits.new_zeros(()), {"logp": view.take(logp.float()), "entropy": view.take(ent.float())}
+            _, ent = token_stats(settings, mb, logits, entropy_prob_floor=entropy_prob_floor,
+                                 temperature=entropy_temperature, width=width)
+        if cp_group is not None:  # one all-reduce of both: each token's values come from the rank holding it
+            logp, ent = cp_loss.completion_view(torch.stack([logp.float(), ent.float()]).flatten(0, 1),
+                                                torch.cat([mb.held, mb.held]), cp_group).unflatten(0, (2, -1))
+        return logits.new_zeros(()), {"logp": logp.float(), "entropy": ent.float()}
 
     store = run_schedule(model_chunks, mbs, loss_for, forward_only=True)
     if not store:

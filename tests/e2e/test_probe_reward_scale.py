@@ -19,9 +19,9 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, run_group
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # 15 in-process restarts x 3 steps
 
 VARIANTS = [
     ["--variant", "grpo", "algo.name=grpo", "algo.kl_beta=0"],
@@ -38,8 +38,7 @@ def report(tmp_path_factory):
     cmd = [sys.executable, "-m", "megatron_gtpo.cli", "probe", "reward-scale", str(REPO / "configs" / "tiny.yaml"),
            "optim.optimizer.clip_grad=0", "rollout.offload_trainer=true", "--phi", "0.1,1,10", "--steps", "3", "--output-dir", str(out),
            *[arg for variant in VARIANTS for arg in variant]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    proc = run_group(cmd, timeout=840, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     (out / "probe.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith('{"probe": "reward-scale"')]

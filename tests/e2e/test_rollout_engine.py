@@ -43,13 +43,23 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
+    """The in-process engine sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for this process (rollout/engine.py);
+    restored afterwards, so later tests' subprocesses run vLLM as they do on their own."""
+    import os
+
     from megatron_gtpo.rollout import RolloutEngine
+
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
 
     # A small token budget per step, so a batch's prefills span several scheduler steps.
     eng = RolloutEngine(model_dir=model_dir, seed=0, vllm_kwargs={
         "dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 << 20, "max_num_batched_tokens": 256})
     yield eng
     eng.close()
+    if before is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +165,9 @@ def test_bad_sampling_arguments(engine, prompts):
 def test_colocated_push_and_rejections(engine, prompts, hf_model):
     """Single-process push of HF tensors: rejected plans leave version and outputs unchanged; a push
     that crashes half-way (streamed into vLLM) makes the engine refuse to generate until a complete
-    push repairs it."""
+    push repairs it. Bug caught: a rejected or crashed push that applied part of its tensors (the
+    failed pushes carry other weights than the served ones, and those weights are visible once
+    pushed completely)."""
     from megatron_gtpo.sync import ColocatedSync, WeightPushError, WeightSpec
     from tests.sync_helpers import ListSource
 
@@ -180,10 +192,13 @@ def test_colocated_push_and_rejections(engine, prompts, hf_model):
             yield from self.items[:6]
             raise RuntimeError("exporter crashed")
 
+    # The failed pushes carry other weights than the served ones (v1 + noise of the weights' scale):
+    # applied even in part, they would change the served outputs.
+    other = [(k, v + 0.05 * torch.randn(v.shape, generator=gen)) for k, v in items]
     bad_plans = [
-        ([[(n, t[:, :64] if n == "model.embed_tokens.weight" else t) for n, t in items]], "shape"),
-        ([items[:-2]], "2 missing"),
-        ([items, [("model.layers.7.mlp.up_proj.weight", torch.zeros(256, 128))]], "unknown"),
+        ([[(n, t[:, :64] if n == "model.embed_tokens.weight" else t) for n, t in other]], "shape"),
+        ([other[:-2]], "2 missing"),
+        ([other, [("model.layers.7.mlp.up_proj.weight", torch.zeros(256, 128))]], "unknown"),
     ]
     for buckets, match in bad_plans:
         with pytest.raises(WeightPushError, match=match):
@@ -192,12 +207,20 @@ def test_colocated_push_and_rejections(engine, prompts, hf_model):
     again = engine.generate(prompts[:2], Sampling(n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=10), seed=2)
     assert [(c.token_ids, c.logprobs) for c in again] == [(c.token_ids, c.logprobs) for c in served]
     with pytest.raises(WeightPushError, match="exporter crashed"):
-        sync.push(Crashing([items]), version=2)
+        sync.push(Crashing([other]), version=2)
     with pytest.raises(RuntimeError, match="unusable"):  # half of the layers were rewritten: never served
         engine.generate(prompts[:2], Sampling(n=1, temperature=TEMPERATURE, top_p=1.0, max_tokens=4))
-    sync.push(ListSource([items]), version=2)  # a complete push repairs it
+    # The control: the other weights, pushed completely, are served (and differ from v1's outputs).
+    sync.push(ListSource([other]), version=2)
+    moved = engine.generate(prompts[:2], Sampling(n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=10), seed=2)
+    hf_model.load_state_dict(dict(other), strict=False)
+    for c in moved:
+        assert (torch.tensor(c.logprobs, dtype=torch.float64) - reference_logprobs(hf_model, c, TEMPERATURE)).abs().max() < 1e-4
+    assert [c.logprobs for c in moved] != [c.logprobs for c in served]
+    sync.push(ListSource([items]), version=3)  # v1 again: the served outputs come back exactly
+    hf_model.load_state_dict(new, strict=False)
     again = engine.generate(prompts[:2], Sampling(n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=10), seed=2)
     assert [(c.token_ids, c.logprobs) for c in again] == [(c.token_ids, c.logprobs) for c in served]
-    assert {c.weight_version for c in again} == {2}
+    assert {c.weight_version for c in again} == {3}
     with pytest.raises(ValueError, match="version"):
-        engine.load_weights(items, version=1)  # older than what is served
+        engine.load_weights(items, version=2)  # older than what is served

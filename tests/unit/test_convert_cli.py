@@ -20,16 +20,6 @@ from tests.tiny_hf import FAMILIES, save_tiny_hf_model, tiny_hf_config
 
 # ----------------------------------------------------------------------------- mapping algebra
 
-def tp_unshard(pm: mp.ParamMap, shards: list[torch.Tensor]) -> torch.Tensor:
-    """Shards of all TP ranks (in rank order) -> the global tensor; the inverse of mp.tp_shard."""
-    if len(shards) == 1 or pm.kind == mp.REPLICATED:
-        return shards[0]
-    if pm.kind == mp.FC1:
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=1 if pm.kind == mp.ROW else 0)
-
-
 def layer(family: str) -> dict[str, mp.ParamMap]:
     return {p.local: p for p in mp.layer_maps(RECORDS[family])}
 
@@ -48,7 +38,7 @@ def test_qkv_fuse_split_and_tp_slicing(heads, groups, head_dim):
     assert all(torch.equal(a, b) for a, b in zip(mp.split(pm, fused, shapes), (q, k, v)))
     for tp in (t for t in (1, 2, 3) if groups % t == 0):
         shards = [mp.tp_shard(pm, fused, tp=tp, rank=r) for r in range(tp)]
-        assert torch.equal(tp_unshard(pm, shards), fused)
+        assert torch.equal(mp.tp_unshard(pm, shards), fused)
         # A TP rank holds whole groups: its q rows are exactly the q heads of its groups.
         local = mp.split(pm, shards[-1], mp.Shapes(heads=heads // tp, groups=groups // tp, head_dim=head_dim))
         assert torch.equal(local[0], q.chunk(tp)[-1]) and torch.equal(local[2], v.chunk(tp)[-1])
@@ -60,7 +50,7 @@ def test_fc1_and_parallel_linear_slicing():
     fused = mp.fuse(fc1, [gate, up], None)
     shard1 = mp.tp_shard(fc1, fused, tp=2, rank=1)
     assert torch.equal(shard1, torch.cat([gate[6:], up[6:]]))  # [its gate rows ; its up rows]
-    assert torch.equal(tp_unshard(fc1, [mp.tp_shard(fc1, fused, tp=2, rank=r) for r in (0, 1)]), fused)
+    assert torch.equal(mp.tp_unshard(fc1, [mp.tp_shard(fc1, fused, tp=2, rank=r) for r in (0, 1)]), fused)
     down = torch.randn(5, 12)
     assert torch.equal(mp.tp_shard(fc2, down, tp=3, rank=2), down[:, 8:])
     assert set(layer("qwen3")) - set(layer("llama")) == {

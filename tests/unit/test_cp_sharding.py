@@ -18,9 +18,9 @@ from megatron_gtpo.parallel.cp_index import (cp_attention_mask, cp_padded_length
 from megatron_gtpo.parallel.dims import ParallelConfig
 from megatron_gtpo.parallel.layout import context_parallel_problems, world_problem
 from megatron_gtpo.train.batching import micro_batches, packed_micro_batches
-from megatron_gtpo.train.cp_loss import megatron_loss_scale, shard_loss, split_rows
 from megatron_gtpo.train.cp_shard import shard_micro_batch
 from megatron_gtpo.train.model import sequence_multiple
+from megatron_gtpo.train.plan import megatron_loss_scale
 from megatron_gtpo.train.model_input import block_causal_mask
 from megatron_gtpo.utils.configuration import ConfigError
 from tests.algo_helpers import spec_of
@@ -107,13 +107,13 @@ def test_cp_shards_partition_every_completion_and_map_back(packed):
         full = shards[0].mb  # packed: re-laid with every sequence padded to 2 x cp
         assert torch.equal(sum(s.held.long() for s in shards), batch.mask[mb.rows, :mb.width].long())
         seq = torch.randn(full.input_ids.shape)  # an output at every sequence position (predicting g + 1)
-        together = sum(s.take(seq[:, s.index]) for s in shards)
+        together = sum(s.take(seq[:, s.seq_index]) for s in shards)
         assert torch.equal(together, full.take(torch.roll(seq, 1, dims=1)))  # MicroBatch.take: predicted-aligned
         values = torch.randn(len(mb.rows), mb.width)
         for s in shards:
             assert torch.equal(s.take(s.to_shard(values)), torch.where(s.held, values, 0.0))
-            assert torch.equal(s.targets, torch.roll(full.input_ids, -1, dims=1)[:, s.index])
-            assert torch.equal(s.position_ids, full.position_ids[:, s.index])
+            assert torch.equal(s.targets, torch.roll(full.input_ids, -1, dims=1)[:, s.seq_index])
+            assert torch.equal(s.position_ids, full.position_ids[:, s.seq_index])
         if packed:  # the re-laid row holds the same sequences, each padded to a multiple of 4
             cu = full.cu_seqlens.long()
             assert bool(((cu[1:] - cu[:-1]) % 4 == 0).all())
@@ -139,8 +139,8 @@ def _held_split(mask: torch.Tensor) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("name", ["gtpo", "grpo", "dapo", "drgrpo"])
 def test_cp_shard_losses_add_up_to_the_one_process_loss(name):
-    """The per-rank shares (seq-mean-token-mean: the global 1/|o_i| in the row scale) sum to
-    compute_loss, in value and gradient, and their D2 weights to token_omega's."""
+    """The per-rank shares (each rank's held tokens, the WHOLE completion lengths) sum to
+    compute_loss, in value and gradient, and their D2 weights and KL parts to the whole batch's."""
     batch = make_batch(1, num_groups=2, group_size=4)
     spec = spec_of(name, max_completion_tokens=16, **({"kl_beta": 0.04} if name == "grpo" else {}))
     prepared = algo.prepare_groups(spec, token_ids=batch.token_ids, mask=batch.mask, rewards=batch.rewards,
@@ -156,19 +156,19 @@ def test_cp_shard_losses_add_up_to_the_one_process_loss(name):
     (grad_whole,) = torch.autograd.grad(whole, logp)
     held = _held_split(batch.mask)
     assert all(bool(h.any()) for h in held) and torch.equal(held[0] | held[1], batch.mask)
-    shares = [shard_loss(spec, tokens, prepared, h, **norms)[0] for h in held]
+    lengths = batch.lengths
+    share_tokens = [dataclasses.replace(tokens, mask=h, lengths=lengths) for h in held]
+    shares = [algo.compute_loss(spec, t, prepared, **norms)[0] for t in share_tokens]
     (grad_shares,) = torch.autograd.grad(sum(shares), logp)
     assert abs(float(sum(shares).detach() - whole.detach())) <= 1e-12 * max(abs(float(whole.detach())), 1.0)
     assert torch.allclose(grad_shares, grad_whole, rtol=1e-12, atol=1e-15)
-    rows_spec, rows = split_rows(spec, prepared, batch.mask)  # D2: the same per-token weights, held shares
-    omega = algo.token_omega(rows_spec, batch.mask, rows, **norms)
+    omega = sum(algo.token_omega(spec, h, prepared, lengths=lengths, check=False, **norms) for h in held)  # D2's weights
     assert torch.allclose(omega, algo.token_omega(spec, batch.mask, prepared, **norms), rtol=1e-12, atol=0)
     if spec.kl_beta:
         kl = algo.kl_k3(logp.detach(), ref)
-        shares = sum(algo.kl_penalty(rows_spec, torch.where(h, kl, 0.0), batch.mask, rows, **norms) for h in held)
-        assert float(shares) == pytest.approx(float(algo.kl_penalty(spec, kl, batch.mask, prepared, **norms)),
-                                              rel=1e-12)
-    if spec.agg_mode == "seq-mean-token-mean":  # without the fold the shares count held tokens as |o_i|
+        parts = sum(algo.kl_penalty(spec, kl, h, prepared, lengths=lengths, check=False, **norms) for h in held)
+        assert float(parts) == pytest.approx(float(algo.kl_penalty(spec, kl, batch.mask, prepared, **norms)), rel=1e-12)
+    if spec.agg_mode == "seq-mean-token-mean":  # without the whole lengths the shares count held tokens as |o_i|
         naive = sum(algo.compute_loss(spec, dataclasses.replace(tokens, mask=h), prepared, **norms)[0] for h in held)
         assert abs(float((naive - whole).detach())) > 1e-6
 
@@ -199,8 +199,10 @@ def test_cp_sequence_multiple_and_layout_rules():
                                     tensor_model_parallel_size=2)) == 6
     shape = shape_from_hf_config(tiny_config(tied=False), name="tiny")  # 4 heads
     assert context_parallel_problems(shape, tp=1, cp=2) == []
-    assert context_parallel_problems(shape, tp=1, cp=4, comm_type="a2a") == []
-    (a2a,) = context_parallel_problems(shape, tp=2, cp=4, comm_type="a2a")
+    assert context_parallel_problems(shape, tp=1, cp=2, comm_type="a2a") == []
+    (kv,) = context_parallel_problems(shape, tp=1, cp=4, comm_type="a2a")  # TE's a2a splits the KV heads too
+    assert "2 KV heads" in kv and "parallel.cp among 1, 2" in kv
+    a2a, _ = context_parallel_problems(shape, tp=2, cp=4, comm_type="a2a")  # the heads, then the KV heads
     assert "parallel.cp among 1, 2" in a2a and "cp_comm_type" in a2a
     (local,) = context_parallel_problems(shape, tp=1, cp=2, cp_attention=False)
     assert "parallel.cp=2" in local and "Transformer Engine" in local and "parallel.cp=1" in local
@@ -242,20 +244,13 @@ def test_cp_shard_needs_a_prompt_token_and_inverse_index_marks_other_ranks():
     assert inv.tolist() == [-1, -1, 0, 1, 2, 3, -1, -1]
 
 
-def test_cp_training_is_refused_until_the_step_uses_it():
-    from megatron_gtpo import trainer
-
-    with pytest.raises(ConfigError, match="parallel.cp=2: the train step does not use context parallelism"):
-        trainer.build(SimpleNamespace(parallel=ParallelConfig(cp=2)), resume=False)
-
-
 def test_cp_dry_run_layout_multiplies_cp_into_the_world():
     from megatron_gtpo.plan.layout import LayoutError, LayoutRequest, plan_layout
 
     shape = shape_from_hf_config(tiny_config(tied=False), name="tiny")
     lay = plan_layout(LayoutRequest(shape=shape, nodes=1, gpus_per_node=8, tp=2, pp=1, cp=2, prompts_per_step=2,
                                     group_size=4, max_prompt_tokens=16, max_completion_tokens=16))
-    assert (lay.tp, lay.cp, lay.dp, lay.world) == (2, 2, 2, 8) and any("parallel.cp=2" in w for w in lay.warnings)
+    assert (lay.tp, lay.cp, lay.dp, lay.world) == (2, 2, 2, 8)
     with pytest.raises(LayoutError) as err:
         plan_layout(LayoutRequest(shape=shape, nodes=1, gpus_per_node=6, tp=2, pp=1, cp=4, cp_comm_type="a2a"))
     text = str(err.value)

@@ -14,7 +14,8 @@ from megatron_gtpo.convert import lora_peft as P
 from megatron_gtpo.convert import mapping as mp
 from megatron_gtpo.convert.hf_io import HFReader
 from megatron_gtpo.convert.load import load_hf_weights
-from megatron_gtpo.models.hf_config import architecture_of, read_hf_config
+from megatron_gtpo.models.families import family_of
+from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import lora_layers as L
 from megatron_gtpo.train.lora import LoraConfig
@@ -32,7 +33,7 @@ def megatron_logits(model, ids):
 
 def merged_hf_state(hf_dir, hf_config, adapters, cfg) -> dict:
     """The HF checkpoint with every adapted weight merged (fused to Megatron's layout, merged, split)."""
-    reader, shapes, family = HFReader(hf_dir), mp.shapes_of(hf_config), architecture_of(hf_config)
+    reader, shapes, family = HFReader(hf_dir), mp.shapes_of(hf_config), family_of(hf_config)
     state = {}
     for layer in range(hf_config["num_hidden_layers"]):
         for pm in mp.layer_maps(family):

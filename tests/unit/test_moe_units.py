@@ -107,7 +107,7 @@ def test_moe_expert_mapping_names_and_split():
 
 
 def test_moe_push_plan_one_sender_per_ep_rank():
-    coords = [dict(rank=r, pp=0, tp=r % 2, dp=0, ep=r % 2, etp=0, edp=0) for r in range(2)]  # TP2 x EP2, one stage
+    coords = [dict(rank=r, pp=0, tp=r % 2, dp=0, cp=0, ep=r % 2, etp=0, edp=0) for r in range(2)]  # TP2 x EP2, one stage
     assert sender_ranks(coords, moe=False) == [0] and sender_ranks(coords, moe=True) == [0, 1]
     family, shapes = FAMILIES["qwen3_moe"], mp.shapes_of(tiny_hf_config("qwen3_moe"))
     entries = [Entry(local="mlp.experts.linear_fc2.weight", layer=0, owner=0, shard_shape=(64, 32), dtype="torch.float32",

@@ -38,10 +38,11 @@ def test_prepare_step_refuses_the_wrong_world_before_anything_loads(monkeypatch,
 
 def test_every_rank_refuses_the_wrong_world(monkeypatch, tmp_path, capsys):
     import megatron_gtpo.cli.worker as worker
+    import megatron_gtpo.trainer as trainer
     from megatron_gtpo.config import dump_resolved, load_config
 
     config = dump_resolved(load_config(RECIPE_3B), tmp_path / "config.yaml")
-    monkeypatch.setattr(worker, "run", lambda cfg, resume: pytest.fail("the driver started"))
+    monkeypatch.setattr(trainer, "run", lambda cfg, resume: pytest.fail("the driver started"))
     monkeypatch.setenv("WORLD_SIZE", "16")
     assert worker.main([str(config)]) == 2
     assert "torchrun (WORLD_SIZE) starts 16 rank(s)" in capsys.readouterr().err

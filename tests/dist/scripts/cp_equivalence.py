@@ -1,317 +1,284 @@
-"""Multi-rank check: the context-parallel building blocks give the one-process numbers.
+"""Multi-rank check: context parallelism through the REAL train step equals one process.
 
-Usage: torchrun --nproc_per_node=N cp_equivalence.py LAYOUT [LAYOUT ...], LAYOUT = ``tp,cp``
-(DP = N / (tp * cp)). First a CP=1 reference on every rank (the whole batch, plain autograd, no
-DDP, the same code path at cp = 1; and the dense fp64 reference loss of ``_trainstep_common``). Then
-per layout, from the same weights:
+Usage: torchrun --nproc_per_node=4 cp_equivalence.py LAYOUT [LAYOUT ...], LAYOUT = ``tp,cp,pp``
+(DP = 4 / (tp * cp * pp)). First, on every rank, the single-process reference: the dense fp64
+reference of ``_trainstep_common`` (whole batch, plain autograd, dense log-softmax, manual SGD) for
+every case. Then per layout, from the same weights:
 
-* ``attention``: the CPU stand-in (parallel/cp_attention.py) against Megatron's local
-  DotProductAttention at CP=1, padded (load-balanced causal mask) and packed (per-sequence THD
-  split, block-diagonal mask): outputs and the gradients of q, k, v (k/v: reduce-scattered back);
-* ``logits``: GPTModel (local spec, stand-in attention; fp64, see DTYPE) on each padded
-  micro-batch's shard against the CP=1 logits at the same global positions (vocabulary-sharded
-  under TP);
-* ``step``: for GTPO (entropy filter active), GRPO with KL and DAPO, padded and packed, Megatron's
-  schedule + DDP over DP x CP with ``cp_loss.megatron_loss_scale``: loss, DDP-reduced gradients,
-  per-token log-probs, GTPO's <H>_i and its filter decisions against the CP=1 run, plus where the
-  conflict runs and completion ends fall (the test requires rows whose conflict tokens and end sit
-  on different CP ranks).
+* building blocks (``_cp_checks``): the CPU stand-in attention against Megatron's local attention
+  (fp32), GPTModel's logits on each shard against the CP=1 logits, DDP's scaling over DP x CP,
+  one sender per push bucket and one HF-export writer;
+* ``forward_stats`` (the learner's no-grad forward, padded and packed): per-token log-probs and
+  exact entropies against the dense reference;
+* ``step``: ``train_step`` (the learner's step: plan, updates, observer) for GTPO (mu = 1, its
+  entropy filter deciding), GTPO at mu = 2 with ``entropy_logits: raw`` and mismatch weights, GRPO
+  with a KL term and DAPO, padded and packed: the loss, every gradient (mu = 1), the parameter
+  update (every case), GTPO's <H>_i and filter decisions (the step's own pi_old record), against
+  the dense reference and against the CP=1 layout's step (the first layout, whose results every
+  rank keeps); every logged metric (the test compares them with the CP=1 step's), and where
+  GTPO's conflict runs and the completions' ends fall on the CP ranks.
 
+fp64 models (the CP code paths are dtype-agnostic), so that fp32 rounding cannot hide a CP error.
+The step keeps two things in fp32 by design, GTPO's <H>_i and the no-grad forward's outputs, and
+Megatron's local-spec norms keep fp32 weights: against the dense reference the errors are therefore
+fp32-sized (<= 1e-6), against the CP=1 step (the same fp32 parts) fp64-sized (<H>_i bit-identical).
 Prints one ``RESULT {json}`` line per check; tests/dist/test_cp.py judges.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import hashlib
+import math
+from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import get_model_config
 
 from megatron_gtpo import algo
-from megatron_gtpo.algo import AlgoConfig, TokenInputs
-from megatron_gtpo.parallel.cp_attention import standin_class
-from megatron_gtpo.parallel.cp_index import cp_attention_mask, gathered_index, load_balanced_index, \
-    thd_partitioned_index
-from megatron_gtpo.parallel.collectives import comm_device
+from megatron_gtpo.algo import AlgoConfig
+from megatron_gtpo.parallel import control
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import model as M
 from megatron_gtpo.train import model_input
-from megatron_gtpo.train.batching import global_normalisers, local_rows, micro_batch_count, micro_batches, \
-    packed_micro_batches
-from megatron_gtpo.train.cp_loss import completion_view, cp_groups, megatron_loss_scale, mean_entropy, shard_loss, \
-    shard_token_stats
-from megatron_gtpo.train.cp_shard import forward as cp_forward
-from megatron_gtpo.train.cp_shard import shard_micro_batch
-from megatron_gtpo.train.loss import LogprobSettings
-from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp, zero_grads
+from megatron_gtpo.train import step as S
+from megatron_gtpo.train.batching import micro_batches
+from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
+from tests.dist.scripts import _cp_checks as K
 from tests.dist.scripts import _trainstep_common as C
 from tests.dist.scripts.trainstep_equivalence import emit, rel_err, synthetic_ref_logp
 
 TEMPERATURE, MBS, BUDGET = 0.8, 4, 64
 DTYPE = torch.float64
-"""The model's dtype in the logits and step checks: fp64 leaves no rounding to hide a CP error behind
-(the CP code paths are dtype-agnostic); the attention check runs in fp32."""
+SGD = {"optimizer": "sgd", "lr": 0.5, "sgd_momentum": 0.0, "weight_decay": 0.0, "clip_grad": 0.0}
 
 
-def model_config() -> dict:
-    """The train-step tests' tiny GQA model with 2 layers (every check here is per layer)."""
-    return {**C.tiny_config(tied=False), "num_hidden_layers": 2}
+def cases(threshold: dict[float, float]) -> list[dict]:
+    """GTPO (threshold between the rows' <H>_i), GTPO mu = 2 on raw-logit entropies with truncated
+    importance weights, GRPO + KL, DAPO."""
+    return [
+        dict(name="gtpo", cfg=AlgoConfig(name="gtpo", entropy_threshold=threshold[TEMPERATURE]), opt=SGD),
+        dict(name="gtpo_raw_mu2", opt={**SGD, "lr": 0.005},  # pi_old's record at update 2, mismatch weights held
+             cfg=AlgoConfig(name="gtpo", entropy_threshold=threshold[1.0], entropy_logits="raw", mu=2,
+                            mismatch_correction="tis")),
+        dict(name="grpo_kl", cfg=AlgoConfig(name="grpo", kl_beta=0.04), opt=SGD),
+        dict(name="dapo", cfg=AlgoConfig(name="dapo"), opt=SGD),
+    ]
 
 
-def cases(threshold: float) -> list[dict]:
-    """GTPO with an entropy threshold between the rows' <H>_i, GRPO with a KL term, DAPO (mu = 1)."""
-    configs = {"gtpo": AlgoConfig(name="gtpo", entropy_threshold=threshold),
-               "grpo_kl": AlgoConfig(name="grpo", kl_beta=0.04), "dapo": AlgoConfig(name="dapo")}
-    return [dict(name=name, spec=cfg.resolve(max_completion_tokens=16)) for name, cfg in configs.items()]
+def spec_of(case):
+    return case["cfg"].resolve(max_completion_tokens=16)
 
 
-def rank_mbs(batch, rows: slice, *, packed: bool, multiple: int, dp: int):
-    """Padded micro-batches of MBS rows (lengths a multiple of ``multiple``) or packed ones."""
-    device = comm_device()
-    if not packed:
-        return micro_batches(batch, rows, micro_batch_size=MBS, common_length=False, pad_to_multiple=multiple,
-                             device=device)
-    count = micro_batch_count(batch, dp=dp, token_budget=BUDGET)
-    return packed_micro_batches(batch, rows, token_budget=BUDGET, count=count, common_length=False, device=device)
-
-
-class Loss:
-    """The loss of one micro-batch shard, as phase B's StepPlan will call the pieces; records the
-    completion-view log-probs, <H>_i and loss shares it saw."""
-
-    def __init__(self, batch, case, lp, *, cp_group, scale: float, ref_logp):
-        self.batch, self.spec, self.lp, self.cp_group, self.scale = batch, case["spec"], lp, cp_group, scale
-        self.prepared = algo.prepare_groups(self.spec, token_ids=batch.token_ids, mask=batch.mask,
-                                            rewards=batch.rewards, group_ids=batch.group_ids)
-        self.ref_logp = ref_logp if self.spec.kl_beta > 0 else None
-        self.num_tokens, self.num_seqs = global_normalisers(batch)
-        self.logp = torch.zeros(batch.mask.shape, dtype=torch.float64)
-        self.mean_h = torch.zeros(batch.size, dtype=torch.float64)
-        self.delta = torch.full((batch.size,), -1.0)
-        self.total = torch.zeros((), dtype=torch.float64, device=comm_device())
-        self.magnitude = torch.zeros((), dtype=torch.float64, device=comm_device())
-
-    def __call__(self, shard, logits):
-        rows, width = shard.mb.rows, shard.mb.width
-        prepared, mask = self.prepared.rows(rows, width=width), self.batch.mask[rows, :width]
-        floor = self.spec.entropy_prob_floor if prepared.needs_entropy else 0.0
-        logp, ent = shard_token_stats(self.lp, logits, shard, entropy_prob_floor=floor, inplace_backward=True)
-        held = shard.held
-        if prepared.needs_entropy:
-            h = mean_entropy(ent, held, mask, self.cp_group)
-            prepared = algo.shape_rows(self.spec, prepared, h)
-            self.mean_h[rows], self.delta[rows] = h.double().cpu(), prepared.delta.float().cpu()
-        ref = None if self.ref_logp is None else self.ref_logp[rows, :width]
-        tokens = TokenInputs(logp=logp, mask=mask, ref_logp=ref)
-        loss, _ = shard_loss(self.spec, tokens, prepared, held, num_tokens=self.num_tokens, num_seqs=self.num_seqs)
-        with torch.no_grad():  # the loss's magnitude (|A|: no cancellation), the scale its rounding is judged on
-            size = dataclasses.replace(prepared, advantages=prepared.advantages.abs())
-            self.magnitude -= shard_loss(self.spec, tokens, size, held, num_tokens=self.num_tokens,
-                                         num_seqs=self.num_seqs)[0].double()
-        self.logp[rows.cpu(), :width] = completion_view(logp, held, self.cp_group).double().cpu()
-        self.total += loss.detach().double()
-        return loss * self.scale, {}
-
-
-# ----------------------------------------------------------------------------- reference (CP = 1)
+# ----------------------------------------------------------------------------- reference (one process)
 
 
 def reference(batch) -> dict:
+    """The dense fp64 single-process reference of every case (and the CP=1 logits of each padded
+    micro-batch of MBS rows, for the logits check)."""
     dims = init_distributed(tp=1, pp=1, seed=7)
     torch.manual_seed(0)
-    model = M.build_model(model_config(), dims=dims, dtype=DTYPE)[0]
+    model = M.build_model(K.model_config(), dims=dims, dtype=DTYPE)[0]
     with torch.no_grad():  # sharper distributions: <H>_i spread around the entropy threshold
         model.output_layer.weight.mul_(40.0)
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
-        _, dense_logp, dense_h, _ = C.reference_loss(model, batch, spec=cases(0.7)[0]["spec"], temperature=TEMPERATURE)
-    threshold = float(dense_h.sort().values[batch.size // 2 - 1: batch.size // 2 + 1].mean())
-    ref = {"full": full, "threshold": threshold, "ref_logp": synthetic_ref_logp(batch, dense_logp), "logits": {}}
-    lp = LogprobSettings(tp_group=None, tp_rank=0, vocab_size=C.VOCAB, temperature=TEMPERATURE, chunk_tokens=5)
-    for mb in rank_mbs(batch, slice(0, batch.size), packed=False, multiple=4, dp=1):
+        ids, pos = C.sequence_view(batch)
+        logits = model(ids, pos, M.causal_mask(ids.shape[1]))
+    mean_h, threshold = {}, {}
+    for temperature in (TEMPERATURE, 1.0):
+        _, _, clamped, _, mask = C.dense_token_stats(logits, batch, temperature)
+        mean_h[temperature] = clamped.sum(1) / mask.sum(1)
+        values = mean_h[temperature].sort().values
+        threshold[temperature] = float(values[batch.size // 2 - 1: batch.size // 2 + 1].mean())
+    logp, entropy, _, _, _ = C.dense_token_stats(logits, batch, TEMPERATURE)
+    ref = {"full": full, "threshold": threshold, "logp": logp, "entropy": entropy, "mask": batch.mask,
+           "ref_logp": synthetic_ref_logp(batch, logp).double(), "logits": {}, "cases": {}, "cp1": {}}
+    for mb in micro_batches(batch, slice(0, batch.size), micro_batch_size=MBS, common_length=False,
+                            pad_to_multiple=4):
         with torch.no_grad():
             ref["logits"][tuple(mb.rows.tolist())] = model_input.forward(model, mb)
     for case in cases(threshold):
-        dense, dense_logp, dense_h, _ = C.reference_loss(model, batch, spec=case["spec"], temperature=TEMPERATURE,
-                                                         ref_logp=ref["ref_logp"])
-        for packed in (False, True):
-            model.zero_grad()
-            loss = Loss(batch, case, lp, cp_group=None, scale=1.0, ref_logp=ref["ref_logp"])
-            for mb in rank_mbs(batch, slice(0, batch.size), packed=packed, multiple=4, dp=1):
-                shard = shard_micro_batch(mb, cp=1, rank=0, pad_id=C.PAD)
-                loss(shard, model_input.forward(model, shard.mb))[0].backward()
-            ref[case["name"], packed] = {"loss": float(loss.total), "dense": float(dense), "logp": loss.logp,
-                                         "mean_h": loss.mean_h, "delta": loss.delta,
-                                         "dense_logp": dense_logp, "dense_h": dense_h,
-                                         "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+        h = mean_h[spec_of(case).entropy_temperature(TEMPERATURE)]
+        ref["cases"][case["name"]] = reference_updates(model, full, batch, case, mean_h=h, ref_logp=ref["ref_logp"])
     ps.destroy_model_parallel()
     return ref
 
 
-# ----------------------------------------------------------------------------- checks under CP
-
-
-def check_attention(chunk, dims) -> None:
-    """Stand-in vs Megatron's local attention at CP=1 (padded and packed)."""
-    cfg = get_model_config(chunk)
-    cfg1 = copy.copy(cfg)
-    cfg1.context_parallel_size = 1
-    ref_attn = DotProductAttention(cfg1, 1, AttnMaskType.causal, "self")
-    cp_attn = standin_class()(cfg, 1, AttnMaskType.causal, "self")
-    heads, groups, hn = cfg.num_attention_heads // dims.tp, cfg.num_query_groups // dims.tp, cfg.kv_channels
-    for name, seq, batch_size, cu in (("padded", 16, 2, None), ("packed", 24, 1, torch.tensor([0, 8, 12, 24]))):
-        g = torch.Generator().manual_seed(3 + dims.tp_rank)
-        q, k, v = (torch.randn(seq, batch_size, n, hn, generator=g) for n in (heads, groups, groups))
-        grad_out = torch.randn(seq, batch_size, heads * hn, generator=g)
-        if cu is None:
-            index, mask_ref, mask_cp = load_balanced_index(seq, dims.cp, dims.cp_rank), M.causal_mask(seq), None
-        else:
-            index = thd_partitioned_index(cu, dims.cp, dims.cp_rank)
-            keys = gathered_index([thd_partitioned_index(cu, dims.cp, r) for r in range(dims.cp)])
-            mask_ref, mask_cp = model_input.block_causal_mask(cu, seq), cp_attention_mask(index, keys, cu)
-        full = [t.clone().requires_grad_() for t in (q, k, v)]
-        local = [t[index].clone().requires_grad_() for t in (q, k, v)]
-        out_ref = ref_attn(*full, mask_ref)
-        out_ref.backward(grad_out)
-        out_cp = cp_attn(*local, mask_cp)
-        out_cp.backward(grad_out[index])
-        emit(check="attention", case=name, cp=dims.cp, tp=dims.tp, out_err=rel_err(out_cp, out_ref[index]),
-             grad_err=max(rel_err(a.grad, b.grad[index]) for a, b in zip(local, full)),
-             keys_seen=int((~mask_cp).sum()) if mask_cp is not None else None)
-
-
-def check_logits(chunks, batch, ref, dims, rows) -> None:
-    """Each padded micro-batch's shard logits against the CP=1 logits at its global positions."""
-    worst, vocab = 0.0, None
-    for mb in rank_mbs(batch, rows, packed=False, multiple=4, dp=dims.dp):
-        shard = shard_micro_batch(mb, cp=dims.cp, rank=dims.cp_rank, pad_id=C.PAD)
+def reference_updates(model, full, batch, case, *, mean_h, ref_logp) -> dict:
+    """mu plain-autograd updates of the whole batch with manual SGD (pi_old = the first update's)."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(full[n])
+    spec = spec_of(case)
+    losses, grads, old_logp = [], None, None
+    for update in range(spec.mu):
+        model.zero_grad(set_to_none=True)
+        loss, logp = dense_loss(model, batch, spec, mean_h=mean_h, old_logp=old_logp,
+                                ref_logp=ref_logp if spec.kl_beta > 0 else None)
+        old_logp = logp if spec.mu > 1 and update == 0 else old_logp
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         with torch.no_grad():
-            logits = cp_forward(chunks[0], shard)
-        vocab = logits.shape[-1]
-        want = ref["logits"][tuple(mb.rows.tolist())][:, shard.index, dims.tp_rank * vocab:(dims.tp_rank + 1) * vocab]
-        worst = max(worst, rel_err(logits, want))
-    emit(check="logits", layout=layout_name(dims), logits_err=worst, local_vocab=vocab)
+            for n, p in model.named_parameters():
+                p.sub_(case["opt"]["lr"] * grads[n])
+        losses.append(float(loss))
+    out = {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    if spec.needs_mean_entropy:
+        out.update(mean_h=mean_h, delta=(mean_h <= spec.entropy_threshold).double())
+    return out
 
 
-def layout_name(dims) -> str:
-    return f"tp{dims.tp}_cp{dims.cp}_dp{dims.dp}"
+def dense_loss(model, batch, spec, *, mean_h, old_logp, ref_logp):
+    """The whole batch's loss with plain autograd (dense fp64 log-softmax), the algorithm's pure
+    functions on the completion view: groups, GTPO's shaping with ``mean_h``, the mismatch weights
+    from pi_old (the first update's log-probs), the loss; and the log-probs (detached)."""
+    ids, pos = C.sequence_view(batch)
+    logits = model(ids, pos, M.causal_mask(ids.shape[1]))
+    logp, _, _, tokens, mask = C.dense_token_stats(logits, batch, TEMPERATURE)
+    prepared = algo.prepare_batch(spec, token_ids=tokens, mask=mask, rewards=batch.rewards, group_ids=batch.group_ids,
+                                  mean_entropy=mean_h if spec.needs_mean_entropy else None)
+    pi_old = logp.detach() if old_logp is None else old_logp
+    weights, _ = algo.mismatch_weights(spec, pi_old, batch.sampler_logprobs.double(), mask)
+    loss, _ = algo.compute_loss(spec, algo.TokenInputs(logp=logp, mask=mask, old_logp=old_logp, ref_logp=ref_logp,
+                                                       is_weights=weights), prepared)
+    return loss, logp.detach()
 
 
-def run_step(ddp, optimizer, batch, case, dims, *, packed: bool, ref: dict) -> dict:
-    """One forward/backward of this rank's rows through Megatron's schedule, DDP over DP x CP."""
-    rows = local_rows(batch.size, dp=dims.dp, dp_rank=dims.dp_rank, micro_batch_size=1 if packed else MBS)
-    mbs = rank_mbs(batch, rows, packed=packed, multiple=M.sequence_multiple(get_model_config(ddp[0])), dp=dims.dp)
-    shards = [shard_micro_batch(mb, cp=dims.cp, rank=dims.cp_rank, pad_id=C.PAD) for mb in mbs]
-    cp_group, dp_cp_group = cp_groups()
-    lp = LogprobSettings(tp_group=ps.get_tensor_model_parallel_group(), tp_rank=dims.tp_rank, vocab_size=C.VOCAB,
-                         temperature=TEMPERATURE, chunk_tokens=5)
-    scale = megatron_loss_scale(num_microbatches=len(mbs), dp_size=dims.dp, cp_size=dims.cp)
-    loss = Loss(batch, case, lp, cp_group=cp_group, scale=scale, ref_logp=ref["ref_logp"])
+# ----------------------------------------------------------------------------- the real train step
+
+
+def settings_of(spec, ddp, *, packed: bool) -> S.StepSettings:
+    """The learner's step settings (its padding multiple from the model's config: 2 x cp)."""
+    return S.StepSettings(spec=spec, micro_batch_size=MBS, temperature=TEMPERATURE, chunk_tokens=5,
+                          micro_batch_tokens=BUDGET if packed else 0,
+                          pad_to_multiple=M.sequence_multiple(get_model_config(ddp[0])))
+
+
+def capture_pi_old() -> dict:
+    """Wraps ``step.finish`` (train_step's last call) to keep the step's completed pi_old record."""
+    original, seen = S.finish, {}
+
+    def finish(plan, pi_old, updates, observer):
+        seen["pi_old"], seen["plan"] = pi_old, plan
+        return original(plan, pi_old, updates, observer)
+
+    S.finish = finish
+    return seen
+
+
+def run_step(ddp, batch, case, dims, ref: dict, *, packed: bool, seen: dict) -> tuple[dict, dict, dict]:
+    """One train_step from the reference weights: its errors against the dense reference and (CP
+    layouts) against the CP=1 layout's step, its metrics, and what it left (the CP=1 reference)."""
+    spec = spec_of(case)
     C.load_full(ddp, ref["full"], tied=False, tp=dims.tp, tp_rank=dims.tp_rank)
-    zero_grads(ddp, optimizer)
+    optimizer, scheduler = build_optimizer(ddp, OptimConfig(optimizer=case["opt"]), total_steps=4)
+    settings = settings_of(spec, ddp, packed=packed)
+    rows, _ = S.rank_micro_batches(batch, settings, dims)
+    metrics = S.train_step(SimpleNamespace(chunks=ddp, optimizer=optimizer, scheduler=scheduler), batch, settings,
+                           dims, ref_logp=ref["ref_logp"][rows] if spec.kl_beta > 0 else None)
+    got = {"loss": metrics["loss"], "params": {g: p.detach().clone() for g, _, p in C.named_local_params(ddp, tied=False)},
+           "grads": {g: p.main_grad.detach().clone() for g, _, p in C.named_local_params(ddp, tied=False)}}
+    if spec.needs_mean_entropy and dims.is_last_stage:
+        host = seen["pi_old"].host_prepared
+        got.update(mean_h=host.mean_entropy.double(), delta=host.delta.double())
+    dense = ref["cases"][case["name"]]
+    out = {"nonfinite": sorted(k for k, v in metrics.items() if not math.isfinite(v)),
+           "metrics_digest": hashlib.sha256(repr(sorted(metrics.items())).encode()).hexdigest()[:16],
+           **errors(got, {**dense, "loss": sum(dense["losses"]) / len(dense["losses"])}, ddp, ref["full"], dims, spec)}
+    if dims.cp > 1:
+        cp1 = errors(got, ref["cp1"][case["name"], packed], ddp, ref["full"], dims, spec)
+        out.update({f"{name}_cp1": value for name, value in cp1.items()})
+    if "delta" in got:
+        out.update(filtered=int((got["delta"] == 0).sum()), kept=int((got["delta"] == 1).sum()))
+        if case["name"] == "gtpo" and dims.cp > 1:
+            out["split"] = K.split_report(lambda r: S.rank_micro_batches(
+                batch, settings, dataclasses.replace(dims, cp_rank=r))[1], seen["plan"].host_prepared, batch.mask,
+                dims.cp)
+    return out, metrics, got
 
-    def forward_step(data_iterator, model):
-        shard = next(data_iterator)
-        return cp_forward(model, shard), lambda logits: loss(shard, logits)
 
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=[iter(shards)], model=ddp,
-                                num_microbatches=len(shards), seq_length=shards[0].seq_len,
-                                micro_batch_size=shards[0].input_ids.shape[0], forward_only=False)
-    total = torch.stack([loss.total, loss.magnitude])
-    dist.all_reduce(total, group=dp_cp_group)
-    owned = torch.zeros(batch.size, dtype=torch.bool)
-    owned[rows] = True
-    return {"loss": float(total[0]), "magnitude": float(total[1]), "logp": loss.logp, "mean_h": loss.mean_h,
-            "delta": loss.delta, "owned": owned,
-            "grads": {g: p.main_grad.detach().clone() for g, _, p in C.named_local_params(ddp, tied=False)},
-            "split": split_report(mbs, loss.prepared, batch.mask, dims.cp)}
+def errors(got: dict, want: dict, ddp, full: dict, dims, spec) -> dict:
+    """The step's errors against ``want`` (the dense reference, or the CP=1 step): loss, gradients
+    (mu = 1), the parameter change over the step (norm-wise, this rank's TP slices of the TP1
+    tensors), GTPO's <H>_i and filter decisions."""
+    out = {"loss_err": abs(got["loss"] - want["loss"]) / max(abs(want["loss"]), 1.0)}
+    g_diff = g_norm = u_diff = u_norm = 0.0
+    for gname, name, param in C.named_local_params(ddp, tied=False):
+        piece = dict(tp=dims.tp, tp_rank=dims.tp_rank)
+        start = C.local_piece(full[gname], name, param, **piece).double()
+        change, change_ref = start - got["params"][gname].double(), start - C.local_piece(
+            want["params"][gname], name, param, **piece).double()
+        u_diff, u_norm = u_diff + float(((change - change_ref) ** 2).sum()), u_norm + float((change_ref ** 2).sum())
+        grad_ref = C.local_piece(want["grads"][gname], name, param, **piece).double()
+        g_diff += float(((got["grads"][gname].double() - grad_ref) ** 2).sum())
+        g_norm += float((grad_ref ** 2).sum())
+    out["update_err"] = (u_diff / max(u_norm, 1e-300)) ** 0.5
+    if spec.mu == 1:
+        out["grad_err"] = (g_diff / max(g_norm, 1e-300)) ** 0.5
+    if "mean_h" in got:
+        out.update(mean_h_err=rel_err(got["mean_h"], want["mean_h"]),
+                   delta_equal=bool(torch.equal(got["delta"], want["delta"].double())))
+    return out
 
 
-def split_report(mbs, prepared, mask, cp: int) -> dict:
-    """Where GTPO's conflict tokens and the completions' last tokens fall over the CP ranks (from
-    every rank's held map, pure functions of the micro-batch): rows whose conflict tokens span two
-    ranks, rows with a conflict token on another rank than the completion's end, and whether the
-    held maps partition every completion exactly."""
-    spans = other_end = rows_with_conflicts = 0
-    exact = True
-    for mb in mbs:
-        held = torch.stack([shard_micro_batch(mb, cp=cp, rank=r, pad_id=C.PAD).held.cpu() for r in range(cp)])
-        m = mask[mb.rows.cpu(), :mb.width]
-        exact &= bool((held.sum(0) == m.long()).all())
-        owner = held.long().argmax(0)  # [mb, width]: the rank holding each token
-        if prepared.token_weights is None:
+def check_forward_stats(ddp, batch, ref: dict, dims) -> None:
+    """The learner's no-grad forward (reference-model log-probs) on this rank's shares: whole
+    completions' log-probs and exact entropies on every CP rank, padded and packed."""
+    spec = AlgoConfig().resolve(max_completion_tokens=16)
+    for packed in (False, True):
+        settings = settings_of(spec, ddp, packed=packed)
+        rows, mbs = S.rank_micro_batches(batch, settings, dims)
+        stats = S.forward_stats(ddp, batch, mbs, S.logprob_settings(settings, dims, S.process_groups(), ddp))
+        if stats is None:
             continue
-        conflict = (prepared.token_weights[mb.rows.cpu(), :mb.width] != 1) & m
-        for b in range(len(mb.rows)):
-            if not bool(conflict[b].any()):
-                continue
-            rows_with_conflicts += 1
-            owners = set(owner[b][conflict[b]].tolist())
-            end = int(owner[b, int(m[b].sum()) - 1])
-            spans += len(owners) > 1
-            other_end += bool(owners - {end})
-    return {"exact_partition": exact, "rows_with_conflicts": rows_with_conflicts, "conflicts_span_ranks": spans,
-            "conflict_off_end_rank": other_end}
+        mask, zero = ref["mask"][rows], torch.zeros((), dtype=torch.float64)
+        emit(check="forward_stats", layout=K.layout_name(dims), packed=packed,
+             logp_err=rel_err(torch.where(mask, stats.logp.double().cpu(), zero), ref["logp"][rows]),
+             entropy_err=rel_err(torch.where(mask, stats.entropy.double().cpu(), zero), ref["entropy"][rows]))
 
 
-def compare(got: dict, want: dict, chunks, dims) -> dict:
-    """Errors of a CP step against the one-process CP=1 run (rows this DP rank owns; gradients:
-    this rank's TP slices of the TP1 ones)."""
-    rows = got["owned"]
-    diff = norm = 0.0
-    for gname, name, param in C.named_local_params(chunks, tied=False):
-        ref_grad = C.local_piece(want["grads"][gname], name, param, tp=dims.tp, tp_rank=dims.tp_rank)
-        diff += float(((got["grads"][gname].double().cpu() - ref_grad.double().cpu()) ** 2).sum())
-        norm += float((ref_grad.double() ** 2).sum())
-    delta = got["delta"][rows]
-    return {"loss": got["loss"], "loss_ref": want["loss"], "magnitude": got["magnitude"],
-            "grad_err": (diff / max(norm, 1e-30)) ** 0.5,
-            "logp_err": rel_err(got["logp"][rows], want["logp"][rows]),
-            "mean_h_err": rel_err(got["mean_h"][rows], want["mean_h"][rows]) if bool((delta >= 0).any()) else 0.0,
-            "delta_equal": bool((delta == want["delta"][rows]).all()), "filtered": int((delta == 0).sum()),
-            "kept": int((delta == 1).sum())}
-
-
-def layout_phase(batch, ref: dict, tp: int, cp: int) -> None:
-    """Every check of one TP x CP (x DP) layout against the CP=1 run of the whole batch."""
-    dims = init_distributed(tp=tp, cp=cp, seed=7)
-    chunks = M.build_model(model_config(), dims=dims, dtype=DTYPE)
-    check_attention(chunks[0], dims)
+def layout_phase(batch, ref: dict, tp: int, cp: int, pp: int, seen: dict) -> None:
+    """Every check of one TP x CP x PP (x DP) layout against the one-process reference."""
+    dims = init_distributed(tp=tp, cp=cp, pp=pp, seed=7)
+    chunks = M.build_model(K.model_config(), dims=dims, dtype=DTYPE)
     ddp = wrap_ddp(chunks, OptimConfig(ddp={"grad_reduce_in_fp32": False}))  # fp64 gradients
-    sgd = {"optimizer": "sgd", "lr": 0.0, "sgd_momentum": 0.0, "weight_decay": 0.0, "clip_grad": 0.0}
-    optimizer, _ = build_optimizer(ddp, OptimConfig(optimizer=sgd), total_steps=1)
-    # Megatron's DDP scales gradients by 1 / |DP x CP| (megatron_loss_scale relies on it)
-    emit(check="ddp", layout=layout_name(dims), scaling=[b.gradient_scaling_factor for b in ddp[0].buffers],
-         dp_cp=dims.dp * dims.cp, dp_cp_group=ps.get_data_parallel_world_size(with_context_parallel=True))
     C.load_full(ddp, ref["full"], tied=False, tp=tp, tp_rank=dims.tp_rank)
-    check_logits(ddp, batch, ref, dims, local_rows(batch.size, dp=dims.dp, dp_rank=dims.dp_rank, micro_batch_size=MBS))
-    # GRPO's KL term is per token and TP-independent: checked in the TP=1 layout only (time budget)
-    for case in [c for c in cases(ref["threshold"]) if tp == 1 or c["name"] != "grpo_kl"]:
+    if cp > 1 and pp == 1:
+        K.check_attention(chunks[0], dims)
+        rows = slice(dims.dp_rank * batch.size // dims.dp, (dims.dp_rank + 1) * batch.size // dims.dp)
+        K.check_logits(ddp, micro_batches(batch, rows, micro_batch_size=MBS, common_length=False,
+                                          pad_to_multiple=2 * cp), ref["logits"], dims)
+    if cp > 1:
+        K.check_ddp_scaling(ddp, dims)
+        K.check_one_sender(ddp, dims)
+    check_forward_stats(ddp, batch, ref, dims)
+    names = LAYOUT_CASES.get((tp, cp, pp), [c["name"] for c in cases(ref["threshold"])])
+    for case in [c for c in cases(ref["threshold"]) if c["name"] in names]:
         for packed in (False, True):
-            got = run_step(ddp, optimizer, batch, case, dims, packed=packed, ref=ref)
-            emit(check="step", layout=layout_name(dims), case=case["name"], packed=packed, split=got["split"],
-                 **compare(got, ref[case["name"], packed], ddp, dims))
+            out, metrics, got = run_step(ddp, batch, case, dims, ref, packed=packed, seen=seen)
+            if cp == 1:  # the CP=1 step: what the CP layouts must equal (every rank holds all of it at TP=PP=1)
+                ref["cp1"][case["name"], packed] = got
+            emit(check="step", layout=K.layout_name(dims), case=case["name"], packed=packed, **out)
+            agreed = control.all_gather_object(out["metrics_digest"])
+            if dims.rank == 0:
+                emit(check="metrics", layout=K.layout_name(dims), case=case["name"], packed=packed, metrics=metrics,
+                     same_on_every_rank=len(set(agreed)) == 1)
     ps.destroy_model_parallel()
+
+
+LAYOUT_CASES = {(2, 2, 1): ["gtpo", "gtpo_raw_mu2", "dapo"], (1, 2, 2): ["gtpo", "gtpo_raw_mu2", "dapo"]}
+"""GRPO's KL term is per token, TP- and PP-independent: checked in the CP x DP layout and at CP=1."""
 
 
 def main() -> None:
     layouts, batch = C.start_layouts()
     ref = reference(batch)
-    for case in cases(ref["threshold"]):
-        for packed in (False, True):
-            r = ref[case["name"], packed]
-            emit(check="reference", case=case["name"], packed=packed, loss=r["loss"], dense=r["dense"],
-                 logp_err=rel_err(r["logp"], r["dense_logp"]), mean_h_err=rel_err(r["mean_h"], r["dense_h"])
-                 if case["spec"].needs_mean_entropy else 0.0)
+    seen = capture_pi_old()
     for item in layouts:
-        tp, cp = (int(x) for x in item.split(","))
-        layout_phase(batch, ref, tp, cp)
+        tp, cp, pp = (int(x) for x in item.split(","))
+        layout_phase(batch, ref, tp, cp, pp, seen)
 
 
 if __name__ == "__main__":

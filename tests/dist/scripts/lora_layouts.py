@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
 from megatron_gtpo.convert import mapping as mp
+from megatron_gtpo.models.families import FAMILIES
 from megatron_gtpo.parallel.collectives import comm_device
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import lora_layers as L
@@ -155,7 +156,7 @@ def check_placement(chunks, ref, dims, layout) -> None:
     merged_err, merged_count = 0.0, 0
     for name, shard in L.merged_weights(chunks):
         local = name.split(".", 3)[3]
-        pm = next(p for p in mp.layer_maps("qwen2") if p.local == local)
+        pm = next(p for p in mp.layer_maps(FAMILIES["qwen2"]) if p.local == local)
         merged_err = max(merged_err, err(shard, mp.tp_shard(pm, ref.merged[name], tp=dims.tp, rank=dims.tp_rank)))
         merged_count += 1
     emit(check="lora_init", layout=layout, err=init_err)
