@@ -110,15 +110,26 @@ def ensure_tiny_char(cache_dir: str | os.PathLike | None = None, *, seed: int = 
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     key = cache_key(CHAR_CONFIG, f"char {CHAR_SPECIALS} {CHAR_TEMPLATE}", seed)
     out = root / f"tiny-qwen2-char-{key}"
+    return _char_model(out, "Qwen2", CHAR_CONFIG, seed=seed)
+
+
+def _char_model(out: Path, arch: str, fields: dict, *, seed: int, routers_std: float | None = None) -> Path:
+    """``out`` (cached): a random ``{arch}ForCausalLM`` of ``fields`` in fp32 with the character
+    tokenizer; ``routers_std``: the MoE routers (``mlp.gate.weight``) drawn with this spread."""
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.Qwen2Config(**CHAR_CONFIG)
-    config.architectures = ["Qwen2ForCausalLM"]
-    model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
+    config = getattr(transformers, f"{arch}Config")(**fields)
+    config.architectures = [f"{arch}ForCausalLM"]
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).to(torch.float32)
+    if routers_std is not None:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    param.normal_(0.0, routers_std)
     with atomic_directory(out, replace=False) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         _char_tokenizer().save_pretrained(tmp)
@@ -140,20 +151,4 @@ def ensure_tiny_moe_char(cache_dir: str | os.PathLike | None = None, *, seed: in
     clear rather than a near tie of four equal experts."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     out = root / f"tiny-qwen3moe-char-seed{seed}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.Qwen3MoeConfig(**TINY_MOE_CONFIG)
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.3)
-    with atomic_directory(out, replace=False) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        _char_tokenizer().save_pretrained(tmp)
-    return out
+    return _char_model(out, "Qwen3Moe", TINY_MOE_CONFIG, seed=seed, routers_std=0.3)

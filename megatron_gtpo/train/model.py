@@ -127,7 +127,7 @@ def moe_settings(hf_config: dict, family: Family, *, ep: int, etp: int) -> dict:
     experts are split ``ep`` x ``etp`` ways, tokens move with the alltoall dispatcher (the one that
     scales with EP), and no auxiliary loss is added by default (``moe_aux_loss_coeff`` 0, no
     z-loss): RL fine-tunes a pretrained router whose balance the policy gradient should not trade
-    against (docs/moe.md says why); both pass through ``model.megatron`` (``moe_aux_loss_coeff``,
+    against (README, Mixture of experts); both pass through ``model.megatron`` (``moe_aux_loss_coeff``,
     ``moe_z_loss_coeff``)."""
     layout = family.experts
     if layout is None:
