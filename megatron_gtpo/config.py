@@ -23,6 +23,7 @@ from megatron_gtpo.parallel.dims import ParallelConfig
 from megatron_gtpo.parallel.layout import batch_split_problem
 from megatron_gtpo.reward.config import RewardConfig
 from megatron_gtpo.rollout.config import RolloutConfig
+from megatron_gtpo.rollout.routing import replay_problem
 from megatron_gtpo.rollout.staleness import staleness_problem
 from megatron_gtpo.sync.config import SyncConfig
 from megatron_gtpo.tracking import TrackingConfig
@@ -69,6 +70,9 @@ class RunConfig:
             raise ConfigError(f"algo.overlong_buffer_len={spec.overlong_buffer_len} is not allowed: expected "
                               f"<= rollout.max_tokens ({self.rollout.max_tokens}), the L_max of DAPO's punishment")
         if problem := staleness_problem(self.rollout.staleness, self.algo.mismatch_correction):
+            raise ConfigError(problem)
+        if self.model.moe_routing_replay == "rollout" and (
+                problem := replay_problem(transport=self.sync.transport, vllm=self.rollout.vllm)):
             raise ConfigError(problem)
         if self.rollout.n < 2:
             raise ConfigError(f"rollout.n={self.rollout.n} is not allowed: group-relative advantages need >= 2 "

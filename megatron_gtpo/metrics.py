@@ -8,6 +8,8 @@ check that everything a run logs is listed here.
 
 from __future__ import annotations
 
+import re
+
 ROWS: list[tuple[tuple[str, ...], str]] = [
     (("reward/mean", "reward/std", "reward/accuracy"),
      "reward of the step's completions; share judged correct"),
@@ -63,6 +65,14 @@ ROWS: list[tuple[tuple[str, ...], str]] = [
     (("bias/adam_step_ratio", "bias/adam_step_ratio_momentum"),
      "D4 (mu > 1): Adam update norm of the last inner update over the first's, and Adam's momentum-only "
      "prediction C_{T,k} (about (beta1/sqrt(beta2))^(k+1)); near the prediction = momentum-driven updates"),
+    (("moe/expert_load/L<i>", "moe/expert_load_max", "moe/expert_load_mean"),
+     "mixture of experts, first update: tokens of the busiest expert over the mean per expert, for MoE layer i "
+     "(1.0 = perfectly balanced, num_experts = every token on one expert), the worst and the mean layer"),
+    (("moe/dropped_frac",), "share of token-to-expert assignments dropped by an expert capacity (0 when dropless)"),
+    (("moe/router_entropy",), "mean entropy (nats) of the router's softmax over all experts, per token and MoE layer"),
+    (("moe/routing_agreement",),
+     "share of (completion token, MoE layer) pairs whose experts in the trainer's forward equal the rollout "
+     "engine's (1.0 with `model.moe_routing_replay: rollout`; logged when the engines return their routing)"),
     (("sync/seconds", "sync/gb_per_s", "sync/gigabytes", "sync/version"), "weight push into the engines"),
     (("time/rollout_s", "time/reward_s", "time/train_s", "time/sync_s", "time/step_s"),
      "wall time per stage and per step"),
@@ -74,7 +84,9 @@ ROWS: list[tuple[tuple[str, ...], str]] = [
 """Rows of the README table: the names of one row are logged together."""
 
 METRICS: dict[str, str] = {name: meaning for names, meaning in ROWS for name in names}
-"""Metric name -> meaning."""
+"""Metric name -> meaning. A name with ``<i>`` stands for one metric per index (``moe/expert_load/L0``, ...)."""
+
+_INDEXED = [re.compile(re.escape(name).replace("<i>", r"\d+") + "$") for name in METRICS if "<i>" in name]
 
 
 def markdown_table() -> str:
@@ -86,7 +98,7 @@ def markdown_table() -> str:
 
 def unknown(names) -> list[str]:
     """The names in ``names`` that this list does not document."""
-    return sorted(set(names) - set(METRICS))
+    return sorted(n for n in set(names) - set(METRICS) if not any(p.match(n) for p in _INDEXED))
 
 
 if __name__ == "__main__":

@@ -140,7 +140,8 @@ def build(cfg, *, resume: bool | str) -> Parts:
     policy, engines, data, reward, tracking; then pushes the (restored) weights into the engines."""
     preempt = PreemptionFlag()  # first: a preemption signal during start-up must not kill the job
     dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, cp=cfg.parallel.cp,
-                            seed=cfg.train.seed, timeout_s=cfg.parallel.timeout_s)
+                            seed=cfg.train.seed, timeout_s=cfg.parallel.timeout_s, ep=cfg.parallel.ep,
+                            etp=cfg.parallel.etp)
     setup_logging(dims.rank)
     point = prepare_resume(cfg.output_dir, resume)  # before the expensive parts: a bad resume fails in seconds
     base = lora_start(cfg.model, point and point.path)  # LoRA: rank fits, base hashed, a resume's adapters match it

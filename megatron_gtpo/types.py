@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -50,6 +51,10 @@ class Completion:
     """True when generation hit max_tokens without stopping."""
     weight_version: int = 0
     """Version of the policy weights that produced this completion (see sync/)."""
+    routed_experts: np.ndarray | None = None  # [len(prompt) + len(completion) - 1, moe layers, top_k] int16
+    """Mixture-of-experts engines asked for routing (``model.moe_routing_replay: rollout``): the
+    experts the engine routed each fed token to, prompt then completion (the last sampled token is
+    never fed); None otherwise."""
 
 
 @dataclass(kw_only=True)
@@ -108,6 +113,9 @@ class Batch:
     group_ids: torch.Tensor  # [B] long: which prompt each row came from
     pad_id: int = 0
     """Token id used for padding."""
+    routed_experts: torch.Tensor | None = None  # [B, S, moe layers, top_k] int16, sequence view, -1: not fed
+    """The engine's routed experts of every fed token (prompt then completion; ``train/routing.py``),
+    or None (dense policy, or an engine that returned none)."""
 
     @property
     def lengths(self) -> torch.Tensor:  # [B] long

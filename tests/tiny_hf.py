@@ -4,7 +4,9 @@ Shapes are chosen to exercise every mapping path: GQA (4 query heads, 2 KV group
 ``head_dim`` different from hidden/heads, Qwen2 q/k/v biases, a tied-embedding Llama with
 non-default llama3 RoPE scaling (the path Megatron does not cover natively), Phi-3's fused
 ``qkv_proj`` / ``gate_up_proj`` with RoPE on half of each head (``partial_rotary_factor``), and 4
-layers so PP=2 x VPP=2 has one layer per virtual stage. The vocabulary (257, prime) divides no TP size, so
+layers so PP=2 x VPP=2 has one layer per virtual stage. The mixtures of experts (Qwen3-MoE with
+renormalised top-k, Qwen2-MoE without and with its gated shared expert, Mixtral's w1/w3/w2 names)
+have 4 experts of width 32, top-2, so EP=2 gives each rank 2 experts and ETP=2 halves each. The vocabulary (257, prime) divides no TP size, so
 every conversion and load pads it (Megatron-LM's make_vocab_size_divisible_by, 128 x TP rows) and
 every export strips the padding again. RoPE uses a non-default theta (12345), so a converter
 that dropped it (Megatron's default is 10000) fails the logits parity checks.
@@ -14,7 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3") + MOE_FAMILIES
 
 VOCAB_SIZE = 257
 ROPE_THETA = 12345.0
@@ -22,6 +25,7 @@ ROPE_THETA = 12345.0
 _BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=256, rms_norm_eps=1e-5)
 _ROPE = {"rope_type": "default", "rope_theta": ROPE_THETA}
+_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 def tiny_hf_config(family: str) -> dict:
@@ -38,6 +42,15 @@ def tiny_hf_config(family: str) -> dict:
         cfg = transformers.Qwen3Config(**_BASE, head_dim=32, tie_word_embeddings=False, rope_parameters=dict(_ROPE))
     elif family == "mistral":
         cfg = transformers.MistralConfig(**_BASE, head_dim=16, tie_word_embeddings=False, rope_parameters=dict(_ROPE))
+    elif family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**_BASE, **_EXPERTS, head_dim=32, norm_topk_prob=True, tie_word_embeddings=False,
+                                          rope_parameters=dict(_ROPE))
+    elif family == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(**_BASE, **_EXPERTS, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                          tie_word_embeddings=False, rope_parameters=dict(_ROPE))
+    elif family == "mixtral":
+        cfg = transformers.MixtralConfig(**{**_BASE, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
+                                         tie_word_embeddings=False, rope_parameters=dict(_ROPE))
     elif family == "phi3":
         cfg = transformers.Phi3Config(**_BASE, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                                       rope_parameters={**_ROPE, "partial_rotary_factor": 0.5})
@@ -59,6 +72,8 @@ def make_tiny_hf_model(family: str, seed: int = 0):
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # routers: clear top-k margins
+                param.normal_(0.0, 0.3)
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
     return model

@@ -3,6 +3,7 @@
 Examples::
 
     tools/convert_hf_checkpoint --to megatron --input HF_DIR --output MCORE_DIR --tp 2 --pp 2
+    tools/convert_hf_checkpoint --to megatron --input QWEN3_MOE_DIR --output MCORE_DIR --tp 2 --ep 8
     tools/convert_hf_checkpoint --to hf --input MCORE_DIR --output HF_DIR
     tools/convert_hf_checkpoint --to hf --input runs/x/checkpoints/step_00000100 \\
         --hf-config MCORE_DIR --output HF_DIR          # a training checkpoint (model weights only)
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(validated; Megatron reshards at load, so any layout can load it)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (validated, recorded)")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per PP rank (validated)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of a mixture of experts (validated "
+                        "against the expert count and recorded; experts are streamed one at a time and the "
+                        "checkpoint loads at any EP)")
+    parser.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size (validated, recorded)")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=VOCAB_DIVISIBLE_BY, metavar="N",
                         help="--to megatron: pad the vocabulary (embedding, output layer) with zero rows to a "
                         "multiple of N x --tp, as Megatron-LM does (default %(default)s); --to hf strips the padding")
@@ -74,7 +79,7 @@ def _umask() -> int:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("tp", "pp"):
+    for name in ("tp", "pp", "ep", "etp"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name}={getattr(args, name)} must be >= 1")
     if args.vpp is not None and args.vpp < 1:
@@ -101,7 +106,8 @@ def _convert(args: argparse.Namespace, tmp: Path) -> int:
         raise ConfigError(f"--base applies to LoRA checkpoints only; {args.input} is not one")
     if args.to == "megatron":
         return hf_to_megatron(args.input, tmp, tp=args.tp, pp=args.pp, vpp=args.vpp,
-                              vocab_divisible_by=args.make_vocab_size_divisible_by)["bytes"]
+                              vocab_divisible_by=args.make_vocab_size_divisible_by,
+                              experts=(args.ep, args.etp))["bytes"]
     return megatron_to_hf(args.input, tmp, config_dir=args.hf_config or args.input,
                           shard_bytes=int(args.max_shard_mb * 2**20))
 

@@ -26,8 +26,8 @@ from megatron_gtpo.models.resolve import resolve_model
 from megatron_gtpo.models.shape import ModelShape, load_model_shape
 from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
 from megatron_gtpo.plan.layout import Layout, LayoutError, LayoutRequest, plan_layout
-from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, in_flight, \
-    micro_batch_dims, optimizer_bytes_per_param, push_bytes
+from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, \
+    expert_data_parallel, in_flight, micro_batch_dims, optimizer_bytes_per_param, push_bytes
 from megatron_gtpo.plan.recipe import recipe_request
 from megatron_gtpo.utils.configuration import ConfigError
 
@@ -109,8 +109,10 @@ def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (),
 
 
 def _model_line(shape: ModelShape) -> str:
+    experts = (f", {shape.experts} experts x {shape.expert_ffn} (top-{shape.top_k}"
+               + (f", shared expert {shape.shared_ffn})" if shape.shared_ffn else ")")) if shape.is_moe else ""
     return (f"model    {shape.name} ({shape.family}): {shape.layers} layers, hidden {shape.hidden}, "
-            f"{shape.heads} heads / {shape.kv_heads} KV heads x {shape.head_dim}, vocab {shape.vocab}, "
+            f"{shape.heads} heads / {shape.kv_heads} KV heads x {shape.head_dim}, vocab {shape.vocab}{experts}, "
             f"{shape.params_total() / 1e9:.2f} B parameters")
 
 
@@ -127,9 +129,11 @@ def _layout_lines(lay: Layout, sizes: MemorySizes) -> list[str]:
     else:
         rollout = (f"separate: {lay.engines} rollout server(s) x TP={lay.rollout_tp}, one per rollout node "
                    f"({lay.rollout_nodes} node(s) of their own)")
+    experts = (f"; experts EP={lay.ep} x ETP={lay.etp} (from the TP x DP ranks of a stage)"
+               if lay.ep > 1 or lay.etp > 1 else "")
     return [
         f"trainer  TP={lay.tp}{cp} x PP={lay.pp}{vpp} x DP={lay.dp} = {lay.world} ranks on {lay.trainer_nodes} "
-        f"node(s); {stage}",
+        f"node(s); {stage}{experts}",
         f"rollout  {rollout}; {lay.sequences_per_engine} sequences per engine per step",
         f"batch    {lay.sequences} sequences per step; {lay.sequences // lay.dp} per DP rank " + (
             f"packed into micro-batches of <= {sizes.micro_batch_tokens} tokens (rows up to {lay.seq_len})"
@@ -185,12 +189,15 @@ def _memory_lines(mem: MemoryEstimate, lay: Layout, sizes: MemorySizes) -> list[
         else "not sharded"
     lora = sizes.lora is not None
     sharded += "; LoRA adapters only" if lora else ""
+    if sizes.distributed_optimizer and mem.expert_weights:
+        sharded += f" (experts over their {expert_data_parallel(lay)} expert-DP rank(s))"
+    experts = f"{mem.expert_weights / GIB:.1f} GiB of it this EP rank's experts" if mem.expert_weights else ""
     util = (f"gpu_memory_utilization={mem.gpu_memory_utilization} "
             f"({'set by the recipe' if not mem.planned else 'planned: what the rollout phase leaves' if mem.colocated else 'planned: a rollout node holds nothing else'})")
     held = "one decoder layer in vLLM's reload" if mem.colocated else f"one bucket of {sizes.bucket_bytes >> 20} MiB"
     rows = [
         (f"weights ({_dtype(sizes.param_bytes)})", mem.weights,
-         f"frozen base + {mem.adapters / GIB:.2f} GiB of LoRA adapters" if lora else ""),
+         f"frozen base + {mem.adapters / GIB:.2f} GiB of LoRA adapters" if lora else experts),
         (f"gradients ({_dtype(sizes.grad_bytes)})", mem.grads, "LoRA adapters only" if lora else ""),
         (f"optimizer ({sizes.optimizer}, {opt_bytes} B/param)", mem.optimizer, sharded),
         ("reference model (KL term)", mem.reference, "" if mem.reference else

@@ -4,7 +4,9 @@ Each rank reads only the HF tensors its own parameters are made of, fuses them (
 into the global Megatron layout (the vocabulary padded with zero rows to the model's padded
 size), slices its TP shard and copies it in; no communication and about one fused tensor of
 extra memory. A tied lm_head on the last stage (PP > 1) receives the
-embedding, as Megatron's own initialisation would have copied it.
+embedding, as Megatron's own initialisation would have copied it. Routed experts: a rank reads only
+the experts its expert-parallel rank holds (local expert l of EP rank r is global expert
+r * E/ep + l), cut for its expert-TP rank, so no rank ever reads all experts.
 """
 
 from __future__ import annotations
@@ -33,14 +35,16 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], *, hf_dir: str | Path, 
         model = unwrap(chunk)
         offset = layer_offset(model)
         for name, param in model.named_parameters():
-            pm, local_layer = mp.find_param_map(name, family, tied=tied)
+            pm, local_layer, local_expert = mp.find_param_map(name, family, tied=tied)
             layer = None if local_layer is None else offset + local_layer
-            sources = mp.hf_names(pm, layer)
+            expert = None if local_expert is None else mp.global_expert(local_expert, experts=shapes.experts, ep=dims.ep, ep_rank=dims.ep_rank)
+            sources = mp.hf_names(pm, layer, expert)
             if tied and pm.local == "output_layer.weight":
                 sources = ("model.embed_tokens.weight",)
             full = mp.fuse(pm, [reader.get(n) for n in sources], shapes)
             full = mp.pad_vocab(pm, full, param.shape[0] * dims.tp)  # no-op unless a vocabulary tensor
-            shard = mp.tp_shard(pm, full, tp=dims.tp, rank=dims.tp_rank)
+            tp, rank = (dims.etp, dims.etp_rank) if pm.is_expert else (dims.tp, dims.tp_rank)
+            shard = mp.tp_shard(pm, full, tp=tp, rank=rank)
             if shard.shape != param.shape:
                 raise ValueError(f"{name}: HF gives shard {tuple(shard.shape)}, parameter is {tuple(param.shape)}")
             with torch.no_grad():

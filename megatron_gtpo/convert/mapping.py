@@ -15,6 +15,13 @@ Three layouts appear:
 * **TP shard r**: ``linear_qkv`` rows of groups ``r*G/tp .. (r+1)*G/tp``; ``linear_fc1`` =
   ``[gate rows of r ; up rows of r]``; column-parallel = dim-0 chunk, row-parallel = dim-1 chunk.
 
+Experts (mixture-of-experts families, ``Family.experts``): each expert's fc1 ([gate ; up], kind
+``expert_fc1``) and fc2 (``expert_row``) is addressed by (layer, global expert index) as a layer's
+parameters are addressed by layer; its HF names carry the expert index (``{e}``). They are split
+over expert-parallel ranks by expert index (rank r holds experts r*E/ep .. (r+1)*E/ep - 1) and over
+expert-TP like their dense counterparts (fc1 by gate/up rows, fc2 by columns). The router is
+replicated; a shared expert is a dense MLP (fc1 / row kinds) with a replicated gate.
+
 Vocabulary (``vocab`` kind) tensors have ``vocab_size`` rows in HF and the padded row count
 (``train.model.padded_vocab_size``) in Megatron: ``pad_vocab`` appends zero rows, ``strip_vocab``
 drops the padding again; both leave other kinds untouched.
@@ -23,15 +30,19 @@ drops the padding again; both leave other kinds untouched.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import torch
 
-from megatron_gtpo.models.families import FAMILIES, Family
+from megatron_gtpo.models.families import FAMILIES, Family, family_of
 from megatron_gtpo.models.hf_config import head_dim_of, num_kv_heads_of
 
 # Kinds of Megatron parameters, i.e. how they are fused and split across TP ranks.
 QKV, FC1, COLUMN, ROW, VOCAB, REPLICATED = "qkv", "fc1", "column", "row", "vocab", "replicated"
+EXPERT_FC1, EXPERT_ROW = "expert_fc1", "expert_row"
+EXPERT_KINDS = (EXPERT_FC1, EXPERT_ROW)
+"""Kinds of a routed expert's parameters: one tensor per (layer, expert), split over expert TP."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,17 @@ class ParamMap:
     @property
     def pieces(self) -> int:
         """How many HF-side pieces make the parameter: q, k, v (qkv); gate, up (fc1); else one."""
-        return {QKV: 3, FC1: 2}.get(self.kind, 1)
+        return {QKV: 3, FC1: 2, EXPERT_FC1: 2}.get(self.kind, 1)
+
+    @property
+    def is_expert(self) -> bool:
+        """True for a routed expert's parameter (addressed by layer and expert)."""
+        return self.kind in EXPERT_KINDS
+
+    @property
+    def split_kind(self) -> str:
+        """The dense kind whose split rules this parameter follows within its (expert-)TP group."""
+        return {EXPERT_FC1: FC1, EXPERT_ROW: ROW}.get(self.kind, self.kind)
 
     @property
     def fused(self) -> bool:
@@ -93,8 +114,44 @@ _FINAL_NORM = ParamMap("decoder.final_layernorm.weight", None, "decoder.final_la
 _LM_HEAD = ParamMap("output_layer.weight", None, "output_layer.weight", VOCAB, ("lm_head.weight",),
                     ("vocab", "hidden"))
 
+def _moe_maps(family: Family) -> tuple[ParamMap, ...]:
+    """The sparse block's parameters of a mixture-of-experts family (instead of the dense MLP's)."""
+    layout = family.experts
+    block = layout.block
+    maps = [
+        ParamMap("mlp.router.weight", None, "decoder.layers.mlp.router.weight", REPLICATED, (f"{block}.{layout.router}",),
+                 ("experts", "hidden")),
+        ParamMap("mlp.experts.linear_fc1.weight", None, "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+                 EXPERT_FC1, (layout.expert_hf(0), layout.expert_hf(1)), ("expert_fc1", "hidden")),
+        ParamMap("mlp.experts.linear_fc2.weight", None, "decoder.layers.mlp.experts.experts.linear_fc2.weight",
+                 EXPERT_ROW, (layout.expert_hf(2),), ("hidden", "expert_ffn")),
+    ]
+    if layout.shared_ffn_key:
+        maps += [
+            ParamMap("mlp.shared_experts.linear_fc1.weight", None, "decoder.layers.mlp.shared_experts.linear_fc1.weight",
+                     FC1, (f"{block}.shared_expert.gate_proj.weight", f"{block}.shared_expert.up_proj.weight"),
+                     ("shared_fc1", "hidden")),
+            ParamMap("mlp.shared_experts.linear_fc2.weight", None, "decoder.layers.mlp.shared_experts.linear_fc2.weight",
+                     ROW, (f"{block}.shared_expert.down_proj.weight",), ("hidden", "shared_ffn")),
+            ParamMap("mlp.shared_experts.gate_weight", None, "decoder.layers.mlp.shared_experts.gate_weight", REPLICATED,
+                     (f"{block}.shared_expert_gate.weight",), ("one", "hidden")),
+        ]
+    return tuple(maps)
+
+
 # Linear modules whose (empty, local-spec) ``_extra_state`` Megatron stores per layer.
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def extra_state_modules(family: Family) -> tuple[tuple[str, bool], ...]:
+    """``(module, per expert)`` of every linear module whose ``_extra_state`` Megatron stores per layer
+    (per layer and expert for routed experts) in a dist-checkpoint of ``family``."""
+    attention = EXTRA_STATE_MODULES[:2]
+    if family.experts is None:
+        return tuple((m, False) for m in EXTRA_STATE_MODULES)
+    shared = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2") if family.experts.shared_ffn_key else ()
+    return (tuple((m, False) for m in attention + shared)
+            + (("mlp.experts.experts.linear_fc1", True), ("mlp.experts.experts.linear_fc2", True)))
 
 
 @dataclass(frozen=True)
@@ -113,19 +170,33 @@ class Shapes:
     """Residual width (``hidden_size``; 0: unknown, only :func:`global_shape` needs it)."""
     ffn: int = 0
     """SwiGLU inner width (``intermediate_size``; 0: unknown, only :func:`global_shape` needs it)."""
+    experts: int = 0
+    """Routed experts per layer (0: dense)."""
+    expert_ffn: int = 0
+    """SwiGLU width of one routed expert."""
+    shared_ffn: int = 0
+    """SwiGLU width of the shared expert (0: none)."""
 
 
 def shapes_of(hf_config: dict) -> Shapes:
     """Head counts and widths from an HF config.json."""
+    layout = family_of(hf_config).experts
+    moe = {}
+    if layout is not None:
+        sizes = layout.sizes(hf_config)
+        moe = dict(experts=sizes["experts"], expert_ffn=sizes["ffn"], shared_ffn=sizes["shared_ffn"])
     return Shapes(heads=int(hf_config["num_attention_heads"]), groups=num_kv_heads_of(hf_config),
                   head_dim=head_dim_of(hf_config), vocab=int(hf_config["vocab_size"]),
-                  hidden=int(hf_config["hidden_size"]), ffn=int(hf_config["intermediate_size"]))
+                  hidden=int(hf_config["hidden_size"]), ffn=int(hf_config.get("intermediate_size") or 0), **moe)
 
 
 def global_shape(pm: ParamMap, s: Shapes) -> tuple[int, ...]:
-    """The global (TP=1) Megatron shape of ``pm`` for a model of sizes ``s`` (vocabulary unpadded)."""
+    """The global (TP=1) Megatron shape of ``pm`` for a model of sizes ``s`` (vocabulary unpadded;
+    one expert's tensor for expert kinds)."""
     sizes = {"hidden": s.hidden, "ffn": s.ffn, "fc1": 2 * s.ffn, "head_dim": s.head_dim, "q": s.heads * s.head_dim,
-             "qkv": (s.heads + 2 * s.groups) * s.head_dim, "vocab": s.vocab}
+             "qkv": (s.heads + 2 * s.groups) * s.head_dim, "vocab": s.vocab, "experts": s.experts,
+             "expert_ffn": s.expert_ffn, "expert_fc1": 2 * s.expert_ffn, "shared_ffn": s.shared_ffn,
+             "shared_fc1": 2 * s.shared_ffn, "one": 1}
     return tuple(sizes[name] for name in pm.shape)
 
 
@@ -133,7 +204,10 @@ def layer_maps(family: Family) -> tuple[ParamMap, ...]:
     """Per-layer parameters of ``family``: the default rows, the q/k/v bias and q/k norms where the
     record has them, and the record's own HF names (``Family.hf_names``)."""
     out = []
+    dense_mlp = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
     for pm in _LAYER_MAPS:
+        if pm.local in dense_mlp and family.experts is not None:
+            continue
         if pm.local.endswith("linear_qkv.bias") and not family.qkv_bias:
             continue
         if pm.local.endswith(("q_layernorm.weight", "k_layernorm.weight")) and not family.qk_norm:
@@ -143,7 +217,7 @@ def layer_maps(family: Family) -> tuple[ParamMap, ...]:
             raise ValueError(f"family {family.name}: {pm.local} has {pm.pieces} pieces; give one HF name per piece "
                              f"or a single fused one, not {names}")
         out.append(dataclasses.replace(pm, hf=names) if names else pm)
-    return tuple(out)
+    return tuple(out) + (_moe_maps(family) if family.experts is not None else ())
 
 
 def all_layer_maps() -> list[ParamMap]:
@@ -161,9 +235,16 @@ def post_maps(*, tied: bool) -> tuple[ParamMap, ...]:
     return (_FINAL_NORM,) if tied else (_FINAL_NORM, _LM_HEAD)
 
 
-def hf_names(pm: ParamMap, layer: int | None) -> tuple[str, ...]:
-    """Full HF names of ``pm`` for global ``layer`` (None for non-layer params)."""
-    return pm.hf if layer is None else tuple(f"model.layers.{layer}.{n}" for n in pm.hf)
+def hf_names(pm: ParamMap, layer: int | None, expert: int | None = None) -> tuple[str, ...]:
+    """Full HF names of ``pm`` for global ``layer`` (None for non-layer params) and, for an expert
+    kind, global ``expert``."""
+    if layer is None:
+        return pm.hf
+    if pm.is_expert:
+        if expert is None:
+            raise ValueError(f"{pm.local} is a routed expert's parameter: give its expert index")
+        return tuple(f"model.layers.{layer}.{n.format(e=expert)}" for n in pm.hf)
+    return tuple(f"model.layers.{layer}.{n}" for n in pm.hf)
 
 
 # ----------------------------------------------------------------------------- fusion
@@ -171,6 +252,8 @@ def hf_names(pm: ParamMap, layer: int | None) -> tuple[str, ...]:
 def piece_rows(pm: ParamMap, rows: int, shapes: Shapes) -> list[int]:
     """Rows of each piece (q, k, v / gate, up) of a Megatron tensor of ``rows`` rows: the global
     tensor with the model's ``shapes``, or one TP shard with the shard's head counts."""
+    if pm.kind == EXPERT_FC1:
+        return [rows // 2, rows // 2]
     if pm.kind == QKV:
         per_group = (shapes.heads // shapes.groups + 2) * shapes.head_dim
         groups = rows // per_group
@@ -196,7 +279,7 @@ def fuse(pm: ParamMap, hf_tensors: list[torch.Tensor], shapes: Shapes) -> torch.
     """HF tensors -> the global (TP=1) Megatron tensor of ``pm``."""
     if pm.fused:  # one HF tensor of concatenated pieces: [q; k; v] or [gate; up]
         (tensor,) = hf_tensors
-        if pm.kind == FC1:
+        if pm.split_kind == FC1:
             return tensor
         hf_tensors = list(tensor.split(piece_rows(pm, tensor.shape[0], shapes), dim=0))
     if pm.kind == QKV:
@@ -207,7 +290,7 @@ def fuse(pm: ParamMap, hf_tensors: list[torch.Tensor], shapes: Shapes) -> torch.
         k = k.reshape(shapes.groups, shapes.head_dim, *tail)
         v = v.reshape(shapes.groups, shapes.head_dim, *tail)
         return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
-    if pm.kind == FC1:
+    if pm.split_kind == FC1:
         return torch.cat(hf_tensors, dim=0)
     (tensor,) = hf_tensors
     return tensor
@@ -215,7 +298,7 @@ def fuse(pm: ParamMap, hf_tensors: list[torch.Tensor], shapes: Shapes) -> torch.
 
 def split(pm: ParamMap, tensor: torch.Tensor, shapes: Shapes) -> list[torch.Tensor]:
     """Global Megatron tensor -> HF tensors (contiguous, in ``pm.hf`` order); inverse of fuse."""
-    if pm.kind == FC1 and pm.fused:  # [gate; up] is already the HF layout
+    if pm.split_kind == FC1 and pm.fused:  # [gate; up] is already the HF layout
         return [tensor]
     if pm.kind == QKV:
         per = shapes.heads // shapes.groups
@@ -224,7 +307,7 @@ def split(pm: ParamMap, tensor: torch.Tensor, shapes: Shapes) -> list[torch.Tens
         q, k, v = torch.split(grouped, [per * shapes.head_dim, shapes.head_dim, shapes.head_dim], dim=1)
         pieces = [t.reshape(-1, *tail) for t in (q, k, v)]
         return [torch.cat(pieces, dim=0)] if pm.fused else [t.contiguous() for t in pieces]
-    if pm.kind == FC1:
+    if pm.split_kind == FC1:
         return [t.contiguous() for t in tensor.chunk(2, dim=0)]
     return [tensor]
 
@@ -253,13 +336,15 @@ def strip_vocab(pm: ParamMap, tensor: torch.Tensor, vocab_size: int) -> torch.Te
 # ----------------------------------------------------------------------------- tensor parallel
 
 def tp_shard(pm: ParamMap, tensor: torch.Tensor, *, tp: int, rank: int) -> torch.Tensor:
-    """Global tensor -> the slice TP rank ``rank`` of ``tp`` holds (contiguous)."""
-    if tp == 1 or pm.kind == REPLICATED:
+    """Global tensor -> the slice TP rank ``rank`` of ``tp`` holds (contiguous); for an expert's
+    tensor, ``tp`` and ``rank`` are the expert tensor-parallel ones."""
+    kind = pm.split_kind
+    if tp == 1 or kind == REPLICATED:
         return tensor
-    if pm.kind == FC1:
+    if kind == FC1:
         gate, up = tensor.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
-    dim = 1 if pm.kind == ROW else 0  # qkv splits whole groups because rows are grouped
+    dim = 1 if kind == ROW else 0  # qkv splits whole groups because rows are grouped
     return tensor.chunk(tp, dim=dim)[rank].contiguous()
 
 
@@ -274,17 +359,33 @@ def tp_unshard(pm: ParamMap, shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(shards, dim=1 if pm.kind == ROW else 0)
 
 
-def find_param_map(local_name: str, family: Family, *, tied: bool) -> tuple[ParamMap, int | None]:
-    """Maps a live parameter name (DDP/Float16Module prefixes removed) to its ParamMap and local
-    layer index (None outside the layers). KeyError for names this module does not know."""
+def global_expert(local: int, *, experts: int, ep: int, ep_rank: int) -> int:
+    """Global index of expert-parallel rank ``ep_rank``'s ``local``-th expert: Megatron gives each
+    rank a contiguous block of ``experts / ep``."""
+    return ep_rank * (experts // ep) + local
+
+
+_EXPERT_LIVE = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
+"""A routed expert's live parameter: SequentialMLP's ``local_experts.{l}.linear_fc1.weight`` or
+TEGroupedMLP's ``linear_fc1.weight{l}`` (``l``: the expert's index on its expert-parallel rank)."""
+
+
+def find_param_map(local_name: str, family: Family, *, tied: bool) -> tuple[ParamMap, int | None, int | None]:
+    """Maps a live parameter name (DDP/Float16Module prefixes removed) to its ParamMap, local layer
+    index (None outside the layers) and local expert index (None but for routed experts: the index
+    on this expert-parallel rank). KeyError for names this module does not know."""
     if local_name.startswith("decoder.layers."):
         rest = local_name[len("decoder.layers."):]
         index, suffix = rest.split(".", 1)
+        expert = _EXPERT_LIVE.fullmatch(suffix)
+        if expert is not None and family.experts is not None:
+            local, fc = (int(expert[1]), expert[2]) if expert[1] is not None else (int(expert[4]), expert[3])
+            suffix = f"mlp.experts.{fc}.weight"
         for pm in layer_maps(family):
             if suffix in (pm.local, pm.te_name):
-                return pm, int(index)
+                return pm, int(index), (local if pm.is_expert else None)
         raise KeyError(local_name)
     for pm in pre_maps() + post_maps(tied=False):
         if local_name == pm.local:
-            return pm, None
+            return pm, None, None
     raise KeyError(local_name)

@@ -41,32 +41,43 @@ MODEL_SUBDIR = "model"
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
+def layer_entries(family: Family, shapes: mp.Shapes, layers: int) -> list[tuple[mp.ParamMap, int, int | None]]:
+    """``(ParamMap, layer, expert)`` of every per-layer tensor, layer by layer and, inside a layer,
+    a routed expert's tensors expert by expert (the order conversion streams them in)."""
+    out = []
+    for layer in range(layers):
+        for pm in mp.layer_maps(family):
+            out += [(pm, layer, e) for e in range(shapes.experts)] if pm.is_expert else [(pm, layer, None)]
+    return out
+
+
 def _expected_shapes(hf_config: dict, family: Family, tied: bool) -> dict[str, list[int]]:
     """HF tensor shapes implied by config.json (checked before any output is written)."""
     shapes = mp.shapes_of(hf_config)
     out = {}
-    layers = range(int(hf_config["num_hidden_layers"]))
-    maps = [(pm, None) for pm in mp.pre_maps()] + [(pm, layer) for layer in layers for pm in mp.layer_maps(family)]
-    for pm, layer in maps + [(pm, None) for pm in mp.post_maps(tied=tied)]:
+    maps = ([(pm, None, None) for pm in mp.pre_maps()]
+            + layer_entries(family, shapes, int(hf_config["num_hidden_layers"]))
+            + [(pm, None, None) for pm in mp.post_maps(tied=tied)])
+    for pm, layer, expert in maps:
         hf = mp.hf_shapes(pm, mp.global_shape(pm, shapes), shapes)
-        out.update({name: list(shape) for name, shape in zip(mp.hf_names(pm, layer), hf)})
+        out.update({name: list(shape) for name, shape in zip(mp.hf_names(pm, layer, expert), hf)})
     return out
 
 
-def _chunk_for(pm: mp.ParamMap, reader: HFReader, names: tuple[str, ...], *, layer: int | None,
-               num_layers: int, shapes: mp.Shapes, padded_vocab: int) -> list[tuple[Chunk, object]]:
-    """Planned chunks (+ producers) of one Megatron parameter; fc1 is stored as gate and up chunks,
-    vocabulary tensors with ``padded_vocab`` rows (zero padding)."""
+def _chunk_for(pm: mp.ParamMap, reader: HFReader, names: tuple[str, ...], *, at: tuple[int, ...],
+               stack: tuple[int, ...], shapes: mp.Shapes, padded_vocab: int) -> list[tuple[Chunk, object]]:
+    """Planned chunks (+ producers) of one Megatron tensor at stacked index ``at`` (the layer, and
+    the expert of a routed expert's tensor; () outside the layers) of a key stacked ``stack``
+    ([layers] or [layers, experts]); fc1 is stored as gate and up chunks, vocabulary tensors with
+    ``padded_vocab`` rows (zero padding)."""
     dtype = _DTYPES[reader.dtype(names[0])]
     hf_shapes = [reader.shape(n) for n in names]
-    stack = () if layer is None else (num_layers,)
-    at = () if layer is None else (layer,)
-    one = () if layer is None else (1,)
+    one = (1,) * len(at)
 
     def read(name):
         return lambda: reader.get(name).to(dtype).reshape(*one, *reader.shape(name))
 
-    if pm.kind == mp.FC1:  # gate rows then up rows, as Megatron's swiglu sharded factory stores them
+    if pm.split_kind == mp.FC1:  # gate rows then up rows, as Megatron's swiglu sharded factory stores them
         rows = sum(s[0] for s in hf_shapes) // 2
         full, half = (*stack, 2 * rows, *hf_shapes[0][1:]), (rows, *hf_shapes[0][1:])
         if pm.fused:  # one [gate; up] tensor: each chunk reads it and keeps its half
@@ -89,30 +100,33 @@ def _chunk_for(pm: mp.ParamMap, reader: HFReader, names: tuple[str, ...], *, lay
 
 def plan_from_hf(reader: HFReader, hf_config: dict, *, padded_vocab: int) -> tuple[list, list[ObjectItem], int]:
     """(chunks with producers, extra-state objects, total bytes) for one HF checkpoint, the
-    vocabulary padded to ``padded_vocab`` rows."""
+    vocabulary padded to ``padded_vocab`` rows; routed experts are produced expert by expert."""
     family, tied = family_of(hf_config), tied_embeddings(hf_config)
     layers, shapes = int(hf_config["num_hidden_layers"]), mp.shapes_of(hf_config)
-    common = dict(num_layers=layers, shapes=shapes, padded_vocab=padded_vocab)
+    common = dict(shapes=shapes, padded_vocab=padded_vocab)
     chunks: list = []
     for pm in mp.pre_maps():
-        chunks += _chunk_for(pm, reader, mp.hf_names(pm, None), layer=None, **common)
+        chunks += _chunk_for(pm, reader, mp.hf_names(pm, None), at=(), stack=(), **common)
+    for pm, layer, expert in layer_entries(family, shapes, layers):
+        at, stack = ((layer,), (layers,)) if expert is None else ((layer, expert), (layers, shapes.experts))
+        chunks += _chunk_for(pm, reader, mp.hf_names(pm, layer, expert), at=at, stack=stack, **common)
     objects = []
     for layer in range(layers):
-        for pm in mp.layer_maps(family):
-            chunks += _chunk_for(pm, reader, mp.hf_names(pm, layer), layer=layer, **common)
-        objects += [ObjectItem(f"decoder.layers.{m}._extra_state/shard_{layer}_{layers}", None)
-                    for m in mp.EXTRA_STATE_MODULES]
+        for module, per_expert in mp.extra_state_modules(family):
+            shards = [f"{layer}.{e}_{layers}.{shapes.experts}" for e in range(shapes.experts)] if per_expert \
+                else [f"{layer}_{layers}"]
+            objects += [ObjectItem(f"decoder.layers.{module}._extra_state/shard_{shard}", None) for shard in shards]
     for pm in mp.post_maps(tied=tied):
-        chunks += _chunk_for(pm, reader, mp.hf_names(pm, None), layer=None, **common)
+        chunks += _chunk_for(pm, reader, mp.hf_names(pm, None), at=(), stack=(), **common)
     total = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c, _ in chunks)
     return chunks, objects, total
 
 
-def open_hf(input_dir: Path, *, tp: int, pp: int, vpp: int | None) -> tuple[HFReader, dict]:
+def open_hf(input_dir: Path, *, tp: int, pp: int, vpp: int | None, ep: int = 1, etp: int = 1) -> tuple[HFReader, dict]:
     """Validates an HF checkpoint (config, layout, tensor names and shapes) before any write."""
     hf_config = read_hf_config(input_dir)
     family = check_supported(hf_config, source=str(input_dir / "config.json"))
-    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp)
+    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp, experts=(ep, etp))
     tied = tied_embeddings(hf_config)
     reader = HFReader(input_dir)
     expected = _expected_shapes(hf_config, family, tied)
@@ -131,10 +145,12 @@ def open_hf(input_dir: Path, *, tp: int, pp: int, vpp: int | None) -> tuple[HFRe
 
 
 def hf_to_megatron(input_dir: Path, output_dir: Path, *, tp: int, pp: int, vpp: int | None,
-                   vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> dict:
+                   vocab_divisible_by: int = VOCAB_DIVISIBLE_BY, experts: tuple[int, int] = (1, 1)) -> dict:
     """Converts into ``output_dir`` (must exist and be empty); returns the manifest written.
-    The vocabulary is padded for ``tp`` as Megatron-LM does (``make_vocab_size_divisible_by``)."""
-    reader, hf_config = open_hf(input_dir, tp=tp, pp=pp, vpp=vpp)
+    The vocabulary is padded for ``tp`` as Megatron-LM does (``make_vocab_size_divisible_by``);
+    ``experts`` = (ep, etp) is validated against the expert count and recorded like tp and pp."""
+    ep, etp = experts
+    reader, hf_config = open_hf(input_dir, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
     vocab = int(hf_config["vocab_size"])
     padded = padded_vocab_size(vocab, tp=tp, divisible_by=vocab_divisible_by)
     chunks, objects, total = plan_from_hf(reader, hf_config, padded_vocab=padded)
@@ -142,7 +158,7 @@ def hf_to_megatron(input_dir: Path, output_dir: Path, *, tp: int, pp: int, vpp: 
     write_checkpoint(output_dir / MODEL_SUBDIR, chunks=chunks, objects=objects)
     copy_side_files(input_dir, output_dir)
     manifest = {"format": FORMAT, "family": family_of(hf_config).name,
-                "dtype": torch_dtype_name(chunks[0][0].dtype), "layout": {"tp": tp, "pp": pp, "vpp": vpp},
+                "dtype": torch_dtype_name(chunks[0][0].dtype), "layout": {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp},
                 "vocab_size": vocab, "padded_vocab_size": padded,
                 "make_vocab_size_divisible_by": vocab_divisible_by, "source": str(input_dir), "bytes": total}
     (output_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -164,14 +180,15 @@ def validate_checkpoint(ckpt_dir: Path, hf_config: dict) -> None:
     tensors may carry padding rows beyond ``vocab_size`` (any amount: the padding rule of the
     writer, e.g. Megatron-LM at another TP, is not ours to assume)."""
     family, tied = check_supported(hf_config), tied_embeddings(hf_config)
-    layers = int(hf_config["num_hidden_layers"])
+    layers, experts = int(hf_config["num_hidden_layers"]), mp.shapes_of(hf_config).experts
     expected = _expected_shapes(hf_config, family, tied)
     reader = CheckpointReader(ckpt_dir)
     for pm in mp.pre_maps() + mp.layer_maps(family) + mp.post_maps(tied=tied):
         is_layer = pm.ckpt_key.startswith("decoder.layers.")
-        hf_shapes = [expected[n] for n in mp.hf_names(pm, 0 if is_layer else None)]
+        hf_shapes = [expected[n] for n in mp.hf_names(pm, 0 if is_layer else None, 0 if pm.is_expert else None)]
         rows = sum(s[0] for s in hf_shapes)
-        want = ([layers] if is_layer else []) + [rows] + hf_shapes[0][1:]
+        stack = ([layers] if is_layer else []) + ([experts] if pm.is_expert else [])
+        want = stack + [rows] + hf_shapes[0][1:]
         meta = reader.tensor_meta(pm.ckpt_key)
         got = None if meta is None else list(meta.size)
         if pm.kind == mp.VOCAB and got is not None and got[0] >= rows:
@@ -196,16 +213,17 @@ def check_manifest(directory: Path, hf_config: dict) -> None:
 
 
 def iter_hf_tensors(ckpt_dir: Path, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF ``(name, tensor)`` pairs read layer by layer from a torch_dist checkpoint, stored dtype;
-    vocabulary padding rows are dropped (config.json's ``vocab_size`` rows are kept)."""
+    """HF ``(name, tensor)`` pairs read layer by layer (a layer's routed experts one expert at a time)
+    from a torch_dist checkpoint, stored dtype; vocabulary padding rows are dropped (config.json's
+    ``vocab_size`` rows are kept)."""
     family, tied = family_of(hf_config), tied_embeddings(hf_config)
     layers, shapes = int(hf_config["num_hidden_layers"]), mp.shapes_of(hf_config)
     vocab = int(hf_config["vocab_size"])
     reader = CheckpointReader(ckpt_dir)
 
-    def emit(pms, layer):
+    def emit(entries):
         requests = {}
-        for pm in pms:
+        for pm, layer, expert in entries:
             meta = reader.tensor_meta(pm.ckpt_key)
             if meta is None:
                 raise ConfigError(f"{ckpt_dir}: checkpoint has no tensor {pm.ckpt_key!r}; "
@@ -213,17 +231,20 @@ def iter_hf_tensors(ckpt_dir: Path, hf_config: dict) -> Iterator[tuple[str, torc
             size = tuple(meta.size)
             if pm.kind == mp.VOCAB:  # read the real rows only: the padding is dropped
                 size = (vocab, *size[1:])
-            requests[(pm.ckpt_key, (0,) * len(size) if layer is None else (layer,) + (0,) * (len(size) - 1))] = (
-                size if layer is None else (1, *size[1:]))
+            at = () if layer is None else (layer,) if expert is None else (layer, expert)
+            requests[(pm.ckpt_key, at + (0,) * (len(size) - len(at)))] = (*(1,) * len(at), *size[len(at):])
         got = reader.read(requests)
-        for pm, tensor in zip(pms, got.values()):
-            tensor = tensor if layer is None else tensor[0]
-            yield from zip(mp.hf_names(pm, layer), mp.split(pm, tensor, shapes))
+        for (pm, layer, expert), tensor in zip(entries, got.values()):
+            tensor = tensor.reshape(tensor.shape[(layer is not None) + (expert is not None):])
+            yield from zip(mp.hf_names(pm, layer, expert), mp.split(pm, tensor, shapes))
 
-    yield from emit(mp.pre_maps(), None)
-    for layer in range(layers):
-        yield from emit(mp.layer_maps(family), layer)
-    yield from emit(mp.post_maps(tied=tied), None)
+    yield from emit([(pm, None, None) for pm in mp.pre_maps()])
+    reads: dict[tuple, list] = {}  # one read per layer, and one per expert: never a whole layer of experts
+    for entry in layer_entries(family, shapes, layers):
+        reads.setdefault(entry[1:], []).append(entry)
+    for group in reads.values():
+        yield from emit(group)
+    yield from emit([(pm, None, None) for pm in mp.post_maps(tied=tied)])
 
 
 def megatron_to_hf(input_dir: Path, output_dir: Path, *, config_dir: Path, shard_bytes: int = 5 << 30) -> int:

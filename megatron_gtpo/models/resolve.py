@@ -1,6 +1,6 @@
 """The one model resolver: what ``model.path`` / ``--model`` names, as a directory.
 
-    "smollm2" | "tiny" | "tiny-char"  --built once, cached-->  HF directory
+    "smollm2" | "tiny" | "tiny-char" | "tiny-moe-char"  --built once, cached-->  HF directory
     an HF directory (config.json + safetensors)                 HF directory (as is)
     a Megatron checkpoint (converted or a training step)        as is for the trainer; for vLLM
                                                                   ``as_hf_dir`` converts it with the
@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Iterator
 
 from megatron_gtpo.models.smollm2 import ensure_smollm2
-from megatron_gtpo.models.tiny import ensure_tiny, ensure_tiny_char
+from megatron_gtpo.models.tiny import ensure_tiny, ensure_tiny_char, ensure_tiny_moe_char
 from megatron_gtpo.utils.configuration import ConfigError
 from megatron_gtpo.convert.offline import megatron_to_hf
 
-BUILT_IN = {"smollm2": ensure_smollm2, "tiny": ensure_tiny, "tiny-char": ensure_tiny_char}
+BUILT_IN = {"smollm2": ensure_smollm2, "tiny": ensure_tiny, "tiny-char": ensure_tiny_char,
+            "tiny-moe-char": ensure_tiny_moe_char}
 """Built-in model names -> functions that build (once) and return their HF directory."""
 
 _MEGATRON_MARKERS = ("megatron_gtpo.json", ".metadata", "model/.metadata")

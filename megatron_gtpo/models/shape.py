@@ -1,11 +1,16 @@
-"""The shape of a dense decoder read from a Hugging Face ``config.json``, and its parameter counts.
+"""The shape of a decoder read from a Hugging Face ``config.json``, and its parameter counts.
 
 Pure arithmetic (no torch, no transformers): ``dry-run`` uses it to check a parallel layout and to
 estimate memory before any job is submitted. The counts follow the HF modules of the supported
-families (``models/families.py``: GQA attention, SwiGLU MLP, RMSNorm), which are also what
-Megatron-Core builds for them, so ``params_total`` equals the checkpoint's parameter count
-(8,030,261,248 for Llama-3-8B; 32,763,876,352 for Qwen2.5-32B). The family is read, and refused,
-exactly as the model builder does (``families.check_supported``).
+families (``models/families.py``: GQA attention, SwiGLU MLP or a mixture of SwiGLU experts,
+RMSNorm), which are also what Megatron-Core builds for them, so ``params_total`` equals the
+checkpoint's parameter count (8,030,261,248 for Llama-3-8B; 32,763,876,352 for Qwen2.5-32B;
+30,532,122,624 for Qwen3-30B-A3B). The family is read, and refused, exactly as the model builder does
+(``families.check_supported``).
+
+Mixture of experts: a rank of an ``ep``-way expert-parallel (``etp``-way expert-tensor-parallel)
+layout holds ``experts / ep`` experts, each cut ``etp`` ways; router and shared expert follow the
+dense rules (router replicated, shared expert cut by TP like a dense MLP).
 """
 
 from __future__ import annotations
@@ -48,6 +53,18 @@ class ModelShape:
     """Per-head RMSNorm on queries and keys (Qwen3)."""
     max_positions: int
     """Longest sequence the position embedding covers (``max_position_embeddings``)."""
+    experts: int = 0
+    """Routed experts per layer (0: a dense model)."""
+    top_k: int = 0
+    """Experts each token is routed to."""
+    expert_ffn: int = 0
+    """SwiGLU width of one routed expert."""
+    shared_ffn: int = 0
+    """SwiGLU width of the shared expert (Qwen2-MoE; 0: none); it comes with a sigmoid gate."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
 
     # Counts below take the tensor-parallel degree of whoever holds the weights: Megatron splits
     # heads and the MLP evenly (it rejects kv_heads % tp != 0 itself); vLLM replicates a KV head
@@ -57,16 +74,32 @@ class ModelShape:
         """KV heads one tensor-parallel rank holds (at least one: vLLM replicates beyond kv_heads)."""
         return max(self.kv_heads // tp, 1)
 
-    def layer_params(self, tp: int = 1) -> int:
-        """Parameters of one transformer block held by one rank of a ``tp``-way split."""
+    def layer_params(self, tp: int = 1, *, ep: int = 1, etp: int = 1) -> int:
+        """Parameters of one transformer block held by one rank of a ``tp``-way split (experts:
+        ``ep``-way expert parallel, each expert ``etp``-way)."""
         q_width = self.heads * self.head_dim // tp
         kv_width = self.kv_heads_per_rank(tp) * self.head_dim
         attention = self.hidden * (q_width + 2 * kv_width) + q_width * self.hidden
         if self.qkv_bias:
             attention += q_width + 2 * kv_width
-        mlp = 3 * self.hidden * self.ffn // tp
         norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)  # replicated on every rank
-        return attention + mlp + norms
+        return attention + norms + self.dense_mlp_params(tp) + self.expert_params(ep=ep, etp=etp)
+
+    def dense_mlp_params(self, tp: int = 1) -> int:
+        """One block's parameters outside the routed experts' weights on one TP rank: the dense MLP,
+        or a mixture's router (replicated) and shared expert with its gate."""
+        if not self.is_moe:
+            return 3 * self.hidden * self.ffn // tp
+        shared = 3 * self.hidden * self.shared_ffn // tp + self.hidden if self.shared_ffn else 0
+        return self.experts * self.hidden + shared
+
+    def expert_params(self, *, ep: int = 1, etp: int = 1) -> int:
+        """One block's routed-expert parameters on one rank: ``experts / ep`` experts cut ``etp`` ways."""
+        return (self.experts // ep) * 3 * self.hidden * self.expert_ffn // etp
+
+    def expert_tensor_params(self) -> int:
+        """Parameters of one expert's largest HF tensor (its gate, up or down projection)."""
+        return self.hidden * self.expert_ffn
 
     def embedding_params(self, tp: int = 1) -> int:
         """One vocabulary matrix (input embedding or output layer) on one rank of a ``tp``-way split."""
@@ -100,10 +133,14 @@ def shape_from_hf_config(raw: dict, *, name: str, source: str = "config.json") -
         return raw[key]
 
     heads, hidden = need("num_attention_heads"), need("hidden_size")
+    layout, moe = family.experts, {}
+    if layout is not None:  # check_supported validated the expert keys
+        sizes = layout.sizes(raw)
+        moe = dict(experts=sizes["experts"], top_k=sizes["top_k"], expert_ffn=sizes["ffn"], shared_ffn=sizes["shared_ffn"])
     return ModelShape(
         name=name, family=family.name, layers=need("num_hidden_layers"), hidden=hidden,
-        ffn=need("intermediate_size"), heads=heads,
+        ffn=raw[layout.ffn_key] if layout else need("intermediate_size"), heads=heads,
         kv_heads=num_kv_heads_of(raw), head_dim=head_dim_of(raw), vocab=need("vocab_size"),
         tied_embeddings=tied_embeddings(raw),
-        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, max_positions=need("max_position_embeddings"),
+        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, max_positions=need("max_position_embeddings"), **moe,
     )

@@ -110,16 +110,45 @@ def ensure_tiny_char(cache_dir: str | os.PathLike | None = None, *, seed: int = 
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     key = cache_key(CHAR_CONFIG, f"char {CHAR_SPECIALS} {CHAR_TEMPLATE}", seed)
     out = root / f"tiny-qwen2-char-{key}"
+    return _char_model(out, "Qwen2", CHAR_CONFIG, seed=seed)
+
+
+def _char_model(out: Path, arch: str, fields: dict, *, seed: int, routers_std: float | None = None) -> Path:
+    """``out`` (cached): a random ``{arch}ForCausalLM`` of ``fields`` in fp32 with the character
+    tokenizer; ``routers_std``: the MoE routers (``mlp.gate.weight``) drawn with this spread."""
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.Qwen2Config(**CHAR_CONFIG)
-    config.architectures = ["Qwen2ForCausalLM"]
-    model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
+    config = getattr(transformers, f"{arch}Config")(**fields)
+    config.architectures = [f"{arch}ForCausalLM"]
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).to(torch.float32)
+    if routers_std is not None:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    param.normal_(0.0, routers_std)
     with atomic_directory(out, replace=False) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         _char_tokenizer().save_pretrained(tmp)
     return out
+
+
+TINY_MOE_CONFIG = dict(
+    hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+    norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2, pad_token_id=2,
+)
+
+
+def ensure_tiny_moe_char(cache_dir: str | os.PathLike | None = None, *, seed: int = 0) -> Path:
+    """A tiny random Qwen3-MoE (2 layers, 4 experts of width 64, top-2 renormalised, q/k norms) with
+    the character-level tokenizer: ``configs/tiny_moe.yaml`` and the MoE e2e tests. Its routers are
+    initialised with a larger spread than transformers' default (std 0.3), so each token's top-2 is
+    clear rather than a near tie of four equal experts."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    out = root / f"tiny-qwen3moe-char-seed{seed}"
+    return _char_model(out, "Qwen3Moe", TINY_MOE_CONFIG, seed=seed, routers_std=0.3)

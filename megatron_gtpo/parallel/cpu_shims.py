@@ -114,6 +114,63 @@ def _install_causal_mask() -> None:
     )
 
 
+def _install_moe_shims() -> None:
+    """Two CUDA assumptions of Megatron-Core 0.16.1's mixture-of-experts layer.
+
+    * ``moe_utils.te_general_gemm``: the router's gating GEMM tests ``te_general_gemm is not None``,
+      but the name is bound only inside the ``try`` that imports Transformer Engine; without TE every
+      router forward raises NameError. None is what the code means (its torch.mm fallback runs).
+    * The alltoall token dispatcher computes the per-rank split sizes as tensors and moves them to
+      the host with ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which only moves CUDA tensors;
+      on CPU the split sizes stay tensors and gloo's ``all_to_all_single`` rejects them (it wants
+      lists of ints). Here CPU tensors get what CUDA ones get on a GPU: a host numpy array.
+    """
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_host
+
+
+class _GuardGroup:
+    """Answers ``size() == 1`` for the one read of ``MoELayer.attn_tp_group`` (see below)."""
+
+    def size(self) -> int:
+        return 1
+
+
+def lift_moe_tp_guard(model: torch.nn.Module, *, tp: int) -> int:
+    """Lets Megatron-Core 0.16.1's MoE layers train with TP > 1 on CPU; returns the layers changed.
+
+    ``MoELayer.forward`` refuses to train with attention TP > 1 unless sequence parallelism is on,
+    for performance: without it every TP rank dispatches the same tokens to the experts. Sequence
+    parallelism needs Transformer Engine's or Apex's norms, which the local spec on CPU cannot have,
+    so on CPU the layer's ``attn_tp_group`` (read by that guard alone) answers size 1. GPU runs turn
+    sequence parallelism on instead (``train/model.py`` refuses MoE with TP > 1 without it there).
+
+    The duplicated dispatch leaves the forward exact (each TP rank combines its own copy), but every
+    expert then sees each token ``tp`` times, so its weight gradient is ``tp`` times the true one
+    (measured: relative error 1.0 at TP=2 x EP=2 against one process, tests/dist/test_moe_step.py).
+    A hook on each expert parameter divides its gradient by ``tp`` before Megatron accumulates it.
+    The routers and the shared expert see each token once per rank, as in dense TP: unchanged.
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    for layer in layers:
+        layer.attn_tp_group = _GuardGroup()
+        for param in layer.experts.parameters():
+            param.register_hook(lambda grad: grad / tp)
+    return len(layers)
+
+
 def install_rng_tracker(seed: int) -> None:
     """Replaces ``tensor_parallel.model_parallel_cuda_manual_seed``.
 
@@ -175,5 +232,6 @@ def install(*, device_mode: bool = True) -> bool:
         if device_mode:
             CudaToCpuMode().__enter__()  # stays active for the life of the process
         _install_causal_mask()
+        _install_moe_shims()
         _INSTALLED = True
     return True

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.parallel import control, cpu_shims, strict
-from megatron_gtpo.parallel.layout import world_problem
+from megatron_gtpo.parallel.layout import expert_world_problem, world_problem
 from megatron_gtpo.utils.configuration import require
 
 
@@ -40,21 +40,33 @@ class ParallelConfig:
     ``parallel/cp_attention.py``. Must divide the world; sequences are padded to a multiple of 2 x cp."""
     dp: int = 1
     """Data-parallel size. torchrun launches tp * cp * pp * dp ranks."""
+    ep: int = 1
+    """Expert-parallel size (mixture-of-experts models): the routed experts of every layer are split
+    over ``ep`` ranks, each holding experts / ep of them, and tokens travel to their experts by
+    all-to-all. Expert-parallel ranks are taken from the tp * cp * dp ranks of a pipeline stage (no
+    extra ranks: Megatron's layout), so ep * etp must divide tp * cp * dp, and ep must divide the experts."""
+    etp: int = 1
+    """Expert tensor-parallel size: each expert's weights are cut ``etp`` ways like a dense MLP over
+    TP. 1 (the default here; Megatron's own default is the dense TP): fine-grained experts are small,
+    and whole experts per rank avoid a reduction per expert."""
     timeout_s: float = 1800
     """Seconds a collective may wait for its peers before it fails instead of hanging: applies to
     the default group, the gloo control group and Megatron's groups. Raise it when a rank can
     legitimately be busy alone for longer (e.g. rank 0 scoring or saving between collectives)."""
 
     def __post_init__(self):
-        for name in ("tp", "cp", "pp", "dp"):
+        for name in ("tp", "cp", "pp", "dp", "ep", "etp"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        problem = expert_world_problem(self.tp * self.cp * self.dp, ep=self.ep, etp=self.etp)
+        require(problem is None, "ep", self.ep, f"a value that fits: {problem}")
         require(self.timeout_s > 0, "timeout_s", self.timeout_s, "a number of seconds > 0")
         require(self.vpp is None or (self.vpp >= 2 and self.pp >= 2), "vpp", self.vpp,
                 "null, or an integer >= 2 together with pp >= 2")
 
     def sizes(self) -> dict[str, int]:
         """Every parallel size whose product is the world, in Megatron's rank order (tp, cp, pp, dp;
-        expert parallelism joins here when it lands; ``world_size`` and ``world_size_problem`` follow)."""
+        ``world_size`` and ``world_size_problem`` follow). Expert parallelism is not a factor: Megatron
+        takes its ranks from the tp * cp * dp ranks of each stage (``expert_world_problem``)."""
         return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp}
 
     @property
@@ -100,6 +112,16 @@ class ParallelDims:
     """Context-parallel size: ranks that hold one sequence's tokens between them."""
     cp_rank: int = 0
     """This rank's index in its context-parallel group (which load-balanced chunks it holds)."""
+    ep: int = 1
+    """Expert-parallel size (1 for dense models)."""
+    etp: int = 1
+    """Expert tensor-parallel size."""
+    ep_rank: int = 0
+    """This rank's index in its expert-parallel group: it holds experts ep_rank * E/ep .. (ep_rank+1) * E/ep - 1."""
+    etp_rank: int = 0
+    """This rank's index in its expert tensor-parallel group."""
+    edp_rank: int = 0
+    """This rank's index among the replicas of its experts (expert data parallel: tp * cp * dp / (ep * etp))."""
 
     @property
     def is_last_stage(self) -> bool:
@@ -115,13 +137,14 @@ class ParallelDims:
 
 
 def init_distributed(*, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, seed: int = 1234,
-                     timeout_s: float = ParallelConfig.timeout_s) -> ParallelDims:
+                     timeout_s: float = ParallelConfig.timeout_s, ep: int = 1, etp: int = 1) -> ParallelDims:
     """Initialises the default group (gloo on CPU, NCCL on GPU), the CPU shims (and strict mode,
     see strict.py), the gloo control group, Megatron's model-parallel groups with the control
     plane's twins of the DP and PP groups, and the RNG tracker; every group gets ``timeout_s``
     (``parallel.timeout_s``). ``cp`` > 1 makes Megatron's context-parallel groups, and its DDP then
     reduces gradients over ``get_data_parallel_group(with_context_parallel=True)`` (DP x CP).
-    Works single-process too (world of 1, no torchrun needed).
+    ``ep``/``etp``: expert parallelism of a mixture of experts, carved out of the tp * cp * dp ranks
+    of each stage (Megatron's expert groups). Works single-process too (world of 1, no torchrun needed).
     """
     from megatron.core import parallel_state as ps
 
@@ -136,7 +159,7 @@ def init_distributed(*, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: in
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timeout)
     world = dist.get_world_size()
-    problem = world_problem(world, tp=tp, cp=cp, pp=pp)
+    problem = world_problem(world, tp=tp, cp=cp, pp=pp) or expert_world_problem(world // pp, ep=ep, etp=etp)
     if problem:
         raise ValueError(problem)
     strict_mode = strict.requested() or strict.active()
@@ -150,6 +173,7 @@ def init_distributed(*, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: in
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp,
             context_parallel_size=cp,
+            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
             distributed_timeout_minutes=timeout_s / 60,
         )
         twins = [ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()]
@@ -181,6 +205,9 @@ def current_dims(vpp: int | None = None) -> ParallelDims:
         dp_rank=ps.get_data_parallel_rank(),
         cp=ps.get_context_parallel_world_size(),
         cp_rank=ps.get_context_parallel_rank(),
+        ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+        edp_rank=ps.get_expert_data_parallel_rank(),
     )
 
 

@@ -16,9 +16,11 @@ def divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def model_split_problems(shape: ModelShape, *, tp: int, pp: int, vpp: int | None) -> list[str]:
-    """Every reason a model cannot be split into ``tp`` x ``pp`` (x ``vpp``) pieces."""
-    problems = []
+def model_split_problems(shape: ModelShape, *, tp: int, pp: int, vpp: int | None, ep: int = 1,
+                         etp: int = 1) -> list[str]:
+    """Every reason a model cannot be split into ``tp`` x ``pp`` (x ``vpp``) pieces, its experts
+    into ``ep`` x ``etp``."""
+    problems = expert_split_problems(shape, tp=tp, ep=ep, etp=etp)
     if shape.heads % tp:
         problems.append(f"num_attention_heads={shape.heads} is not divisible by TP={tp}: "
                         f"choose parallel.tp among {divisors(shape.heads)}")
@@ -27,7 +29,7 @@ def model_split_problems(shape: ModelShape, *, tp: int, pp: int, vpp: int | None
                         f"query groups evenly): choose parallel.tp among {divisors(shape.kv_heads)}")
     if shape.heads % shape.kv_heads:
         problems.append(f"num_attention_heads={shape.heads} is not a multiple of num_key_value_heads={shape.kv_heads}")
-    if shape.ffn % tp:  # (the vocabulary is padded to a multiple of TP: train.model.padded_vocab_size)
+    if shape.ffn % tp and not shape.is_moe:  # (the vocabulary is padded to a multiple of TP: padded_vocab_size)
         problems.append(f"intermediate_size={shape.ffn} is not divisible by TP={tp}: choose parallel.tp dividing it")
     if shape.layers % pp:
         problems.append(f"num_hidden_layers={shape.layers} is not divisible by PP={pp}: "
@@ -40,6 +42,25 @@ def model_split_problems(shape: ModelShape, *, tp: int, pp: int, vpp: int | None
             problems.append(f"{shape.layers // pp} layers per PP stage (num_hidden_layers={shape.layers} / "
                             f"PP={pp}) are not divisible by VPP={vpp}: choose parallel.vpp among "
                             f"{divisors(shape.layers // pp)}")
+    return problems
+
+
+def expert_split_problems(shape: ModelShape, *, tp: int, ep: int, etp: int) -> list[str]:
+    """Every reason the experts cannot be split ``ep`` x ``etp`` ways (and a shared expert ``tp`` ways)."""
+    if not shape.is_moe:
+        return [] if ep == etp == 1 else [
+            f"parallel.ep={ep} / parallel.etp={etp} need a mixture-of-experts model; {shape.name} ({shape.family}) is "
+            "dense: set parallel.ep=1 and parallel.etp=1"]
+    problems = []
+    if shape.experts % ep:
+        problems.append(f"{shape.experts} experts per layer are not divisible by EP={ep}: choose parallel.ep among "
+                        f"{divisors(shape.experts)}")
+    if shape.expert_ffn % etp:
+        problems.append(f"expert width {shape.expert_ffn} is not divisible by ETP={etp}: choose parallel.etp among "
+                        f"{divisors(shape.expert_ffn)}")
+    if shape.shared_ffn % tp:
+        problems.append(f"shared expert width {shape.shared_ffn} is not divisible by TP={tp}: choose parallel.tp "
+                        f"among {divisors(shape.shared_ffn)}")
     return problems
 
 
@@ -87,6 +108,9 @@ def context_parallel_problems(shape: ModelShape, *, tp: int, cp: int, comm_type=
     if cp == 1:
         return []
     problems = []
+    if shape.is_moe:  # routing replay and the router metrics index tokens of whole (unsharded) sequences
+        problems.append(f"parallel.cp={cp} with a mixture of experts ({shape.experts} experts) is not supported yet: "
+                        "set parallel.cp=1 (use parallel.ep for the experts and parallel.tp for long sequences)")
     if not cp_attention:
         problems.append(f"parallel.cp={cp} needs a context-parallel attention: Megatron's local layer spec on GPU "
                         "has none (its DotProductAttention refuses CP); use Transformer Engine's layer spec, or "
@@ -117,4 +141,15 @@ def world_problem(world: int, *, tp: int, cp: int, pp: int) -> str | None:
     if world % model:
         return (f"{world} ranks are not divisible by TP x CP x PP = {tp} x {cp} x {pp} = {model}: change "
                 f"parallel.tp/parallel.cp/parallel.pp or launch a multiple of {model} ranks")
+    return None
+
+
+def expert_world_problem(stage_ranks: int, *, ep: int, etp: int) -> str | None:
+    """Why the ``stage_ranks`` ranks of a pipeline stage (TP x CP x DP) cannot hold ``ep`` x ``etp``
+    expert-parallel groups, or None. Megatron takes the expert-parallel ranks from a stage's ranks
+    (no extra ranks: EP does not multiply the world), so EP x ETP must divide them."""
+    if stage_ranks % (ep * etp):
+        return (f"parallel.ep x parallel.etp = {ep} x {etp} does not divide the {stage_ranks} ranks of a pipeline stage "
+                "(TP x CP x DP; expert parallelism takes its ranks from them): choose EP x ETP among "
+                f"{divisors(stage_ranks)}")
     return None

@@ -22,6 +22,7 @@ from typing import Literal
 
 from megatron_gtpo.models.shape import ModelShape
 from megatron_gtpo.parallel.layout import (batch_split_problem, context_parallel_problems, divisors,
+                                          expert_world_problem,
                                            model_split_problems, pipeline_problem)
 from megatron_gtpo.plan.engine_args import context_problem
 from megatron_gtpo.utils.configuration import ConfigError
@@ -57,6 +58,10 @@ class Layout:
     """Virtual pipeline stages per PP rank (interleaved schedule), or None."""
     dp: int
     """Trainer data-parallel size: trainer GPUs / (TP * CP * PP)."""
+    ep: int = 1
+    """Expert-parallel size (mixture of experts; taken from the TP * CP * DP ranks of a stage)."""
+    etp: int = 1
+    """Expert tensor-parallel size."""
     layers_per_stage: int
     """Transformer blocks per PP rank (all of its virtual stages together)."""
     rollout_tp: int
@@ -129,6 +134,10 @@ class LayoutRequest:
     """parallel.cp"""
     cp_comm_type: str | list | None = None
     """model.megatron.cp_comm_type (Megatron's own setting; None = p2p)."""
+    ep: int = 1
+    """parallel.ep"""
+    etp: int = 1
+    """parallel.etp"""
 
 
 def plan_layout(req: LayoutRequest) -> Layout:
@@ -145,7 +154,7 @@ def plan_layout(req: LayoutRequest) -> Layout:
     rollout_problems: list[str] = []  # reported after the trainer's, which the reader checks first
     engines, rollout_nodes = _plan_rollout(rollout_problems, warnings, req)
     trainer_gpus = max(req.nodes - rollout_nodes, 0) * gpus_per_node
-    problems += model_split_problems(shape, tp=tp, pp=pp, vpp=vpp)
+    problems += model_split_problems(shape, tp=tp, pp=pp, vpp=vpp, ep=req.ep, etp=req.etp)
     problems += context_parallel_problems(shape, tp=tp, cp=cp, comm_type=req.cp_comm_type)
     model = tp * cp * pp
     # the sizes as the recipe sets them: CP named only when it is used
@@ -158,6 +167,8 @@ def plan_layout(req: LayoutRequest) -> Layout:
     if req.dp is not None and req.dp != dp and not trainer_gpus % model:
         problems.append(f"parallel.dp={req.dp}, but {trainer_gpus} trainer GPUs / ({names} = {model}) give "
                         f"{dp} data-parallel ranks: set parallel.dp={dp}")
+    if problem := expert_world_problem(tp * cp * dp, ep=req.ep, etp=req.etp):
+        problems.append(problem)
     sequences = req.prompts_per_step * req.group_size
     microbatches = _check_batch(problems, warnings, sequences=sequences, dp=dp, mbs=req.rows_per_micro_batch,
                                 pp=pp, vpp=vpp)
@@ -174,7 +185,8 @@ def plan_layout(req: LayoutRequest) -> Layout:
         raise LayoutError(problems)
     return Layout(
         nodes=req.nodes, gpus_per_node=gpus_per_node, placement=req.placement,  # type: ignore[arg-type]
-        trainer_nodes=req.nodes - rollout_nodes, rollout_nodes=rollout_nodes, tp=tp, pp=pp, vpp=vpp,
+        trainer_nodes=req.nodes - rollout_nodes, rollout_nodes=rollout_nodes, tp=tp, pp=pp, vpp=vpp, ep=req.ep,
+        etp=req.etp,
         dp=dp, layers_per_stage=shape.layers // pp, rollout_tp=req.rollout_tp, engines=engines, sequences=sequences,
         sequences_per_engine=math.ceil(sequences / engines), micro_batch_size=req.rows_per_micro_batch,
         microbatches=microbatches, seq_len=seq_len, warnings=warnings, cp=cp)

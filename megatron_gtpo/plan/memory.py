@@ -36,6 +36,13 @@ Terms (bytes on the rank that holds them; trainer figures for the largest pipeli
   its KV cache: ``rollout.vllm.kv_cache_memory_bytes`` when the recipe sets it, else what vLLM's
   share leaves after its weights (``kv_needed``: the KV of all of an engine's sequences at full
   length, for the warning when that is less);
+* mixture of experts: a trainer rank holds ``experts / ep`` experts of each of its layers, each cut
+  ``etp`` ways (``ModelShape.layer_params``); the distributed optimizer shards expert parameters
+  over the expert data-parallel ranks (TP x CP x DP / (EP x ETP)) and the rest over DP; the
+  activations count every token's ``top_k`` expert passes plus the alltoall dispatcher's buffers
+  (the permuted tokens it sends and receives, their probabilities, the router's scores); a colocated
+  engine holds every expert (vLLM's own expert parallelism, ``enable_expert_parallel``, is for GPU
+  engines of TP > 1 and divides them by the engine's TP);
 * reserve: 5% of the GPU for the CUDA context, NCCL buffers and allocator fragmentation, outside
   both budgets;
 * host staging (separate transport, host memory of one rollout node, not GPU memory): each rollout
@@ -113,6 +120,9 @@ class MemorySizes:
     sequence parallelism): a packed row or a padded row can be up to this minus one token longer."""
     lora: LoraConfig | None = None
     """model.lora when LoRA is on (adapters on a frozen base); None: full fine-tuning."""
+    engine_expert_parallel: bool = False
+    """``rollout.vllm.enable_expert_parallel``: vLLM spreads a mixture's experts over the engine's TP
+    ranks (each holds experts / TP, whole) instead of cutting every expert TP ways."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +168,8 @@ class MemoryEstimate:
     """Gradients and optimizer state are on the host while engines generate."""
     colocated: bool
     """Engines share the trainer's GPUs."""
+    expert_weights: int = 0
+    """The routed experts' share of ``weights`` (this EP rank's experts; 0 for dense models)."""
 
     @property
     def trainer_state(self) -> int:
@@ -216,8 +228,9 @@ class MemoryEstimate:
 
 
 def stage_params(shape: ModelShape, layout: Layout) -> int:
-    """Parameters on one rank of the largest pipeline stage (embedding on the first, output on the last)."""
-    blocks = layout.layers_per_stage * shape.layer_params(layout.tp)
+    """Parameters on one rank of the largest pipeline stage (embedding on the first, output on the
+    last; a mixture's experts of this EP rank)."""
+    blocks = layout.layers_per_stage * shape.layer_params(layout.tp, ep=layout.ep, etp=layout.etp)
     vocab = shape.embedding_params(layout.tp)
     if layout.pp == 1:
         return blocks + vocab * (1 if shape.tied_embeddings else 2) + shape.hidden
@@ -236,9 +249,28 @@ def optimizer_bytes_per_param(*, optimizer: str, param_bytes: int) -> int:
     return 4 * (moments + (1 if param_bytes < 4 else 0))
 
 
+def expert_data_parallel(layout: Layout) -> int:
+    """The ranks that hold the same experts (Megatron's expert data-parallel size): a stage's
+    TP x CP x DP ranks over EP x ETP."""
+    return max(layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp), 1)
+
+
+def sharded_optimizer_bytes(params: int, experts: int, per_param: int, layout: Layout) -> int:
+    """Distributed optimizer bytes per rank: experts over expert-DP ranks, the rest over DP x CP."""
+    dense = (params - experts) * per_param // (layout.dp * layout.cp)
+    return dense + experts * per_param // expert_data_parallel(layout)
+
+
+def stage_expert_params(shape: ModelShape, layout: Layout) -> int:
+    """The routed experts' share of :func:`stage_params` (0 for dense models)."""
+    return layout.layers_per_stage * shape.expert_params(ep=layout.ep, etp=layout.etp)
+
+
 def largest_tensor(shape: ModelShape) -> int:
-    """Elements of the largest single HF tensor (a vocabulary matrix, an MLP matrix or q_proj)."""
-    return max(shape.vocab * shape.hidden, shape.ffn * shape.hidden, shape.heads * shape.head_dim * shape.hidden)
+    """Elements of the largest single HF tensor (a vocabulary matrix, an MLP or expert matrix, q_proj,
+    a router)."""
+    return max(shape.vocab * shape.hidden, shape.ffn * shape.hidden, shape.heads * shape.head_dim * shape.hidden,
+               shape.shared_ffn * shape.hidden, shape.experts * shape.hidden)
 
 
 def stage_adapter_params(shape: ModelShape, layout: Layout, lora: LoraConfig | None) -> int:
@@ -287,11 +319,12 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
     rows, s = micro_batch_dims(layout, sizes)
     tp, h, d, cp = layout.tp, shape.hidden, shape.head_dim, layout.cp
     a, g = shape.heads // tp, shape.kv_heads_per_rank(tp)
+    f, moe = _mlp_width(shape, layout), _dispatch_elements(shape)
     local = s // cp  # positions of each sequence on this rank
     if sizes.layer_spec == "local":  # per row: q and probabilities per local token, k and v whole
-        core, rest = local * (a * d + a * s) + 2 * a * d * s, 6 * h + a * d + 5 * shape.ffn // tp + 2
+        core, rest = local * (a * d + a * s) + 2 * a * d * s, 6 * h + a * d + 5 * f + 2 + moe
     else:
-        core, rest = local * (a + 2 * g) * d, 4 * h + a * d + 3 * shape.ffn // tp + 2
+        core, rest = local * (a + 2 * g) * d, 4 * h + a * d + 3 * f + 2 + moe
     layer = (rest + lora_activations_per_layer(sizes.lora)) * local + (0 if sizes.recompute == "selective" else core)
     if sizes.recompute == "full":
         kept = layout.layers_per_stage * h * local + layer
@@ -299,6 +332,25 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
         kept = layout.layers_per_stage * layer
     scores = rows * a * local * s if sizes.layer_spec == "local" else 0
     return int((in_flight(layout) * rows * (kept + (3 * h + 1) * local) + scores) * sizes.param_bytes)
+
+
+def _mlp_width(shape: ModelShape, layout: Layout) -> int:
+    """SwiGLU width one token passes through on one rank per layer: the dense MLP's share of TP, or
+    a mixture's ``top_k`` experts (each cut ETP ways; the tokens are spread over the EP ranks, so a
+    rank computes top_k expert passes per token of its micro-batch on average) plus the shared
+    expert's share of TP."""
+    if not shape.is_moe:
+        return shape.ffn // layout.tp
+    return shape.top_k * shape.expert_ffn // layout.etp + shape.shared_ffn // layout.tp
+
+
+def _dispatch_elements(shape: ModelShape) -> int:
+    """Per token and MoE layer, what the alltoall dispatcher and the router keep: the token's
+    ``top_k`` permuted copies sent and received (2 k h), their probabilities (k) and the router's
+    logits and scores over every expert (2 E)."""
+    if not shape.is_moe:
+        return 0
+    return 2 * shape.top_k * shape.hidden + shape.top_k + 2 * shape.experts
 
 
 def micro_batch_dims(layout: Layout, sizes: MemorySizes) -> tuple[int, int]:
@@ -330,15 +382,18 @@ def estimate_memory(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> Me
     trainable = adapters or params
     per_param = optimizer_bytes_per_param(optimizer=sizes.optimizer, param_bytes=sizes.param_bytes)
     opt, full_opt = trainable * per_param, params * per_param
-    if sizes.distributed_optimizer:
-        opt, full_opt = opt // (layout.dp * layout.cp), full_opt // (layout.dp * layout.cp)
+    if sizes.distributed_optimizer:  # experts over their expert-data-parallel ranks, the rest over DP x CP
+        full_opt = sharded_optimizer_bytes(params, stage_expert_params(shape, layout), per_param, layout)
+        opt = full_opt if not adapters else opt // (layout.dp * layout.cp)
     reference = params * sizes.param_bytes if sizes.reference and not adapters else 0  # LoRA: the base is it
     rows, tokens = micro_batch_dims(layout, sizes)
     logits = 2 * rows * (tokens // layout.cp) * (shape.vocab // layout.tp) * sizes.logits_bytes
     rtp, colocated = layout.rollout_tp, layout.placement == "colocated"
-    rollout_weights = (shape.layers * shape.layer_params(rtp)
+    engine_ep = rtp if sizes.engine_expert_parallel else 1  # vLLM's EP spans the engine's TP ranks
+    engine_layer = shape.layer_params(rtp, ep=engine_ep, etp=1 if engine_ep > 1 else rtp)
+    rollout_weights = (shape.layers * engine_layer
                        + shape.embedding_params(rtp) * (1 if shape.tied_embeddings else 2)) * sizes.rollout_bytes
-    held = shape.layer_params(rtp) * sizes.rollout_bytes if colocated else sizes.bucket_bytes
+    held = engine_layer * sizes.rollout_bytes if colocated else sizes.bucket_bytes
     push = held + largest_tensor(shape) * sizes.param_bytes * (2 if adapters else 1)  # LoRA: + one merged shard
     kv_sequence = layout.seq_len * shape.kv_bytes_per_token(tp=rtp, dtype_bytes=sizes.rollout_bytes)
     gpu = int(sizes.gpu_memory_gib * GIB)
@@ -354,7 +409,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> Me
         host_staging=0 if colocated else push_bytes(shape, sizes), rollout_weights=rollout_weights,
         kv_per_sequence=kv_sequence, kv_needed=layout.sequences_per_engine * kv_sequence,
         kv_cache_bytes=sizes.kv_cache_bytes, gpu=gpu, gpu_memory_utilization=util,
-        planned=sizes.gpu_memory_utilization is None, offload_trainer=sizes.offload_trainer, colocated=colocated)
+        planned=sizes.gpu_memory_utilization is None, offload_trainer=sizes.offload_trainer, colocated=colocated,
+        expert_weights=stage_expert_params(shape, layout) * sizes.param_bytes)
 
 
 def check_memory(mem: MemoryEstimate, layout: Layout) -> tuple[list[str], list[str]]:
@@ -418,8 +474,8 @@ def _trainer_fix(mem: MemoryEstimate, layout: Layout) -> str:
     """What to change when the trainer does not fit: the sequence's share first when it dominates
     (logits and per-token activations shrink about as 1/cp; the CP size named is the smallest
     doubling that would fit by that rule: the dry-run with it checks the rest)."""
-    state = ("raise parallel.tp/parallel.pp, set optim.optimizer.use_distributed_optimizer=true, or use more "
-             "GPUs")
+    state = (f"raise parallel.tp/parallel.pp{'/parallel.ep' if mem.expert_weights else ''}, set "
+             "optim.optimizer.use_distributed_optimizer=true, or use more GPUs")
     sequence, usable = mem.logits + mem.activations, mem.gpu - mem.reserve
     if sequence < mem.trainer_state:
         return state

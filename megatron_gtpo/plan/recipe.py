@@ -47,7 +47,7 @@ def recipe_request(cfg: Any, *, shape: ModelShape, nodes: int, gpus_per_node: in
         prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.n,
         rows_per_micro_batch=cfg.train.rows_per_micro_batch, max_prompt_tokens=cfg.data.max_prompt_tokens,
         max_completion_tokens=cfg.rollout.max_tokens, cp=cfg.parallel.cp,
-        cp_comm_type=cfg.model.megatron.get("cp_comm_type"))
+        cp_comm_type=cfg.model.megatron.get("cp_comm_type"), ep=cfg.parallel.ep, etp=cfg.parallel.etp)
     util, kv = vllm.get("gpu_memory_utilization"), vllm.get("kv_cache_memory_bytes")
     spec, lora = cfg.algorithm, cfg.model.lora
     check_rank_fits(lora, shape)  # the dry-run refuses what the trainer would
@@ -64,7 +64,8 @@ def recipe_request(cfg: Any, *, shape: ModelShape, nodes: int, gpus_per_node: in
         logits_bytes=4 if cfg.model.lm_head_fp32 else param_bytes, micro_batch_tokens=cfg.token_budget,
         sequence_multiple=padding_multiple(recipe=low_precision_recipe(megatron), tp=cfg.parallel.tp,
                                            sequence_parallel=bool(megatron.get("sequence_parallel"))),
-        lora=lora if lora.enabled else None)
+        lora=lora if lora.enabled else None,
+        engine_expert_parallel=bool(vllm.get("enable_expert_parallel", False)))
     return request, sizes, notes
 
 

@@ -24,6 +24,10 @@ built on a subset of ranks hangs there. The engine therefore defaults to vLLM's
 ``external_launcher`` backend in a multi-rank world, where every rank builds its own engine
 (``megatron_gtpo.rollout.group`` documents how ranks share the generation work).
 
+Mixture-of-experts engines built with ``routing=True`` also return the experts each token was routed
+to (``Completion.routed_experts``; :mod:`megatron_gtpo.rollout.routing` says where they come from on
+GPU and on CPU), which the trainer replays (``model.moe_routing_replay: rollout``).
+
 Sampler log-probs are vLLM's ``processed_logprobs``: log-probs of the sampled token under the
 distribution actually sampled from (temperature applied; top-p renormalised when top_p < 1), which
 is what the trainer's temperature-scaled log-probs are compared with.
@@ -36,9 +40,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_gtpo.rollout.config import Sampling
+from megatron_gtpo.rollout.routing import (completion_routing, install_capture, routing_kwargs, routing_source,
+                                           take_capture)
 from megatron_gtpo.types import Completion, Prompt
 from megatron_gtpo.utils.vllm_reload import reload_model
 
@@ -72,6 +79,17 @@ def engine_kwargs(model_dir: str, vllm_kwargs: dict | None, seed: int) -> dict[s
         kwargs["distributed_executor_backend"] = "external_launcher"
     kwargs.update(user)
     return kwargs
+
+
+def with_routing(kwargs: dict[str, Any], source: str) -> dict[str, Any]:
+    """``kwargs`` with what returning routed experts from ``source`` needs; ValueError when the
+    caller's settings contradict it (prefix caching with the CPU capture)."""
+    needed = routing_kwargs(source)
+    clash = {k: kwargs[k] for k, v in needed.items() if k in kwargs and kwargs[k] != v}
+    if clash:
+        raise ValueError(f"rollout.vllm {clash} contradicts routing replay, which needs {needed} on this machine "
+                         "(megatron_gtpo/rollout/routing.py): remove it from rollout.vllm")
+    return {**kwargs, **needed}
 
 
 def cpu_has_native_bf16() -> bool:
@@ -108,8 +126,11 @@ class RolloutEngine:
     """One vLLM engine in this process, serving one version of the policy weights."""
 
     def __init__(self, *, model_dir: str, vllm_kwargs: dict | None = None, seed: int = 0,
-                 request_seeds: bool = True):
+                 request_seeds: bool = True, routing: bool = False):
         kwargs = engine_kwargs(model_dir, vllm_kwargs, seed)
+        self._routing = routing_source() if routing else None
+        if self._routing:
+            kwargs = with_routing(kwargs, self._routing)
         # False: requests carry no seed and vLLM samples them in one batch (rollout.request_seeds).
         self._request_seeds = request_seeds
         # Keep the engine core in this process (see module docstring); read by vLLM at LLM().
@@ -118,6 +139,8 @@ class RolloutEngine:
         # created that group itself (see close()).
         self._owns_world = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self._llm = self._make_llm(kwargs)
+        if self._routing == "capture":
+            self._llm.collective_rpc(install_capture)
         if not self._owns_world:
             _PINNED.append(self._llm)  # never garbage-collected before exit: see close()
         self._model_dir = str(model_dir)
@@ -220,8 +243,24 @@ class RolloutEngine:
         requests = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
         outputs = self._llm.generate(requests, params, use_tqdm=False)
         version = self._version
-        return [_completion(i, prompts[i], sample, version)
-                for i, out in enumerate(outputs) for sample in sorted(out.outputs, key=lambda c: c.index)]
+        out = [_completion(i, prompts[i], sample, version)
+               for i, out in enumerate(outputs) for sample in sorted(out.outputs, key=lambda c: c.index)]
+        if self._routing:
+            self._attach_routing(outputs, out, n=sampling.n)
+        return out
+
+    def _attach_routing(self, outputs, completions: list[Completion], *, n: int) -> None:
+        """Sets every completion's ``routed_experts`` [prompt + completion - 1, layers, top_k]."""
+        captured = self._llm.collective_rpc(take_capture)[0] if self._routing == "capture" else None
+        samples = [(out, sample) for out in outputs for sample in sorted(out.outputs, key=lambda c: c.index)]
+        for completion, (out, sample) in zip(completions, samples):
+            rows = sample.routed_experts if captured is None else \
+                completion_routing(captured, out.request_id, sample.index, n)
+            expected = len(completion.prompt_token_ids) + len(completion.token_ids) - 1
+            if rows is None or len(rows) != expected:
+                raise RuntimeError(f"the engine returned routing for {None if rows is None else len(rows)} tokens "
+                                   f"of a {expected + 1}-token sequence ({self._routing})")
+            completion.routed_experts = np.asarray(rows, dtype=np.int16)
 
     # ----------------------------------------------------------------------------- weights
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_gtpo.models.families import family_of
+from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.parallel import control
 from megatron_gtpo.plan.memory import EngineBudget, check_engine_start
 from megatron_gtpo.rollout.config import EnginePlacement, RolloutConfig
@@ -44,8 +46,11 @@ def _colocated(rollout: RolloutConfig, model_dir: str) -> RolloutGroup:
     if world % per_engine:
         raise ConfigError(f"rollout.vllm tensor x pipeline parallel size = {per_engine}: colocated engines span "
                           f"consecutive trainer ranks, so it must divide the {world} ranks")
+    # A mixture of experts' engines return the experts they routed each token to: replayed by the
+    # trainer (model.moe_routing_replay: rollout), and its routing agreement either way.
+    moe = family_of(read_hf_config(model_dir)).experts is not None
     engine = RolloutEngine(model_dir=model_dir, vllm_kwargs=rollout.vllm, seed=rollout.seed,
-                           request_seeds=rollout.seeded_requests())
+                           request_seeds=rollout.seeded_requests(), routing=moe)
     return RolloutGroup(engine, shard=True, model_dir=model_dir, seed=rollout.seed, ranks_per_engine=per_engine)
 
 

@@ -12,7 +12,9 @@ the first wrong tensor; what happens to an engine then is the transport's rule (
 
 The spec is read from the engine's own ``config.json`` (a transformers model built on the meta
 device: names and shapes without memory), never from the trainer, so a trainer/engine architecture
-mismatch is caught.
+mismatch is caught. The names are those transformers writes to a checkpoint (its save-time weight
+conversion): transformers 5 keeps a mixture's experts as one stacked tensor per layer in memory but
+saves, and vLLM loads, one tensor per expert (``mlp.experts.{e}.gate_proj.weight``).
 """
 
 from __future__ import annotations
@@ -57,10 +59,11 @@ class WeightSpec:
         config = AutoConfig.from_pretrained(str(model_dir))
         with torch.device("meta"):  # shapes only: no memory, no init cost
             model = AutoModelForCausalLM.from_config(config)
-        required = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        params = dict(model.named_parameters())
+        required = checkpoint_shapes(model, params)
         # Tied weights appear once in named_parameters but twice in the state dict; exporters may
         # or may not emit the alias, and vLLM skips it, so it is accepted without being required.
-        extra = {name: tuple(t.shape) for name, t in model.state_dict().items()
+        extra = {name: shape for name, shape in checkpoint_shapes(model, model.state_dict()).items()
                  if name not in required and name.endswith(".weight")}
         arch = (getattr(config, "architectures", None) or [type(model).__name__])[0]
         return cls(shapes=required, optional=frozenset(extra), optional_shapes=extra, dtype=dtype,
@@ -71,6 +74,14 @@ class WeightSpec:
         """Bytes of one full push in the engine dtype (required tensors only)."""
         item = torch.empty((), dtype=self.dtype).element_size()
         return sum(_numel(shape) for shape in self.shapes.values()) * item
+
+
+def checkpoint_shapes(model, tensors: dict) -> dict[str, tuple[int, ...]]:
+    """Names and shapes that transformers writes for ``tensors`` of ``model`` (its save-time weight
+    conversion, which works on meta tensors; the identity for models without one)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return {name: tuple(t.shape) for name, t in revert_weight_conversion(model, dict(tensors)).items()}
 
 
 def sharded_shapes(shapes: dict[str, tuple[int, ...]], tp: int) -> dict[str, tuple[int, ...]]:

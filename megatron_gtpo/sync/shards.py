@@ -18,7 +18,14 @@ Delivery modes (:func:`delivery_mode`) say what one rank receives:
   tensor by its full q/k/v sizes, so it only loads it whole (``full``).
 * ``senders``: the separate rollout pool. TP rank 0 of data-parallel replica 0 (and context-parallel
   rank 0: CP ranks hold the same weights) of every pipeline stage gathers its own stage's tensors
-  and sends them straight to every server; nobody else receives anything.
+  and sends them straight to every server; nobody else receives anything. A mixture of experts adds one sender per expert-parallel rank of a stage
+  (expert-TP rank 0 of expert replica 0), which sends the experts it holds itself: no rank ever
+  gathers all experts (:func:`sender_ranks`).
+
+Mixture-of-experts families are always pushed ``full`` when colocated: vLLM's fused-MoE loaders take
+each expert's whole tensor and cut their own shard, and every colocated engine holds every expert
+(vLLM's own expert parallelism is for GPU engines). Each expert's tensor is made on the EP rank that
+holds it (gathered over its expert-TP group) and broadcast over the EP group, one tensor at a time.
 * ``first``: global rank 0 gets everything (HF export to disk).
 """
 
@@ -49,6 +56,14 @@ class Entry:
     """Shape of one TP shard on the owner."""
     dtype: str
     """Parameter dtype name (``torch.bfloat16`` ...)."""
+    expert: int | None = None
+    """Global expert index of a routed expert's tensor (None otherwise)."""
+    ep_owner: int = 0
+    """Expert-parallel rank that holds the expert."""
+    split: int | None = None
+    """Ways the shard is cut (the expert-TP size for experts; None: the trainer's TP)."""
+    source: int | None = None
+    """Index of its sender in ``sender_ranks`` (``senders`` mode); None: the owner stage's sender."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +94,8 @@ class BucketPlan:
     index: int
     """Position in the push (buckets travel in this order)."""
     owner: int
-    """Pipeline rank whose sender packs and sends it."""
+    """Index of the sender that packs and sends it (:func:`sender_ranks`; the pipeline rank of its
+    stage for dense models)."""
     entries: tuple[int, ...]
     """Indices of its parameters in the plan's entry list (a parameter never straddles buckets)."""
     tensors: tuple[TensorMeta, ...]
@@ -95,18 +111,20 @@ def param_map(local: str, family: Family) -> mp.ParamMap:
     raise KeyError(local)
 
 
-def hf_order(local: str, layer: int | None, family: Family) -> tuple:
-    """Sort key reproducing HF order: embedding, layers in order, final norm, lm_head."""
+def hf_order(local: str, layer: int | None, family: Family, expert: int | None = None) -> tuple:
+    """Sort key reproducing HF order: embedding, layers in order (a layer's routed experts by
+    expert, each expert's tensors together), final norm, lm_head."""
     if layer is not None:
-        return (1, layer, [pm.local for pm in mp.layer_maps(family)].index(local))
+        index = [pm.local for pm in mp.layer_maps(family)].index(local)
+        return (1, layer, (1, expert, index) if expert is not None else (0, index, 0))
     return (0, 0, 0) if local == "embedding.word_embeddings.weight" else (2, 0, int(local == "output_layer.weight"))
 
 
 def full_shape(pm: mp.ParamMap, shard_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    """Global Megatron shape from one TP shard's shape."""
+    """Global Megatron shape from one TP shard's shape (``tp``: the ways it is cut)."""
     if pm.kind == mp.REPLICATED or tp == 1:
         return shard_shape
-    dim = 1 if pm.kind == mp.ROW else 0
+    dim = 1 if pm.split_kind == mp.ROW else 0
     return tuple(n * tp if i == dim else n for i, n in enumerate(shard_shape))
 
 
@@ -114,7 +132,19 @@ def delivery_mode(*, transport: str, trainer_tp: int, engine_tp: int, family: Fa
     """What each rank receives for a transport, layout and family (see the module docstring)."""
     if transport == "separate":
         return "senders"
-    return "local" if engine_tp == trainer_tp and trainer_tp > 1 and not family.fused else "full"
+    shardable = not family.fused and family.experts is None
+    return "local" if engine_tp == trainer_tp and trainer_tp > 1 and shardable else "full"
+
+
+def sender_ranks(coords: list[dict[str, int]], *, moe: bool) -> list[int]:
+    """Global ranks of the ``senders`` mode, in push order, from every rank's coordinates (``rank``,
+    ``pp``, ``tp``, ``dp``, ``cp``, ``ep``, ``etp``, ``edp``): per stage the dense sender (TP rank 0 of
+    DP replica 0, CP rank 0) and, for a mixture of experts, expert-TP rank 0 of expert replica 0 of
+    each EP rank."""
+    out = {c["rank"] for c in coords if c["tp"] == 0 and c["dp"] == 0 and c["cp"] == 0}
+    if moe:
+        out |= {c["rank"] for c in coords if c["etp"] == 0 and c["edp"] == 0}
+    return sorted(out)
 
 
 def receives(mode: Mode, *, tp_rank: int, dp_rank: int, pp_rank: int, owner: int, rank: int, cp_rank: int = 0) -> bool:
@@ -133,14 +163,14 @@ def delivered(entry: Entry, mode: Mode, *, family: Family, shapes: mp.Shapes, tp
         local = mp.Shapes(heads=shapes.heads // tp, groups=shapes.groups // tp, head_dim=shapes.head_dim)
         out_shapes = mp.hf_shapes(pm, entry.shard_shape, local)
     else:
-        out_shapes = mp.hf_shapes(pm, full_shape(pm, entry.shard_shape, tp), shapes)
+        out_shapes = mp.hf_shapes(pm, full_shape(pm, entry.shard_shape, entry.split or tp), shapes)
     return [TensorMeta(name=name, shape=tuple(shape), dtype=entry.dtype)
-            for name, shape in zip(mp.hf_names(pm, entry.layer), out_shapes)]
+            for name, shape in zip(mp.hf_names(pm, entry.layer, entry.expert), out_shapes)]
 
 
 def plan_buckets(entries: list[Entry], *, family: Family, shapes: mp.Shapes, tp: int,
                  bucket_bytes: int) -> list[BucketPlan]:
-    """Cuts a ``senders`` push into buckets of whole parameters of one stage, up to ``bucket_bytes``
+    """Cuts a ``senders`` push into buckets of whole parameters of one sender, up to ``bucket_bytes``
     (a larger parameter travels alone). Deterministic: every rank and server computes the same."""
     buckets: list[BucketPlan] = []
     current: list[TensorMeta] = []
@@ -149,11 +179,12 @@ def plan_buckets(entries: list[Entry], *, family: Family, shapes: mp.Shapes, tp:
     for index, entry in enumerate(entries):
         metas = delivered(entry, "full", family=family, shapes=shapes, tp=tp)
         nbytes = sum(aligned(m.numel * dtype_size(m.dtype)) for m in metas)
-        if current and (entry.owner != owner or size + nbytes > bucket_bytes):
+        sender = entry.owner if entry.source is None else entry.source
+        if current and (sender != owner or size + nbytes > bucket_bytes):
             buckets.append(BucketPlan(index=len(buckets), owner=owner, entries=tuple(members),
                                       tensors=tuple(current), nbytes=size))
             current, members, size = [], [], 0
-        owner = entry.owner
+        owner = sender
         members.append(index)
         for meta in metas:
             current.append(TensorMeta(name=meta.name, shape=meta.shape, dtype=meta.dtype, offset=size))

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_gtpo.parallel.layout import batch_split_problem
+from megatron_gtpo.train.routing import MoeTokens, batch_routing
 from megatron_gtpo.types import Batch, ScoredGroup
 
 Tensor = torch.Tensor
@@ -69,7 +70,8 @@ def collate(groups: list[ScoredGroup], *, pad_id: int) -> Batch:
     return Batch(prompt_ids=prompt_ids, prompt_lengths=torch.tensor([len(p) for _, p, _, _ in rows], dtype=torch.long),
                  token_ids=token_ids, mask=torch.arange(width)[None, :] < lengths[:, None], sampler_logprobs=sampler,
                  rewards=torch.tensor([r for *_, r in rows], dtype=torch.float32),
-                 group_ids=torch.tensor([gi for gi, *_ in rows], dtype=torch.long), pad_id=pad_id)
+                 group_ids=torch.tensor([gi for gi, *_ in rows], dtype=torch.long), pad_id=pad_id,
+                 routed_experts=batch_routing([c for _, _, c, _ in rows]))
 
 
 def local_rows(batch_size: int, *, dp: int, dp_rank: int, micro_batch_size: int) -> slice:
@@ -111,6 +113,9 @@ class MicroBatch:
     index: int = 0
     """Position in the step's list of micro-batches (schedule order): how an update refers to what
     an earlier update of the step kept for this micro-batch (``train/loss.py``)."""
+    moe: MoeTokens | None = None
+    """Mixture-of-experts policy: its tokens as the MoE layers see them (``train/routing.py``:
+    replayed engine routing, router statistics); None for dense policies."""
 
     def to(self, device) -> MicroBatch:
         """This micro-batch with every tensor on ``device`` (None: where they are)."""

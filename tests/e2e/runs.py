@@ -43,6 +43,8 @@ DAPO_BF16 = ["algo.name=dapo", "algo.overlong_buffer_len=8", "algo.dynamic_sampl
 """DAPO with refills (a scripted reward makes some groups all-equal), a bf16 engine against the fp32
 trainer with truncated importance sampling, and the default packed micro-batches."""
 PACKED_TOKENS = 600
+# configs/tiny_moe.yaml over configs/tiny.yaml (the CLI's recipe): the tiny mixture with EP=2 and replay
+MOE = ["model.path=tiny-moe-char", "model.moe_routing_replay=rollout", "parallel.ep=2"]
 """A packing budget that holds 2-3 of the tiny recipe's rows (prompts of 150-256 characters plus 24
 tokens): packed micro-batches mix rows. The default budget (one worst-case row, 280 tokens) runs in
 the DAPO run."""

@@ -102,7 +102,7 @@ def test_train_calls_record_the_longest_row_and_packed_micro_batch():
     from tests.unit.test_train_batching import ROWS, batch_of
 
     def parts(budget):
-        settings = SimpleNamespace(micro_batch_tokens=budget, micro_batch_size=4, pad_to_multiple=1)
+        settings = SimpleNamespace(micro_batch_tokens=budget, micro_batch_size=4, pad_to_multiple=1, moe=False)
         dims = SimpleNamespace(dp=1, dp_rank=0, cp=1, cp_rank=0, pp=1, vpp=None)
         learner = SimpleNamespace(step=lambda batch: {}, settings=settings, dims=dims)
         return SimpleNamespace(collector=SimpleNamespace(collect=lambda: None), learner=learner,

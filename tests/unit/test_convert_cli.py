@@ -112,7 +112,7 @@ def test_roundtrip_each_family(tmp_path, family, capsys):
     stats = json.loads(capsys.readouterr().out.split("stats: ")[1])
     assert stats["mb"] > 0.4 and stats["peak_rss_mb"] > 0 and stats["mb_per_s"] > 0
     manifest = json.loads((tmp_path / "mc" / "megatron_gtpo.json").read_text())
-    assert manifest["family"] == family and manifest["layout"] == {"tp": 2, "pp": 2, "vpp": None}
+    assert manifest["family"] == family and manifest["layout"] == {"tp": 2, "pp": 2, "vpp": None, "ep": 1, "etp": 1}
     # vocabulary 257 at TP=2: Megatron-LM pads to a multiple of 128 x 2 with zero rows
     assert (manifest["vocab_size"], manifest["padded_vocab_size"], manifest["make_vocab_size_divisible_by"]) == (
         257, 512, 128)

@@ -17,11 +17,12 @@ from tests.tiny_hf import FAMILIES, tiny_hf_config
 def test_config_mapping(family):
     hf = tiny_hf_config(family)
     cfg = M.transformer_config_from_hf(hf, tp=2, pp=2, vpp=None, dtype=torch.float32)
-    assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (4, 64, 96)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (4, 64, 32 if family == "mixtral" else 96)
     assert (cfg.num_attention_heads, cfg.num_query_groups) == (4, 2)
-    assert cfg.kv_channels == (32 if family == "qwen3" else 16)
-    assert cfg.add_qkv_bias == (family == "qwen2") == RECORDS[family].qkv_bias
-    assert cfg.qk_layernorm == (family == "qwen3") == RECORDS[family].qk_norm
+    assert cfg.kv_channels == (32 if family in ("qwen3", "qwen3_moe") else 16)
+    assert cfg.add_qkv_bias == (family in ("qwen2", "qwen2_moe")) == RECORDS[family].qkv_bias
+    assert cfg.qk_layernorm == (family in ("qwen3", "qwen3_moe")) == RECORDS[family].qk_norm
+    assert cfg.num_moe_experts == (4 if RECORDS[family].experts else None)
     assert cfg.normalization == "RMSNorm" and cfg.gated_linear_unit and not cfg.add_bias_linear
     assert cfg.layernorm_epsilon == 1e-5
     assert cfg.tensor_model_parallel_size == 2 and cfg.pipeline_model_parallel_size == 2

@@ -61,12 +61,15 @@ def test_qwen2_accepts_attention_bias_as_transformers_does():
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_mapping_rows_name_transformers_tensors_with_their_shapes(family):
     """Every HF tensor the mapping expects (names from the record, shapes from the Megatron layout)
-    is a parameter of transformers' own model of that family, with that shape, and nothing is left
-    out (a tied lm_head is the embedding)."""
+    is a parameter of transformers' own model of that family as transformers saves it (one tensor
+    per expert of a mixture), with that shape, and nothing is left out (a tied lm_head is the
+    embedding)."""
     import transformers
+
+    from megatron_gtpo.sync.checks import checkpoint_shapes
 
     raw = tiny_hf_config(family)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**raw))
-    want = {name: list(p.shape) for name, p in model.named_parameters()}
+    want = {name: list(shape) for name, shape in checkpoint_shapes(model, dict(model.named_parameters())).items()}
     assert _expected_shapes(raw, FAMILIES[family], M.tied_embeddings(raw)) == want

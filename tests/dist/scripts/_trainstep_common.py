@@ -139,12 +139,12 @@ def completion_rows(batch: Batch):
     return batch.token_ids, batch.mask, torch.where(batch.mask, pos, torch.zeros_like(pos))
 
 
-def dense_token_stats(logits: torch.Tensor, batch: Batch, temperature: float):
+def dense_token_stats(logits: torch.Tensor, batch: Batch, temperature: float, *, vocab: int = VOCAB):
     """float64 dense log-softmax: per completion token log-prob, exact entropy and the GTPO
     reference's clamped entropy (p floored at 1e-6 inside the log), each [B, T]. ``logits`` may
-    carry vocabulary padding columns: only the first VOCAB are the model's distribution."""
+    carry vocabulary padding columns: only the first ``vocab`` are the model's distribution."""
     ids, mask, pos = completion_rows(batch)
-    logsm = torch.log_softmax(logits[..., :VOCAB].double() / temperature, dim=-1)  # [B, S, V]
+    logsm = torch.log_softmax(logits[..., :vocab].double() / temperature, dim=-1)  # [B, S, V]
     prev = (pos - 1).clamp(min=0)
     rows = torch.arange(ids.shape[0])[:, None]
     token_logp = logsm[rows, prev].gather(-1, ids[..., None]).squeeze(-1)
@@ -157,12 +157,13 @@ def dense_token_stats(logits: torch.Tensor, batch: Batch, temperature: float):
 
 
 def reference_loss(model, batch: Batch, *, spec, temperature: float, ref_logp: torch.Tensor | None = None,
-                   old_logp: torch.Tensor | None = None, mean_entropy: torch.Tensor | None = None):
+                   old_logp: torch.Tensor | None = None, mean_entropy: torch.Tensor | None = None,
+                   vocab: int = VOCAB):
     """Whole-batch loss (tests/algo_helpers.policy_loss); returns (loss, logp [B,T] detached, <H> [B], metrics).
-    ``ref_logp`` [B, T] in the completion view."""
+    ``ref_logp`` [B, T] in the completion view; ``vocab``: the model's true vocabulary size."""
     input_ids, position_ids = sequence_view(batch)
     logits = model(input_ids, position_ids, M.causal_mask(input_ids.shape[1]))
-    logp, entropy, clamped, ids, mask = dense_token_stats(logits, batch, temperature)
+    logp, entropy, clamped, ids, mask = dense_token_stats(logits, batch, temperature, vocab=vocab)
     if mean_entropy is None:
         mean_entropy = algo.completion_mean_entropy(clamped, mask)
     ref = None if ref_logp is None else torch.where(mask, ref_logp.double(), torch.zeros((), dtype=torch.float64))

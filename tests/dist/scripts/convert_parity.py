@@ -1,4 +1,5 @@
-"""2-rank conversion checks at (TP, PP) in {(1,1) x DP2, (2,1), (1,2)} for every tiny family.
+"""2-rank conversion checks at (TP, PP) in {(1,1) x DP2, (2,1), (1,2)} for every tiny family; the
+mixtures of experts with EP=2 where the layout has two TP x DP ranks (EP=2 over DP2, TP2 x EP2).
 
 Usage: convert_parity.py WORK_DIR, where WORK_DIR/<family>/hf is a tiny HF model and
 WORK_DIR/<family>/mcore its conversion by the CLI. For each layout and family the script
@@ -30,7 +31,7 @@ from megatron_gtpo.convert.hf_io import HFReader
 from megatron_gtpo.convert.load import load_hf_weights
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import model as M
-from tests.tiny_hf import FAMILIES
+from tests.tiny_hf import FAMILIES, MOE_FAMILIES
 from tests.sync_helpers import export_hf_weights
 
 SEQ, BATCH = 12, 2
@@ -140,7 +141,7 @@ def check(family, work, dims, layout):
                       for a, b in zip(c1.parameters(), c2.parameters()))
     all_names, all_equal = export_matches(chunks, hf_config, dims, reader, "all")
     first_names, first_equal = export_matches(chunks, hf_config, dims, reader, "first")
-    report(family=family, layout=layout, logits_diff=diff, pad_logit=pad_logit, wrong_theta_diff=control,
+    report(family=family, layout=layout, ep=dims.ep, logits_diff=diff, pad_logit=pad_logit, wrong_theta_diff=control,
            padded_rows=padded_rows,
            logits_scale=hf_ref.abs().max().item(), direct_load_equal=same_params,
            export_all_complete=sorted(all_names) == sorted(reader.names()), export_all_equal=all_equal,
@@ -151,11 +152,14 @@ def check(family, work, dims, layout):
 def main():
     work = Path(sys.argv[1])
     dist.init_process_group("gloo")
+    dense = [f for f in FAMILIES if f not in MOE_FAMILIES]
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
-        dims = init_distributed(tp=tp, pp=pp, seed=11)
-        for family in FAMILIES:
-            check(family, work, dims, [tp, pp])
-        ps.destroy_model_parallel()
+        moe_ep = dist.get_world_size() // pp  # experts over every TP x DP rank of a stage
+        for ep, families in ((1, dense), (moe_ep, MOE_FAMILIES)):
+            dims = init_distributed(tp=tp, pp=pp, ep=ep, seed=11)
+            for family in families:
+                check(family, work, dims, [tp, pp])
+            ps.destroy_model_parallel()
 
 
 if __name__ == "__main__":

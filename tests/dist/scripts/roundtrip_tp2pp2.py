@@ -1,4 +1,5 @@
-"""4-rank HF -> Megatron (TP=2, PP=2, with and without VPP=2) -> HF for every tiny family.
+"""4-rank HF -> Megatron (TP=2, PP=2, with and without VPP=2) -> HF for every tiny family; the
+mixtures of experts at TP=2 x EP=2 x PP=2 (expert parallelism over the two TP ranks of a stage).
 
 Usage: roundtrip_tp2pp2.py WORK_DIR (layout as in convert_parity.py). Rank 0 writes the exported
 model to WORK_DIR/<family>/back_tp2pp2[_vpp2]; the test compares it bit for bit with the original.
@@ -17,7 +18,7 @@ from megatron_gtpo.convert.hf_io import HFWriter, copy_side_files
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import model as M
 from tests.dist.scripts.convert_parity import hf_logits, logits_diffs, megatron_logits, report, tokens_for
-from tests.tiny_hf import FAMILIES
+from tests.tiny_hf import FAMILIES, MOE_FAMILIES
 from tests.sync_helpers import export_hf_weights
 
 
@@ -39,17 +40,19 @@ def roundtrip(family, work, dims, suffix):
         writer.close()
         copy_side_files(work / family / "hf", work / family / f"back_{suffix}")
     report(family=family, layout=suffix, logits_diff=diff, pad_logit=pad_logit, buckets=buckets, chunks=len(chunks),
-           layer_offsets=[M.layer_offset(c) for c in chunks])
+           layer_offsets=[M.layer_offset(c) for c in chunks], ep=dims.ep)
 
 
 def main():
     work = Path(sys.argv[1])
     dist.init_process_group("gloo")
+    dense = [f for f in FAMILIES if f not in MOE_FAMILIES]
     for vpp, suffix in ((None, "tp2pp2"), (2, "tp2pp2_vpp2")):
-        dims = init_distributed(tp=2, pp=2, vpp=vpp, seed=5)
-        for family in FAMILIES:
-            roundtrip(family, work, dims, suffix)
-        ps.destroy_model_parallel()
+        for ep, families in ((1, dense), (2, MOE_FAMILIES)):
+            dims = init_distributed(tp=2, pp=2, vpp=vpp, ep=ep, seed=5)
+            for family in families:
+                roundtrip(family, work, dims, suffix)
+            ps.destroy_model_parallel()
 
 
 if __name__ == "__main__":
