@@ -288,10 +288,17 @@ def adapters(model_chunks: list[torch.nn.Module]) -> Iterator[tuple[int, LoraAda
         model = unwrap(chunk)
         offset = layer_offset(model)
         for j, layer in enumerate(model.decoder.layers):
-            for name in BY_NAME:
-                linear = layer.get_submodule(BY_NAME[name].path)
-                if hasattr(linear, "lora"):
+            for name in BY_NAME:  # a mixture's layers have experts instead of linear_fc1/fc2: no adapters there
+                linear = _submodule(layer, BY_NAME[name].path)
+                if linear is not None and hasattr(linear, "lora"):
                     yield offset + j, linear.lora, linear
+
+
+def _submodule(layer: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    try:
+        return layer.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def apply_lora(model_chunks: list[torch.nn.Module], cfg: LoraConfig, *, seed: int) -> int:
@@ -310,7 +317,10 @@ def apply_lora(model_chunks: list[torch.nn.Module], cfg: LoraConfig, *, seed: in
         offset = layer_offset(model)
         for j, layer in enumerate(model.decoder.layers):
             for target in cfg.targets():
-                linear = layer.get_submodule(target.path)
+                linear = _submodule(layer, target.path)
+                if linear is None:
+                    raise ValueError(f"model.lora.target_modules: layer {offset + j} has no {target.path} (a mixture of "
+                                     "experts' MLP): LoRA adapts dense linears only; target the attention (q, k, v, o)")
                 adapter = LoraAdapter(linear, target, cfg)
                 attach(linear, adapter)
                 a, b = initial_adapter(adapter, seed=seed, layer=offset + j, index=list(BY_NAME).index(target.name))
