@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, run_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
