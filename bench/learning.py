@@ -63,7 +63,8 @@ def parse_args(argv=None):
     parser.add_argument("--algos", default="", help="comma list of algorithms (default: the study's)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1; in-process runs: 1)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each child run (default 1)")
-    parser.add_argument("--margin", type=float, default=QUICK_MARGIN, help=f"--quick reward rise (default {QUICK_MARGIN})")
+    parser.add_argument("--margin", type=float, default=QUICK_MARGIN,
+                        help=f"--quick: least reward rise per algorithm (default {QUICK_MARGIN})")
     parser.add_argument("--timeout-s", type=float, default=4 * 3600, help="limit per child process (default 4 h)")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep each run's last checkpoint (1.6 GB)")
     parser.add_argument("--in-process", action="store_true", help="run every train in this process (--quick does)")
@@ -104,7 +105,8 @@ def evaluate_model(model: str, *, study, data, out: Path, args, hf_config: str =
                  log_path=out.with_suffix(".log"), args=args)
     if got["code"] != 0:
         return {"error": failure("eval", got["code"], out.with_suffix(".log")), "wall_s": round(got["wall_s"], 1)}
-    return {"pass": pass_at_k(out.with_suffix(".json")), "wall_s": round(got["wall_s"], 1), "cpu_s": round(got["cpu_s"], 1)}
+    return {"pass": pass_at_k(out.with_suffix(".json")), "wall_s": round(got["wall_s"], 1),
+            "cpu_s": round(got["cpu_s"], 1)}
 
 
 def base_eval(study, data, out: Path, args) -> dict:
@@ -200,7 +202,8 @@ def run_study(study, args, out: Path) -> dict:
     if ok:
         dirs = {a: [str(out / f"{a}-s{r['seed']}") for r in ok if r["algo"] == a] for a in study.algorithms}
         groups = [f"{a}={','.join(d)}" for a, d in dirs.items() if d]
-        figures.append(str(plot_runs(groups, out / "curves.png", panels="study", smooth=max(1, min(5, study.steps // 8)))))
+        smooth = max(1, min(5, study.steps // 8))  # trailing mean: a step's 8-16 samples are noisy
+        figures.append(str(plot_runs(groups, out / "curves.png", panels="study", smooth=smooth)))
     summary = {"algorithms": aggregate(runs), "base": base}
     if base and ok:
         figures.append(str(plot_held_out(summary, out / "held_out.png")))

@@ -16,7 +16,8 @@ from megatron_gtpo.plotting import fetch_history, save_figure
 
 CURVES = ("reward/accuracy", "reward/mean", "eval/accuracy", "entropy/mean", "gtpo/filtered_frac",
           "gtpo/conflict_tokens_per_completion", "gtpo/lambda_zero_share", "gtpo/lambda_ge2_share",
-          "bias/prefix_wagg_common", "bias/prefix_wagg_len_corr", "bias/prefix_wagg_abs_mean", "bias/prefix_common_len", "bias/surrogate_adv_term", "bias/surrogate_cov",
+          "bias/prefix_wagg_common", "bias/prefix_wagg_len_corr", "bias/prefix_wagg_abs_mean", "bias/prefix_common_len",
+          "bias/surrogate_adv_term", "bias/surrogate_cov",
           "bias/surrogate_loss_gap", "completion/length_mean", "time/step_s", "rollout/tries", "batch/active_frac")
 """Metric histories a run summary reads."""
 MEANS = {"filtered_frac": "gtpo/filtered_frac", "conflict_tokens_per_completion": "gtpo/conflict_tokens_per_completion",
@@ -107,8 +108,10 @@ def aggregate(runs: list[dict]) -> dict:
 def quick_verdict(runs: list[dict], margin: float) -> dict:
     """The quick check: each algorithm's mean reward over the last steps minus the first steps must
     exceed ``margin``. A broken update shows a flat (lr 0, no gradient) or falling (sign flip) reward."""
-    rows = {r["algo"]: {"reward_first": r.get("reward_first"), "reward_last": r.get("reward_last"),
-                        "gain": None if r.get("reward_last") is None else round(r["reward_last"] - r["reward_first"], 4)}
+    def gain(r):
+        return None if r.get("reward_last") is None else round(r["reward_last"] - r["reward_first"], 4)
+
+    rows = {r["algo"]: {"reward_first": r.get("reward_first"), "reward_last": r.get("reward_last"), "gain": gain(r)}
             for r in runs}
     failed = sorted(a for a, v in rows.items() if v["gain"] is None or v["gain"] <= margin)
     return {"margin": margin, "per_algorithm": rows, "passed": not failed, "failed": failed}

@@ -183,7 +183,8 @@ def run_recipe(study: Study, algo: str, data: StudyData, *, seed: int) -> dict:
     train = {"steps": study.steps, "checkpoint_every": study.steps, "seed": 1234 + seed}
     if ev.every:  # the last step is always evaluated: "after" is the trained policy, not an earlier one
         every = ev.every if study.steps % ev.every == 0 else study.steps
-        train.update(eval_every=every, eval_benchmark=HELD_OUT_BENCHMARK, eval_prompts=data.held_out_count or ev.prompts or 16)
+        train.update(eval_every=every, eval_benchmark=HELD_OUT_BENCHMARK,
+                     eval_prompts=data.held_out_count or ev.prompts or 16)
     body = deep_merge(body, {"train": train, "rollout": {"seed": seed}, "data": {"seed": seed},
                              "tracking": {"run_name": f"{study.name}-{algo}-s{seed}"}})
     body = deep_merge(body, study.algorithms[algo].get("overrides") or {})

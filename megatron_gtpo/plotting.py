@@ -37,7 +37,7 @@ STUDY_PANELS = [
     (("entropy/mean",), "mean token entropy (nats)"),
     (("gtpo/filtered_frac",), "GTPO: share filtered (entropy above threshold)"),
     (("gtpo/lambda_zero_share", "gtpo/lambda_ge2_share"), "conflict-token shares: lambda = 0 / lambda >= 2"),
-    (("bias/prefix_wagg_common", "bias/prefix_wagg_abs_mean"), "D1: W_agg, common prefix / mean |W_agg| of mixed nodes"),
+    (("bias/prefix_wagg_common", "bias/prefix_wagg_abs_mean"), "D1: W_agg, common prefix / mean |W_agg| mixed nodes"),
     (("bias/surrogate_adv_term", "bias/surrogate_loss_gap"), "D2: sum A Omega; loss gap (~0)"),
     (("completion/length_mean",), "completion tokens (mean)"),
     (("batch/active_frac",), "share of completions with A != 0"),
@@ -110,7 +110,8 @@ def _draw(ax, histories: list[dict], key: str, name: str, smooth: int) -> bool:
     means = _smoothed([sum(by_step[s]) / len(by_step[s]) for s in steps], smooth)
     (line,) = ax.plot(steps, means, marker="o", markersize=3, label=name)
     if len(histories) > 1:
-        low, high = _smoothed([min(by_step[s]) for s in steps], smooth), _smoothed([max(by_step[s]) for s in steps], smooth)
+        low = _smoothed([min(by_step[s]) for s in steps], smooth)
+        high = _smoothed([max(by_step[s]) for s in steps], smooth)
         ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
     return True
 
