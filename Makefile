@@ -12,6 +12,6 @@ demo: setup
 test: setup
 	@scripts/test.sh
 
-# Unit tests only (seconds), for the edit-test loop.
+# The unit layer only (a few minutes on 2 cores), for the edit-test loop; no floors or skip guards.
 test-fast: setup
-	.venv/bin/python -m pytest tests/unit -q
+	.venv/bin/python -m pytest tests/unit -q -p no:cacheprovider

@@ -1,7 +1,8 @@
 """Step-time overhead of the bias diagnostics: an A/B of ``train_step`` on the tiny-char model
-(configs/tiny.yaml's model; 8 completions, 120-token prompts) with the diagnostics (D1/D2 batch part,
-the D2 micro-batch parts, D4) and with them patched out, alternating in one process; median CPU time
-of this process over 10 steps each. Single rank (gloo world of 1).
+(configs/tiny.yaml's model; 8 completions, 120-token prompts) with the step observer (D1/D2 batch
+part, the D2 micro-batch parts, D4, the mismatch metrics: train/observer.py) and with a no-op
+observer in its place, alternating in one process; median CPU time of this process over 10 steps
+each. Single rank (gloo world of 1).
 
     .venv/bin/python bench/diagnostics_overhead.py gtpo        # or dapo_mu3 (mu = 3: D4 too)
 """
@@ -17,7 +18,7 @@ from megatron_gtpo.algo import AlgoConfig  # noqa: E402
 from megatron_gtpo.models.hf_config import read_hf_config  # noqa: E402
 from megatron_gtpo.models.resolve import resolve_model  # noqa: E402
 from megatron_gtpo.parallel.dims import init_distributed  # noqa: E402
-from megatron_gtpo.train import model as M, step as S, loss as L  # noqa: E402
+from megatron_gtpo.train import model as M, step as S  # noqa: E402
 from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp  # noqa: E402
 from tests.dist.scripts import _trainstep_common as C  # noqa: E402
 
@@ -31,21 +32,37 @@ g = torch.Generator().manual_seed(0)
 batch = C.make_batch(0, num_groups=2, group_size=4)
 # tiny.yaml geometry: prompts ~120 tokens, completions <= 24
 batch.prompt_ids = torch.randint(3, 128, (8, 120), generator=g); batch.prompt_lengths = torch.full((8,), 120)
+# the test batch's ids reach 200; tiny-char's vocabulary is 128 (ids >= 3 stay >= 3: no new EOS or pad)
+batch.token_ids = torch.where(batch.token_ids >= 128, batch.token_ids - 125, batch.token_ids)
 name = sys.argv[1] if len(sys.argv) > 1 else "gtpo"
 cfg = {"gtpo": AlgoConfig(name="gtpo", entropy_threshold=777.0, entropy_gamma=0.0),
        "dapo_mu3": AlgoConfig(name="dapo", mu=3)}[name]
 settings = S.StepSettings(spec=cfg.resolve(max_completion_tokens=24), micro_batch_size=4, temperature=1.0)
-real = (S.batch_bias, L._surrogate_pairs, L._overshoot_pairs, S.adam_step, S.momentum_metrics)
-off = (lambda *a, **k: SimpleNamespace(metrics=lambda first: {}), lambda *a, **k: {}, lambda *a, **k: {},
-       lambda *a, **k: None, lambda *a, **k: {})
+class NoObserver:
+    """The step observer's interface, doing nothing."""
 
-def use(fns):
-    S.batch_bias, L._surrogate_pairs, L._overshoot_pairs, S.adam_step, S.momentum_metrics = fns
+    def __init__(self, plan):
+        pass
+
+    def micro_batch(self, *args):
+        pass
+
+    def after_update(self, optimizer):
+        pass
+
+    def finish(self, host_prepared, first_update):
+        return {}
+
+
+real = S.StepObserver
+
+def use(observer):
+    S.StepObserver = observer
 
 times = {"on": [], "off": []}
 for i in range(24):
     mode = "on" if i % 2 else "off"
-    use(real if mode == "on" else off)
+    use(real if mode == "on" else NoObserver)
     t = time.process_time()
     S.train_step(policy, batch, settings, dims)
     if i >= 4:

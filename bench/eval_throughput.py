@@ -80,10 +80,11 @@ def eval_path(engine, scorer, config, tokenizer, out_dir: str) -> int:
 
 def seeded_call(engine, prompts: list, config) -> int:
     """All prompts in one engine call with per-prompt seeds and sampler log-probs."""
+    from megatron_gtpo.rollout.config import Sampling
     from megatron_gtpo.rollout.engine import prompt_seeds
 
-    done = engine.sample(prompts, seeds=prompt_seeds(config.seed, len(prompts), config.n), n=config.n,
-                         temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)
+    sampling = Sampling(n=config.n, temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)
+    done = engine.sample(prompts, seeds=prompt_seeds(config.seed, len(prompts), config.n), sampling=sampling)
     return sum(len(c.token_ids) for c in done)
 
 

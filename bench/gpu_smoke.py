@@ -14,6 +14,10 @@ Parts, in order; each reports its status, seconds and peak GPU memory:
               ``--shared-prefix`` tokens and end with EOS, so GTPO finds conflicts)
   checkpoint  checkpoint/store.py: saved after step 1, loaded back after the last step; the weights must come
               back bit for bit, then the step is repeated and its loss compared with the original step 2
+  optim_state the optimizer-state contract (train/optim_state.py) with the Adam Megatron built here (TE
+              FusedAdam where TE imports): distributed optimizer, one step, save, a fresh policy primed
+              and loaded, its state in that optimizer's layout, Adam's step 1 read by the D4
+              diagnostics, one more step on both (losses reported)
   export      sync/export.py's streaming exporter: every HF tensor, checked against the HF model's
               names and shapes (sync/checks.py, when transformers imports) and the Megatron parameters
   te_bf16     the Transformer Engine layer spec, bf16, loaded with the step-1 weights: |logp - logp_local|
@@ -29,7 +33,7 @@ Parts, in order; each reports its status, seconds and peak GPU memory:
 Parts that cannot run here (no Transformer Engine, no vLLM, compute capability < 9.0) print one
 ``SKIP`` line each. The last line of stdout is one JSON object (also written to ``--json-out``);
 the exit status is 1 when a part that ran failed, 2 for bad arguments. The model is built
-in-process from a config dict (no hub, no files), so the first five parts need only torch,
+in-process from a config dict (no hub, no files), so the first six parts need only torch,
 megatron-core and this repository (code: bench/gpu_smoke_setup.py, bench/gpu_smoke_parts.py;
 docs/gpu.md has the install). Numbers that compare two builds (TE against local, vLLM
 against Megatron) are reported, not judged: bf16 kernels differ in rounding.

@@ -36,6 +36,15 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
+def _state_keys(inner, rules) -> list[str]:
+    """The per-parameter state keys of ``inner``; SmokeFailure for any its rules do not allow."""
+    keys = sorted({k for state in inner.state.values() for k in state})
+    allowed = set(rules.keys) | ({"step"} if rules.step_per_param else set())
+    if not keys or set(keys) - allowed:
+        raise SmokeFailure(f"{rules.name} holds per-parameter state {keys}; its rules allow {sorted(allowed)}")
+    return keys
+
+
 def _masked_abs(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
     """(max, mean) of |a - b| over ``mask`` (the Batch's mask lives on the CPU, the statistics on the device)."""
     diff = (a.float() - b.float()).abs()[mask.bool().to(a.device)]
@@ -193,6 +202,46 @@ class Smoke:
                 "logp_local_mean": float(self.stats_local.logp[mask].mean()),
                 "logp_local_std": float(self.stats_local.logp[mask].std())}
 
+    def part_optim_state(self) -> dict:
+        """The optimizer-state contract (train/optim_state.py) with the Adam Megatron built on this machine
+        (TE's FusedAdam where TE imports, apex's, else torch's AdamW), under the distributed optimizer
+        of the GPU recipes: one step, save, a fresh policy primed and loaded (the resume that crashed
+        with TE: KeyError 'step'), its state in that optimizer's own layout with Adam's step 1, the
+        D4 diagnostics reading it, then one step on both (losses reported, steps judged)."""
+        from megatron_gtpo.checkpoint.store import load_checkpoint, save_checkpoint
+        from megatron_gtpo.train import optim_state
+        from megatron_gtpo.train.diagnostics import adam_step, small_v_fraction
+
+        saved, fresh = (build_policy(self.cfg, self.hf, self.dims, use_te=False, distributed_optimizer=True)
+                        for _ in range(2))
+        try:
+            inner = saved.optimizer.optimizer
+            rules = optim_state.adam_rules(inner)
+            if rules is None:
+                raise SmokeFailure(f"Megatron built {type(inner).__name__}: no Adam state rules for it")
+            first = gtpo_train_step(saved, self.batch, self.settings, self.dims)
+            save_checkpoint(self.workdir / "optim", step=1, model_chunks=saved.chunks, optimizer=saved.optimizer,
+                            extra_state={}, keep_last=1)
+            load_checkpoint(self.workdir / "optim", model_chunks=fresh.chunks, optimizer=fresh.optimizer, step=1)
+            keys = _state_keys(fresh.optimizer.optimizer, rules)
+            loaded, before = adam_step(fresh.optimizer), adam_step(saved.optimizer)
+            small_v = small_v_fraction(fresh.optimizer)
+            losses = [gtpo_train_step(p, self.batch, self.settings, self.dims)["loss"] for p in (saved, fresh)]
+            steps = [adam_step(p.optimizer).step for p in (saved, fresh)]
+        finally:
+            del saved, fresh
+            gc.collect()  # DDP hooks form reference cycles
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if loaded is None or (loaded.step, before.step) != (1, 1) or steps != [2, 2]:
+            raise SmokeFailure(f"Adam's step after the load {loaded and loaded.step} (saved {before.step}), after one "
+                               f"more step {steps}: expected 1, 1 and [2, 2]")
+        return {"optimizer": f"{type(inner).__module__}.{type(inner).__qualname__}", "rules": rules.name,
+                "step_in": "per parameter" if rules.step_per_param else "param group", "state_keys": keys,
+                "loss_step1": first["loss"], "adam_norm_saved": before.norm, "adam_norm_loaded": loaded.norm,
+                "small_v_fraction": small_v, "loss_step2": losses[0], "loss_step2_resumed": losses[1],
+                "abs_loss_resumed_vs_uninterrupted": abs(losses[0] - losses[1])}
+
     def hf_dir(self) -> Path:
         """A folder holding only the model's ``config.json`` (what WeightSpec and vLLM read)."""
         path = self.workdir / "hf"
@@ -334,6 +383,7 @@ class Smoke:
         """Exported weights into an in-process vLLM engine through the driver's weight-sync call
         (``WeightSync.sync``: export + checks + push), then greedy tokens against Megatron's."""
         from megatron_gtpo.rollout import RolloutEngine
+        from megatron_gtpo.rollout.config import Sampling
         from megatron_gtpo.sync import ColocatedSync, ExportPlan
         from megatron_gtpo.types import Prompt
 
@@ -344,7 +394,7 @@ class Smoke:
             itemsize = torch.empty((), dtype=engine.dtype).element_size()
             prompts = [Prompt(uid=f"p{i}", token_ids=self.batch.prompt_ids[i * self.cfg.group, :8].tolist())
                        for i in range(2)]
-            got = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=16)
+            got = engine.generate(prompts, Sampling(n=1, temperature=0.0, max_tokens=16))
         finally:
             engine.close()
         push_bytes, want_bytes = round(push["sync/gigabytes"] * 1e9), itemsize * param_count(self.hf)

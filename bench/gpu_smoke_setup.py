@@ -15,9 +15,9 @@ import torch
 
 from megatron_gtpo.utils.configuration import require
 
-PARTS = ("logprob", "local", "checkpoint", "export", "te_bf16", "te_fp8", "te_packed", "vllm")
-NEEDS = {"checkpoint": ("local",), "export": ("local",), "te_bf16": ("checkpoint",), "te_fp8": ("checkpoint",),
-         "te_packed": ("checkpoint",), "vllm": ("local",)}
+PARTS = ("logprob", "local", "checkpoint", "optim_state", "export", "te_bf16", "te_fp8", "te_packed", "vllm")
+NEEDS = {"checkpoint": ("local",), "optim_state": ("local",), "export": ("local",), "te_bf16": ("checkpoint",),
+         "te_fp8": ("checkpoint",), "te_packed": ("checkpoint",), "vllm": ("local",)}
 """Parts that use what an earlier part built (the local model, the step-1 checkpoint and its log-probs)."""
 TINY = dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=512, seq=64, rows=8, micro_batch=4, steps=2,
             shared_prefix=4)
@@ -159,13 +159,16 @@ class Policy:
     """Megatron ``OptimizerParamScheduler``."""
 
 
-def build_policy(cfg: SmokeConfig, hf: dict, dims, *, use_te: bool, overrides: dict | None = None) -> Policy:
-    """Model (seeded random weights), Megatron DDP and Adam, as the trainer builds them."""
+def build_policy(cfg: SmokeConfig, hf: dict, dims, *, use_te: bool, overrides: dict | None = None,
+                 distributed_optimizer: bool = False) -> Policy:
+    """Model (seeded random weights), Megatron DDP and Adam, as the trainer builds them
+    (``distributed_optimizer``: Megatron's DistributedOptimizer, as every GPU recipe uses)."""
     from megatron_gtpo.train.model import build_model
     from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
 
     torch.manual_seed(cfg.seed)
-    optim = OptimConfig(optimizer={**OptimConfig().optimizer, "lr": cfg.lr})
+    optim = OptimConfig(optimizer={**OptimConfig().optimizer, "lr": cfg.lr,
+                                   "use_distributed_optimizer": distributed_optimizer})
     model = build_model(hf, dims=dims, dtype=torch.bfloat16, use_te=use_te,
                         overrides={"init_method_std": cfg.init_std, **(overrides or {})})
     chunks = wrap_ddp(model, optim)
@@ -175,14 +178,17 @@ def build_policy(cfg: SmokeConfig, hf: dict, dims, *, use_te: bool, overrides: d
 
 def step_settings(cfg: SmokeConfig):
     """``StepSettings`` of every train step and log-prob pass here: GTPO with the entropy filter
-    disabled (threshold 777: every row trains), temperature 1, micro-batch lengths padded to a
-    multiple of 64 on CUDA (never past the batch's longest row, ``seq``). Pure: no CUDA call."""
+    disabled (threshold 777: every row trains), temperature 1, micro-batch lengths padded on CUDA
+    to what the te_fp8 part's recipe needs at TP=1 (train/model.py ``padding_multiple``, the rule
+    the trainer uses; 16 for tensorwise/delayed, never past the batch's longest row, ``seq``).
+    Pure: no CUDA call."""
     from megatron_gtpo.algo import AlgoConfig
+    from megatron_gtpo.train.model import padding_multiple
     from megatron_gtpo.train.step import StepSettings
 
     spec = AlgoConfig(name="gtpo", entropy_threshold=777.0).resolve(max_completion_tokens=cfg.completion_width)
-    return StepSettings(spec=spec, micro_batch_size=cfg.micro_batch, temperature=1.0,
-                        pad_to_multiple=64 if cfg.device == "cuda" else 1)
+    pad = padding_multiple(recipe=cfg.fp8_recipe, tp=1, sequence_parallel=False) if cfg.device == "cuda" else 1
+    return StepSettings(spec=spec, micro_batch_size=cfg.micro_batch, temperature=1.0, pad_to_multiple=pad)
 
 
 def gtpo_train_step(policy: Policy, batch, settings, dims) -> dict[str, float]:

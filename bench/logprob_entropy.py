@@ -18,6 +18,10 @@ Memory is the peak of live tensor bytes allocated during forward + backward (PyT
 allocation events; the logits exist beforehand), minus the logits' gradient when it is a new
 buffer (a shard every path must hand on; paths that write it over the logits pay nothing),
 divided by the shard size. ``fused`` runs with ``inplace_backward=True`` as the train step does.
+A CP row runs the same pass on one sequence of ``--tokens`` split over context parallelism
+(``train/cp_loss.py::shard_token_stats``: the CP shard's targets, the completion-view map, and
+GTPO's <H>_i all-reduced over the CP group): CP = 1 on rank 0 alone, CP = 2 on both ranks, each rank
+holding ``tokens / cp`` rows of logits; time per token and extra memory over the shard, same run.
 Every naive buffer is ``tokens x vocab``, so its ratio does not depend on the token count; it is
 measured at ``--naive-tokens`` (default 2048) so that two ranks of the naive path fit next to other
 jobs (at 8192 tokens it needs ~8 GB per rank). Time is
@@ -158,13 +162,75 @@ def run_tp(tp: int, args) -> dict | None:
     return result
 
 
+def _cp_path(cp: int, rank: int, tokens: int, vocab: int):
+    """The fused pass on this CP rank's share of one sequence of ``tokens`` (prompt of 64 tokens):
+    log-probs and entropies in the completion view, <H>_i over the CP group, gradient through both."""
+    from megatron_gtpo.train.batching import MicroBatch
+    from megatron_gtpo.train.cp_loss import cp_groups, mean_entropy, shard_token_stats
+    from megatron_gtpo.train.cp_shard import shard_micro_batch
+    from megatron_gtpo.train.loss import LogprobSettings
+
+    gen = torch.Generator().manual_seed(2)
+    prompt, width = 64, tokens - 64
+    mb = MicroBatch(rows=torch.zeros(1, dtype=torch.long), input_ids=torch.randint(0, vocab, (1, tokens), generator=gen),
+                    position_ids=torch.arange(tokens)[None, :], start=torch.tensor([prompt]),
+                    lengths=torch.tensor([width]), width=width)
+    shard = shard_micro_batch(mb, cp=cp, rank=rank, pad_id=0)
+    mask = torch.ones(1, width, dtype=torch.bool)
+    group = cp_groups()[0] if cp > 1 else None
+    settings = LogprobSettings(tp_group=None, tp_rank=0, vocab_size=vocab, temperature=1.0, chunk_tokens=None)
+
+    def path(logits, _target=None):
+        logp, entropy = shard_token_stats(settings, logits, shard, inplace_backward=True)
+        mean_entropy(entropy, shard.held, mask, group)
+        (logp.sum() + entropy.sum()).backward()
+
+    return path, tokens // cp
+
+
+def run_cp(cp: int, args) -> dict | None:
+    """Time per token and extra memory of the fused pass on a CP shard (CP = 1: rank 0 alone)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_gtpo.parallel.dims import init_distributed
+
+    dims = init_distributed(tp=1, cp=cp, pp=1, seed=0)
+    result = None
+    if dims.dp_rank == 0:
+        path, local = _cp_path(cp, dims.cp_rank, args.tokens, args.vocab)
+        logits_shape = (1, local, args.vocab)
+        extra = _measure(lambda x, t: path(x.view(logits_shape)), local, args.vocab, args.vocab)
+        group = ps.get_context_parallel_group()  # size 1 at CP = 1: rank 1 sits that one out
+        seconds = _time_round_robin({"cp": lambda x, t: path(x.view(logits_shape))}, local, args.vocab, args.vocab,
+                                    args.reps, group)["cp"]
+        result = {"cp": cp, "local_tokens": local, "extra_over_shard": extra, "seconds": seconds,
+                  "us_per_token": 1e6 * seconds / local, "shard_mb": local * args.vocab * 4 / 2**20}
+    dist.barrier()
+    ps.destroy_model_parallel()
+    return result
+
+
+def _cp_summary(cp1: dict, cp2: dict) -> dict:
+    return {"cp": 2, "tokens": cp1["local_tokens"], "logits_shard_vs_cp1": round(cp2["shard_mb"] / cp1["shard_mb"], 3),
+            "extra_mem_over_shard_cp1": round(cp1["extra_over_shard"], 4),
+            "extra_mem_over_shard_cp2": round(cp2["extra_over_shard"], 4),
+            "time_per_token_vs_cp1": round(cp2["us_per_token"] / cp1["us_per_token"], 3),
+            "us_per_token_cp1": round(cp1["us_per_token"], 3), "us_per_token_cp2": round(cp2["us_per_token"], 3)}
+
+
 def main_rank(args) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     results = [run_tp(1, args), run_tp(2, args)]
+    cp_results = [run_cp(1, args), run_cp(2, args)]
     if dist.get_rank() != 0:
         return
+    cp = _cp_summary(*cp_results)
+    print(f"CP=2 vs CP=1 (one sequence of {cp['tokens']} tokens): logits per rank {cp['logits_shard_vs_cp1']}x, "
+          f"extra/shard {cp['extra_mem_over_shard_cp2']} (CP=1 {cp['extra_mem_over_shard_cp1']}), time per token "
+          f"{cp['time_per_token_vs_cp1']}x ({cp['us_per_token_cp2']} vs {cp['us_per_token_cp1']} us)", flush=True)
     lines = []
     for r in results:
         summary = {"tp": r["tp"], "extra_mem_over_shard": round(r["fused_extra_over_shard"], 4),
@@ -180,6 +246,7 @@ def main_rank(args) -> None:
               f" | time fused {summary['fused_s']}s (lp-grad only {summary['fused_lp_s']}s)"
               f" megatron-CE {summary['megatron_s']}s", flush=True)
         lines.append(json.dumps(summary))
+    lines.append(json.dumps(cp))
     print("\n".join(lines), flush=True)
 
 

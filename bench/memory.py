@@ -22,6 +22,11 @@ their own, not part of a rank's memory.
     python bench/memory.py -- train.micro_batch_tokens=0 # the same, padded micro-batches of 8 rows
     python bench/memory.py --ranks 2 --prompts 2         # 2 ranks (DP=2) via torchrun
     python bench/memory.py --prompts 2 -- train.micro_batch_size=4   # any recipe override after --
+    python bench/memory.py --cp                          # CP rows: one long sequence at CP=2 vs CP=1
+
+``--cp`` measures instead what one rank holds of a long sequence's step (activations, logits, the
+fused pass) and its time per token at CP=2 against CP=1 in the same run, next to the plan's
+per-CP-rank figures (bench/memory_cp.py).
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", type=int, default=1, help="trainer ranks (DP); > 1 starts torchrun")
     parser.add_argument("--threads", type=int, default=1, help="OMP/torch threads per rank")
     parser.add_argument("--out", default=None, help="run directory (default: a temporary one, deleted)")
+    parser.add_argument("--cp", action="store_true", help="CP rows (bench/memory_cp.py) instead of a training run")
+    parser.add_argument("--cp-tokens", type=int, default=4096, help="--cp: tokens of the sequence (default 4096)")
+    parser.add_argument("--cp-reps", type=int, default=3, help="--cp: timed rounds, the minimum counts")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank: the directory for its JSON
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more recipe overrides (after --)")
     return parser
@@ -94,6 +102,8 @@ def recipe_and_overrides(args: argparse.Namespace, out: str) -> tuple[str, list[
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cp:
+        return cp_rows(args, argv if argv is not None else sys.argv[1:])
     if args.worker:
         return worker(args)
     os.environ.update(ENV)
@@ -162,6 +172,22 @@ def worker(args: argparse.Namespace) -> int:
     row = rank_row(meter, cfg)
     Path(args.worker, f"rank{row['rank']}.json").write_text(json.dumps(row))
     return 0
+
+
+def cp_rows(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--cp``: on 2 gloo ranks (relaunched with torchrun), bench/memory_cp.py's rows."""
+    if "RANK" in os.environ:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        from bench import memory_cp
+
+        memory_cp.main_rank(args)
+        return 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_free_port()),
+           str(Path(__file__).resolve()), *argv]
+    env = {**os.environ, **ENV, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
+    return subprocess.run(cmd, env=env, cwd=REPO).returncode
 
 
 def _free_port() -> int:

@@ -118,15 +118,17 @@ def instrument_build(meter: Meter, trainer):
     """Meters what ``trainer.build`` makes, part by part (``build:policy`` the policy, optimizer and
     reference; ``build:engines``; ``build:data``; ``build:reward`` the scoring pool; the first
     weight push as ``push``), by wrapping the names ``build`` calls for the duration of the block."""
-    saved = {name: getattr(trainer, name) for name in ("build_rollout", "build_dataset", "RewardScorer")}
+    saved = {name: getattr(trainer, name)
+             for name in ("build_engines", "build_weight_sync", "build_dataset", "RewardScorer")}
     learner_build = trainer.Learner.__dict__["build"]
 
-    def rollout(*args, **kwargs):
-        engines, weight_sync = saved["build_rollout"](*args, **kwargs)
-        weight_sync.sync = metered(meter, weight_sync.sync, "push")
-        return engines, weight_sync
+    def weight_sync(*args, **kwargs):
+        built = saved["build_weight_sync"](*args, **kwargs)
+        built.sync = metered(meter, built.sync, "push")
+        return built
 
-    trainer.build_rollout = metered(meter, rollout, "build:engines")
+    trainer.build_engines = metered(meter, saved["build_engines"], "build:engines")
+    trainer.build_weight_sync = weight_sync
     trainer.build_dataset = metered(meter, saved["build_dataset"], "build:data")
     trainer.RewardScorer = metered(meter, saved["RewardScorer"], "build:reward")
     trainer.Learner.build = classmethod(metered(meter, learner_build.__func__, "build:policy"))

@@ -11,7 +11,8 @@ metrics) of every variant on that batch, in turn (the order rotates from round t
 
 * ``grpo``: GRPO, kl_beta = 0 (no reference model, so no reference forward in either algorithm);
 * ``gtpo``: GTPO in one pass (the default step: <H>_i from the training forward);
-* ``gtpo_prepass``: GTPO with ``StepSettings(pre_pass=True)``, the former separate no-grad forward.
+* ``gtpo_prepass``: GTPO with the former separate no-grad forward before the updates (the tests'
+  reference step, ``tests/prepass.py``: the bench imports it rather than keep a second copy).
 
 GTPO runs with entropy threshold 777 and gamma 0.1 (a random model's <H>_i ~ ln V would filter every
 completion at 0.7; the work is the same either way). Rounds after ``--warmup`` are timed; the output
@@ -79,24 +80,24 @@ def synthetic_batch(args, vocab: int):
 
 
 def variants(max_tokens: int, micro_batch: int) -> dict:
-    """name -> StepSettings of the compared steps."""
+    """name -> (StepSettings, step function) of the compared steps."""
     from megatron_gtpo.algo import AlgoConfig
-    from megatron_gtpo.train.step import StepSettings
+    from megatron_gtpo.train.step import StepSettings, train_step
+    from tests.prepass import pre_pass_step
 
-    def settings(cfg, **extra):
+    def settings(cfg):
         return StepSettings(spec=cfg.resolve(max_completion_tokens=max_tokens), micro_batch_size=micro_batch,
-                            temperature=1.0, **extra)
+                            temperature=1.0)
 
     gtpo = AlgoConfig(name="gtpo", entropy_threshold=777.0, entropy_gamma=0.1)
-    return {"grpo": settings(AlgoConfig(name="grpo", kl_beta=0.0)), "gtpo": settings(gtpo),
-            "gtpo_prepass": settings(gtpo, pre_pass=True)}
+    return {"grpo": (settings(AlgoConfig(name="grpo", kl_beta=0.0)), train_step), "gtpo": (settings(gtpo), train_step),
+            "gtpo_prepass": (settings(gtpo), pre_pass_step)}
 
 
 def run(args) -> dict:
     from megatron_gtpo.parallel.dims import init_distributed
     from megatron_gtpo.train import model as M
     from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
-    from megatron_gtpo.train.step import train_step
 
     hf = dict(PRESETS[args.preset], **({"num_hidden_layers": args.layers} if args.layers else {}))
     dims = init_distributed(tp=1, pp=1, seed=7)
@@ -112,9 +113,9 @@ def run(args) -> dict:
     names = list(steps)
     for round_ in range(args.warmup + args.repeats):
         for name in names[round_ % 3:] + names[:round_ % 3]:  # rotated: no variant always runs first
-            settings = steps[name]
+            settings, step = steps[name]
             start, cpu = time.perf_counter(), time.process_time()
-            train_step(policy, batch, settings, dims)
+            step(policy, batch, settings, dims)
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
             if round_ >= args.warmup:
                 times[name].append(elapsed)

@@ -122,6 +122,7 @@ def copy_baseline(exporter, mode: str, repeats: int) -> dict[str, float]:
 def logprob_diff(engines, chunks, dims, hf_config: dict) -> dict[str, float]:
     """Max |engine - trainer| log-prob of tokens the engines sample now (temperature 1)."""
     from megatron_gtpo.algo import AlgoConfig
+    from megatron_gtpo.rollout.config import Sampling
     from megatron_gtpo.train.batching import collate
     from megatron_gtpo.train.step import (StepSettings, forward_stats, logprob_settings, process_groups,
                                           rank_micro_batches)
@@ -132,7 +133,7 @@ def logprob_diff(engines, chunks, dims, hf_config: dict) -> dict[str, float]:
     for i, q in enumerate(QUESTIONS):
         text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
         prompts.append(Prompt(uid=str(i), token_ids=list(tok(text, add_special_tokens=False)["input_ids"])))
-    completions = engines.generate(prompts, n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=MAX_TOKENS, seed=1)
+    completions = engines.generate(prompts, Sampling(n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS), seed=1)
     groups = [ScoredGroup(prompt=p, completions=[c for c in completions if c.prompt_index == i], rewards=[0.0, 0.0])
               for i, p in enumerate(prompts)]
     batch = collate(groups, pad_id=PAD)
@@ -170,7 +171,9 @@ def export_only(exporter, mode: str, repeats: int) -> float:
 def bench_mode(mode: str, args, *, model_dir: str, trainer) -> dict:
     """One mode in this process (colocated with engine TP = trainer TP, or a pool of servers)."""
     from megatron_gtpo.rollout import RolloutConfig
-    from megatron_gtpo.sync import ExportPlan, SyncConfig, build_rollout
+    from megatron_gtpo.rollout.placement import build_engines
+    from megatron_gtpo.sync import ExportPlan, SyncConfig
+    from megatron_gtpo.sync.build import build_weight_sync
     from megatron_gtpo.sync.export import Exporter
 
     dims, chunks, hf_config = trainer
@@ -179,9 +182,10 @@ def bench_mode(mode: str, args, *, model_dir: str, trainer) -> dict:
     sync_cfg = SyncConfig(transport="separate" if servers else "colocated", bucket_mb=args.bucket_mb,
                           local_servers=max(servers, 1), timeout_s=1200)
     start = time.perf_counter()
-    engines, syncer = build_rollout(RolloutConfig(seed=0, vllm=vllm_kwargs(args.dtype, tp)), sync_cfg,
-                                    model_dir=model_dir, export=ExportPlan(hf_config=hf_config, dims=dims,
-                                                                           bucket_bytes=sync_cfg.bucket_size))
+    engines = build_engines(RolloutConfig(seed=0, vllm=vllm_kwargs(args.dtype, tp)), sync_cfg.placement(),
+                            model_dir=model_dir)
+    syncer = build_weight_sync(sync_cfg, ExportPlan(hf_config=hf_config, dims=dims, bucket_bytes=sync_cfg.bucket_size),
+                               engines.engine)
     startup = time.perf_counter() - start
     exporter = Exporter(chunks, hf_config=hf_config, dims=dims)
     copy = copy_baseline(exporter, syncer.mode, args.repeats)

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # One node of a multi-node training job without SLURM (see launch/README.md).
 # Tunables (environment): MASTER_ADDR (required for NNODES > 1), MASTER_PORT (29500), NNODES (1),
-# NPROC_PER_NODE (GPUs on this node, or 2 on CPU), RDZV_ID (megatron-gtpo), PYTHON (.venv/bin/python).
+# NPROC_PER_NODE (GPUs on this node, or 2 on CPU), RDZV_ID (megatron-gtpo), PYTHON (.venv-gpu/bin/python on a
+# node with GPUs when scripts/setup_gpu.sh made it, else .venv/bin/python).
 set -euo pipefail
 if [ $# -lt 1 ] || [ "$1" = "--help" ] || [ "$1" = "-h" ]; then
-  sed -n '2,4p' "$0"; echo "usage: $0 RESOLVED_CONFIG.yaml [--resume]"; exit 0
+  sed -n "2,5p" "$0"; echo "usage: $0 RESOLVED_CONFIG.yaml [--resume]"; exit 0
 fi
 REPO=$(cd "$(dirname "$0")/.." && pwd)
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+if [ "${GPUS:-0}" -gt 0 ] && [ -x "$REPO/.venv-gpu/bin/python" ]; then PYTHON=${PYTHON:-$REPO/.venv-gpu/bin/python}; fi
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 NNODES=${NNODES:-1}
-NPROC_PER_NODE=${NPROC_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l | awk '{print ($1 > 0) ? $1 : 2}')}
+NPROC_PER_NODE=${NPROC_PER_NODE:-$([ "${GPUS:-0}" -gt 0 ] && echo "$GPUS" || echo 2)}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \

@@ -9,13 +9,16 @@ naming the key path, the value and what is allowed. ``megatron-gtpo config`` pri
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_gtpo.algo.config import AlgoConfig
+from megatron_gtpo.algo.spec import AlgoSpec
 from megatron_gtpo.data.config import DataConfig
 from megatron_gtpo.models.config import ModelConfig
+from megatron_gtpo.parallel.cp_index import cp_padded_length
 from megatron_gtpo.parallel.dims import ParallelConfig
 from megatron_gtpo.parallel.layout import batch_split_problem
 from megatron_gtpo.reward.config import RewardConfig
@@ -60,7 +63,7 @@ class RunConfig:
     """MLflow tracking."""
 
     def __post_init__(self):
-        spec = self.algo.resolve(max_completion_tokens=self.rollout.max_tokens)
+        spec = self.algorithm
         if spec.overlong_buffer_len > self.rollout.max_tokens:
             raise ConfigError(f"algo.overlong_buffer_len={spec.overlong_buffer_len} is not allowed: expected "
                               f"<= rollout.max_tokens ({self.rollout.max_tokens}), the L_max of DAPO's punishment")
@@ -70,17 +73,26 @@ class RunConfig:
             raise ConfigError(f"rollout.n={self.rollout.n} is not allowed: group-relative advantages need >= 2 "
                               "completions per prompt")
         problem = batch_split_problem(self.train.prompts_per_step * self.rollout.n, dp=self.parallel.dp,
-                                      micro_batch_size=self.train.rows_per_micro_batch)
+                                      rows_per_micro_batch=self.train.rows_per_micro_batch)
         problem = problem or token_budget_problem(
             self.token_budget, self.longest_row, "the longest possible row, data.max_prompt_tokens + rollout.max_tokens")
         if problem:
             raise ConfigError(problem)
 
+    @functools.cached_property
+    def algorithm(self) -> AlgoSpec:
+        """The algorithm of the run, resolved once (at construction): ``algo``'s None fields take the
+        chosen algorithm's defaults, rollout.max_tokens is Dr. GRPO's L and DAPO's L_max. Every part of
+        the run receives this record, never ``algo`` itself. Not a field: it is not written to the
+        resolved config.yaml (the recipe's own values are)."""
+        return self.algo.resolve(max_completion_tokens=self.rollout.max_tokens)
+
     @property
     def longest_row(self) -> int:
         """Tokens of the longest possible training row: a prompt of data.max_prompt_tokens and a
-        completion of rollout.max_tokens."""
-        return self.data.max_prompt_tokens + self.rollout.max_tokens
+        completion of rollout.max_tokens, padded to a multiple of 2 x parallel.cp under context
+        parallelism (every sequence of a packed row is)."""
+        return cp_padded_length(self.data.max_prompt_tokens + self.rollout.max_tokens, self.parallel.cp)
 
     @property
     def token_budget(self) -> int:

@@ -26,15 +26,19 @@ from megatron_gtpo.parallel.control import barrier
 from megatron_gtpo.plan.recipe import plan_engine_memory
 from megatron_gtpo.reward.functions import OverlongPunishment
 from megatron_gtpo.reward.score import RewardScorer
-from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, RolloutCollector, Sampling, rollout_metrics
+from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, RolloutCollector, rollout_metrics
 from megatron_gtpo.rollout.memory import Choreography, TrainerOffload
-from megatron_gtpo.sync import ExportPlan, WeightSync, build_rollout
+from megatron_gtpo.rollout.placement import build_engines
+from megatron_gtpo.sync import ExportPlan, WeightSync
+from megatron_gtpo.sync.build import build_weight_sync
 from megatron_gtpo.tracking import Reporter, step_metrics
 from megatron_gtpo.train.batching import collate
 from megatron_gtpo.train.learner import Learner
+from megatron_gtpo.train.snapshot import ParamSnapshot
 from megatron_gtpo.train.step import StepSettings
 from megatron_gtpo.utils.configuration import to_dict
-from megatron_gtpo.utils.runtime import PreemptionFlag, setup_logging, signals_blocked, start_checkpoint_helpers
+from megatron_gtpo.utils.runtime import (PreemptionFlag, setup_logging, signals_blocked, start_checkpoint_helpers,
+                                         startup_report)
 
 log = logging.getLogger("megatron_gtpo")
 
@@ -55,30 +59,15 @@ def run(cfg, *, resume: bool | str = False) -> dict[str, float]:
 
 def _loop(cfg, parts: Parts) -> dict[str, float]:
     """Steps ``start_step + 1 .. train.steps`` (or up to a preemption); the last step's metrics."""
-    learner, collector, weight_sync, checkpointer, reporter = (
-        parts.learner, parts.collector, parts.weight_sync, parts.checkpointer, parts.reporter)
+    checkpointer, reporter = parts.checkpointer, parts.reporter
     tc, metrics = cfg.train, {}
     for step in range(parts.start_step + 1, tc.steps + 1):
-        t0 = time.perf_counter()
-        rollout = collector.collect(step, prompts_per_step=tc.prompts_per_step)
-        if not rollout.groups:  # DAPO's dynamic sampling kept nothing within its tries: no update
-            reporter.skipped(step, rollout_metrics(rollout), rollout)
+        record = one_step(parts, step, version=step, prompts_per_step=tc.prompts_per_step)
+        if record.metrics is None:  # DAPO's dynamic sampling kept nothing within its tries: no update
+            reporter.skipped(step, rollout_metrics(record.rollout), record.rollout)
         else:
-            batch = collate(rollout.groups, pad_id=parts.pad_id)
-            parts.memory.after_rollout()  # colocated engines sleep; the trainer gets the GPU memory back
-            t1 = time.perf_counter()
-            train = learner.step(batch)
-            t2 = time.perf_counter()
-            parts.memory.before_push()  # engine weights awake, KV cache still free
-            sync = weight_sync.sync(learner.policy.chunks, version=step)
-            collector.pushed(step)
-            parts.memory.after_push()  # trainer releases its step memory, then the KV cache comes back
-            t3 = time.perf_counter()
-            times = {"rollout": rollout.rollout_s, "reward": rollout.reward_s, "train": t2 - t1, "sync": t3 - t2,
-                     "step": t3 - t0}
-            metrics = step_metrics(rollout_metrics(rollout), train, sync, times=times,
-                                   completion_tokens=float(batch.lengths.sum()))
-            reporter.step(step, metrics, rollout)
+            metrics = record.metrics
+            reporter.step(step, metrics, record.rollout)
         if tc.eval_every and step % tc.eval_every == 0:
             metrics.update(_evaluate(parts, step, seed=tc.seed))
         stop = checkpointer.after_step(step, run_id=reporter.run_id)
@@ -86,6 +75,45 @@ def _loop(cfg, parts: Parts) -> dict[str, float]:
         if stop:
             break
     return metrics
+
+
+@dataclass(kw_only=True)
+class StepRecord:
+    """What one step of the loop did."""
+
+    rollout: object
+    """The step's RolloutBatch."""
+    train: dict[str, float] | None
+    """The learner's metrics; None when the step trained on nothing."""
+    metrics: dict[str, float] | None
+    """Every metric of the step as logged (rollout, train, sync, times); None when it trained on nothing."""
+
+
+def one_step(parts: Parts, step: int, *, version: int, prompts_per_step: int, after_train=None) -> StepRecord:
+    """The body of the loop: collect -> train -> push ``version``, with the memory calls around them.
+    ``after_train(parts)``: called right after the update, while the trainer's state is on the device
+    (the reward-scale probe reads the optimizer state there)."""
+    learner, collector, weight_sync = parts.learner, parts.collector, parts.weight_sync
+    t0 = time.perf_counter()
+    rollout = collector.collect(step, prompts_per_step=prompts_per_step)
+    if not rollout.groups:
+        return StepRecord(rollout=rollout, train=None, metrics=None)
+    batch = collate(rollout.groups, pad_id=parts.pad_id)
+    parts.memory.after_rollout()  # colocated engines sleep; the trainer gets the GPU memory back
+    t1 = time.perf_counter()
+    train = learner.step(batch)
+    if after_train is not None:
+        after_train(parts)
+    t2 = time.perf_counter()
+    parts.memory.before_push()  # engine weights awake, KV cache still free
+    sync = weight_sync.sync(learner.policy.chunks, version=version)
+    collector.pushed(version)
+    parts.memory.after_push()  # trainer releases its step memory, then the KV cache comes back
+    t3 = time.perf_counter()
+    times = {"rollout": rollout.rollout_s, "reward": rollout.reward_s, "train": t2 - t1, "sync": t3 - t2,
+             "step": t3 - t0}
+    return StepRecord(rollout=rollout, train=train, metrics=step_metrics(
+        rollout_metrics(rollout), train, sync, times=times, completion_tokens=float(batch.lengths.sum())))
 
 
 @dataclass(kw_only=True)
@@ -110,41 +138,40 @@ def build(cfg, *, resume: bool | str) -> Parts:
     """Builds every part in an order that fails fast: groups, the checkpoint to resume (verified),
     policy, engines, data, reward, tracking; then pushes the (restored) weights into the engines."""
     preempt = PreemptionFlag()  # first: a preemption signal during start-up must not kill the job
-    dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, seed=cfg.train.seed,
-                            timeout_s=cfg.parallel.timeout_s)
+    dims = init_distributed(tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, cp=cfg.parallel.cp,
+                            seed=cfg.train.seed, timeout_s=cfg.parallel.timeout_s)
     setup_logging(dims.rank)
     point = prepare_resume(cfg.output_dir, resume)  # before the expensive parts: a bad resume fails in seconds
-    spec = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
-    settings = StepSettings(spec=spec, micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
-                            micro_batch_tokens=cfg.token_budget)
-    log.info("building the policy (%s, tp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.pp, dims.dp)
+    spec = cfg.algorithm
+    scorer = None
+    with signals_blocked():  # reward worker processes must not die of a preemption signal
+        if dims.rank == 0:  # started now: the workers import and warm up while the policy and engines build
+            scorer = RewardScorer(cfg.reward, overlong=overlong_punishment(spec))
+            scorer.start()
+    settings = step_settings(cfg)
+    log.info("building the policy (%s, tp=%d cp=%d pp=%d dp=%d)", cfg.model.path, dims.tp, dims.cp, dims.pp, dims.dp)
     learner = Learner.build(cfg.model, cfg.optim, settings=settings, dims=dims, rollout_steps=cfg.train.steps)
     policy = learner.policy
     rollout_cfg, budget = plan_engine_memory(cfg, model_dir=str(policy.model_dir), world=dims.world)
     if cfg.model.lm_head_fp32:  # the engines sample from the same fp32 head as the trainer
         rollout_cfg = rollout_cfg.with_fp32_head()
-    offload = TrainerOffload(policy.chunks, policy.optimizer) if cfg.rollout.offload_trainer else None
+    offload = _trainer_offload(cfg, policy)
     if offload is not None:  # engines start on the memory the trainer gives up while they generate
         offload.offload()
     if not policy.has_hf_weights:  # Megatron checkpoint: the engine starts empty, the first push fills it
         rollout_cfg = dataclasses.replace(rollout_cfg, vllm={"load_format": "dummy", **rollout_cfg.vllm})
     log.info("starting %s rollout engine(s)", cfg.sync.transport)
+    engines = build_engines(rollout_cfg, cfg.sync.placement(), model_dir=str(policy.model_dir), budget=budget)
     export = ExportPlan(hf_config=policy.hf_config, dims=dims, bucket_bytes=cfg.sync.bucket_size)
-    engines, weight_sync = build_rollout(rollout_cfg, cfg.sync, model_dir=str(policy.model_dir), export=export,
-                                         budget=budget)
+    weight_sync = build_weight_sync(cfg.sync, export, engines.engine)
     if offload is not None:
         offload.reload()  # a checkpoint restore writes into the optimizer state
     dataset = build_dataset(cfg.data, tokenizer=engines.tokenizer, progress=dims.rank == 0)
-    scorer = None
-    with signals_blocked():  # reward worker processes must not die of a preemption signal
-        if dims.rank == 0:
-            scorer = RewardScorer(cfg.reward, overlong=overlong_punishment(spec))
     start_checkpoint_helpers()
     rows_unit = dims.dp * cfg.train.rows_per_micro_batch
     collector = RolloutCollector(
-        engines, dataset, scorer, sampling=Sampling(**cfg.rollout.sampling()), seed=cfg.rollout.seed,
-        dynamic=DynamicSampling(metric=spec.dynamic_sampling_metric, max_tries=spec.dynamic_sampling_max_tries)
-        if spec.dynamic_sampling else None, group_multiple=rows_unit // math.gcd(cfg.rollout.n, rows_unit),
+        engines, dataset, scorer, sampling=cfg.rollout.sampling(), seed=cfg.rollout.seed,
+        dynamic=dynamic_sampling(spec), group_multiple=rows_unit // math.gcd(cfg.rollout.n, rows_unit),
         off_policy=OffPolicy(staleness=cfg.rollout.staleness, last_step=cfg.train.steps))
     checkpointer = Checkpointer(Path(cfg.output_dir) / "checkpoints", policy=policy, dataset=collector.cursor,
                                 every=cfg.train.checkpoint_every, keep_last=cfg.train.keep_last,
@@ -161,9 +188,64 @@ def build(cfg, *, resume: bool | str) -> Parts:
     tokenizer = engines.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     held_out = _held_out_prompts(cfg, tokenizer) if cfg.train.eval_every else []
-    log.info("ready: %d prompts, starting at step %d of %d", len(dataset), start_step, cfg.train.steps)
+    log.info("ready: %d prompts, starting at step %d of %d (%s)", len(dataset), start_step, cfg.train.steps,
+             startup_report())
     return Parts(learner=learner, collector=collector, weight_sync=weight_sync, checkpointer=checkpointer,
                  reporter=reporter, memory=memory, scorer=scorer, held_out=held_out, pad_id=int(pad_id), start_step=start_step)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartPoint:
+    """Where every run of a multi-run job starts (the reward-scale probe's runs): the parameters and
+    the prompt cursor right after ``build``."""
+
+    params: ParamSnapshot
+    cursor: dict
+
+
+def start_point(parts: Parts) -> StartPoint:
+    return StartPoint(params=ParamSnapshot(parts.learner.policy.chunks), cursor=parts.collector.dataset.state_dict())
+
+
+def restart(parts: Parts, cfg, start: StartPoint, *, steps: int, reward_scale: float, version: int) -> None:
+    """Puts the built run back at ``start`` for a new run of ``steps`` steps of ``cfg`` (the same model,
+    engines and data; ``algo.*`` and ``optim.*`` may differ from the config it was built with): the
+    parameters, a fresh optimizer and LR schedule, the algorithm's step settings, dynamic sampling
+    and overlong punishment, rewards times ``reward_scale``, the prompt cursor; then the weights are
+    pushed as ``version``. The memory calls are those of a training step, so an offloaded trainer
+    (``rollout.offload_trainer``) is back on the device while its state is replaced."""
+    spec, learner = cfg.algorithm, parts.learner
+    parts.memory.after_rollout()  # engines asleep, the trainer's grads and optimizer state on the device
+    start.params.restore()
+    learner.restart(cfg.optim, step_settings(cfg), rollout_steps=steps)
+    parts.memory = Choreography(parts.collector.engines, _trainer_offload(cfg, learner.policy),
+                                colocated=cfg.sync.transport == "colocated")
+    parts.collector.dynamic = dynamic_sampling(spec)
+    parts.collector.dataset.load_state_dict(start.cursor)
+    if parts.scorer is not None:  # rank 0 scores
+        parts.scorer.config = dataclasses.replace(cfg.reward, scale=reward_scale)
+        parts.scorer.overlong = overlong_punishment(spec)
+    parts.memory.before_push()
+    parts.weight_sync.sync(learner.policy.chunks, version=version)
+    parts.collector.pushed(version)  # the collector checks every completion's version tag
+    parts.memory.after_push()
+
+
+def step_settings(cfg) -> StepSettings:
+    """How the run's batches become updates (the learner adds the model's padding multiple)."""
+    return StepSettings(spec=cfg.algorithm, micro_batch_size=cfg.train.micro_batch_size,
+                        temperature=cfg.rollout.temperature, micro_batch_tokens=cfg.token_budget)
+
+
+def dynamic_sampling(spec) -> DynamicSampling | None:
+    """DAPO's dynamic sampling of an AlgoSpec (None when it is off)."""
+    if not spec.dynamic_sampling:
+        return None
+    return DynamicSampling(metric=spec.dynamic_sampling_metric, max_tries=spec.dynamic_sampling_max_tries)
+
+
+def _trainer_offload(cfg, policy) -> TrainerOffload | None:
+    return TrainerOffload(policy.chunks, policy.optimizer) if cfg.rollout.offload_trainer else None
 
 
 def overlong_punishment(spec) -> OverlongPunishment | None:

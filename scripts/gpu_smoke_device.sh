@@ -2,7 +2,9 @@
 # The GPU smoke on the device machine (no network; .whl/ from scripts/gpu_wheels.sh carried along):
 #   bash scripts/gpu_smoke_device.sh [gpu_smoke.py arguments]
 # Installs the wheels into /tmp/site, runs bench/gpu_smoke.py on the image's python3 (torch there),
-# and writes the JSON line, the log and nvidia-smi's view into $OUT (default /tmp/gpu-smoke-out).
+# and writes the JSON line, the log and nvidia-smi's view into $OUT (default /tmp/gpu-smoke-out). The
+# optim_state part runs the optimizer-state contract with the Adam Megatron builds there (TE's FusedAdam
+# where TE imports, else torch's AdamW) and names it in the JSON (parts.optim_state.optimizer).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-smoke-out}

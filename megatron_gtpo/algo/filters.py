@@ -1,4 +1,4 @@
-"""DAPO's dynamic-sampling group filter (spec algorithms.md section 4.2). Its soft overlong
+"""DAPO's dynamic-sampling group filter (docs/algorithms.md section 4.2). Its soft overlong
 punishment is a reward term: ``megatron_gtpo.reward.functions.overlong_penalty``."""
 
 from __future__ import annotations

@@ -28,24 +28,23 @@ mask the second). With mu = 1, ``old_logp`` is ``logp.detach()`` of the same for
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from megatron_gtpo.algo.aggregate import masked_extremum
 from megatron_gtpo.algo.checks import as_mask, check_float, check_shape
 from megatron_gtpo.algo.kl import LOG_RATIO_CLAMP
 from megatron_gtpo.algo.spec import AlgoSpec
 
 Tensor = torch.Tensor
 
-MISMATCH_MODES = ("none", "tis", "mis")
 
-
-def mismatch_weights(spec: AlgoSpec, train_logp: Tensor, sampler_logp: Tensor,
-                     mask: Tensor) -> tuple[Tensor | None, dict[str, Tensor]]:
+def mismatch_weights(spec: AlgoSpec, train_logp: Tensor, sampler_logp: Tensor, mask: Tensor, *,
+                     check: bool = True) -> tuple[Tensor | None, dict[str, Tensor]]:
     """Per-token correction weights ``w`` [B, T] (detached, train_logp's dtype, 1 outside ``mask``) and
-    their metrics, for ``spec.mismatch_correction`` with ``C = spec.mismatch_cap`` (module docstring
-    gives the formulas and the composition with the loss). ``"none"`` returns ``(None, {})``.
+    their metrics, for ``spec.mismatch_correction`` with ``C = spec.mismatch_cap`` and ``C_low =
+    spec.mismatch_cap_low`` (module docstring gives the formulas and the composition with the loss).
+    ``"none"`` returns ``(None, {})``. ``check=False``: ``mask`` is a checked bool prefix mask (no
+    host sync; see ``checks.py``).
 
     ``train_logp`` [B, T]: pi_old log-probs of the sampled tokens (``old_logp``, or ``logp.detach()`` at
     mu = 1); ``sampler_logp`` [B, T]: the engine's log-probs of the same tokens, same temperature.
@@ -56,16 +55,10 @@ def mismatch_weights(spec: AlgoSpec, train_logp: Tensor, sampler_logp: Tensor,
     [C_low, C], whose weight is 0).
     """
     mode, cap = spec.mismatch_correction, spec.mismatch_cap
-    if mode not in MISMATCH_MODES:
-        raise ValueError(f"mismatch_correction={mode!r} must be one of {MISMATCH_MODES}")
     if mode == "none":
         return None, {}
-    if not (isinstance(cap, (int, float)) and 1.0 < cap < math.inf):
-        raise ValueError(f"mismatch_cap={cap!r} must be a finite number > 1 (C of min(r, C); 2.0 is common)")
-    low = 1.0 / cap if spec.mismatch_cap_low is None else spec.mismatch_cap_low
-    if mode == "mis" and not (isinstance(low, (int, float)) and 0.0 <= low < 1.0):
-        raise ValueError(f"mismatch_cap_low={spec.mismatch_cap_low!r} must be in [0, 1) (None = 1/cap)")
-    mask = as_mask(mask)
+    if check:
+        mask = as_mask(mask)
     for name, value in (("train_logp", train_logp), ("sampler_logp", sampler_logp)):
         check_float(value, name=name)
         check_shape(value, tuple(mask.shape), name=name, what="[B, T], like mask")
@@ -76,7 +69,7 @@ def mismatch_weights(spec: AlgoSpec, train_logp: Tensor, sampler_logp: Tensor,
         cut = ratio > cap
         weights = ratio.clamp(max=cap)
     else:
-        cut = (ratio > cap) | (ratio < low)
+        cut = (ratio > cap) | (ratio < spec.mismatch_cap_low)
         weights = torch.where(cut, zero, ratio)
     weights = torch.where(mask, weights, torch.ones_like(weights))
     return weights, _metrics(mask, ratio, weights, cut)
@@ -85,12 +78,10 @@ def mismatch_weights(spec: AlgoSpec, train_logp: Tensor, sampler_logp: Tensor,
 @torch.no_grad()
 def _metrics(mask: Tensor, ratio: Tensor, weights: Tensor, cut: Tensor) -> dict[str, Tensor]:
     count = mask.sum().clamp(min=1).to(ratio.dtype)
-    has = bool(mask.any())
-    one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
     return {
         "mismatch/is_weight_mean": torch.where(mask, weights, 0.0).sum() / count,
-        "mismatch/is_weight_max": torch.where(mask, weights, float("-inf")).max() if has else one,
-        "mismatch/is_ratio_min": torch.where(mask, ratio, float("inf")).min() if has else one,
-        "mismatch/is_ratio_max": torch.where(mask, ratio, float("-inf")).max() if has else one,
+        "mismatch/is_weight_max": masked_extremum(weights, mask, largest=True),
+        "mismatch/is_ratio_min": masked_extremum(ratio, mask, largest=False),
+        "mismatch/is_ratio_max": masked_extremum(ratio, mask, largest=True),
         "mismatch/is_cut_frac": (cut & mask).sum().to(ratio.dtype) / count,
     }

@@ -1,4 +1,4 @@
-"""Per-token KL estimator and entropy (spec algorithms.md sections 1-2)."""
+"""Per-token KL estimator and entropy (docs/algorithms.md sections 1-2)."""
 
 from __future__ import annotations
 

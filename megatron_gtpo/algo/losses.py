@@ -23,8 +23,8 @@ length L (Dr. GRPO). With global values, summing ``compute_loss`` over micro-bat
 equals the single-process loss; the trainer's Megatron rescaling lives in ``train/step.py``.
 
 This is the hot path (one call per micro-batch): it checks nothing but that GTPO rows were shaped
-(a Python flag). ``validate_loss_inputs`` checks a whole global batch once per step, at the batch
-boundary (``train/step.py``).
+(a Python flag) and reads no device value back (no host sync). ``validate_loss_inputs`` checks a
+whole global batch once per step, at the batch boundary (``train/plan.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_gtpo.algo.aggregate import aggregate
+from megatron_gtpo.algo.aggregate import aggregate, masked_extremum
 from megatron_gtpo.algo.checks import as_mask, check_finite, check_float, check_shape
 from megatron_gtpo.algo.kl import LOG_RATIO_CLAMP, kl_k3
 from megatron_gtpo.algo.prepare import PreparedBatch, check_shaped
@@ -45,7 +45,8 @@ Metrics = dict[str, Tensor]
 
 @dataclass(kw_only=True)
 class TokenInputs:
-    """Per-token tensors of the completions being scored, in the completion view."""
+    """Per-token tensors of the completions being scored, in the completion view (under context
+    parallelism: the tokens one rank computes, ``mask`` holding those and ``lengths`` the whole ones)."""
 
     logp: Tensor  # [B, T] float, carries the gradient
     """log pi_theta of each sampled completion token (at the sampling temperature)."""
@@ -58,6 +59,9 @@ class TokenInputs:
     is_weights: Tensor | None = None  # [B, T] float >= 0, detached
     """Train-inference mismatch weights (``importance.mismatch_weights``) multiplying each token's
     advantage next to lambda; None: no correction (the loss is then bit-identical to the plain one)."""
+    lengths: Tensor | None = None  # [B] long
+    """Completion lengths ``|o_i|`` when ``mask`` holds only part of each completion (context
+    parallelism: the tokens this rank computes); None: ``mask.sum(dim=1)``."""
 
 
 def compute_loss(spec: AlgoSpec, tokens: TokenInputs, prepared: PreparedBatch, *,
@@ -85,7 +89,7 @@ def compute_loss(spec: AlgoSpec, tokens: TokenInputs, prepared: PreparedBatch, *
         adv = adv * prepared.token_weights[:, :lp.shape[1]].to(logp.dtype)
     if tokens.is_weights is not None:
         adv = adv * tokens.is_weights.detach().to(logp.dtype)
-    clipped = ratio.clamp(1.0 - spec.clip_low, 1.0 + spec.clip_high)
+    clipped = ratio.clamp(1.0 - spec.clip_eps_low, 1.0 + spec.clip_eps_high)
     per_token = torch.maximum(-ratio * adv, -clipped * adv)
     kl = None
     if tokens.ref_logp is not None:
@@ -95,7 +99,7 @@ def compute_loss(spec: AlgoSpec, tokens: TokenInputs, prepared: PreparedBatch, *
     if prepared.seq_scale is not None:
         per_token = per_token * prepared.seq_scale.to(logp.dtype)[:, None]
     loss = aggregate(per_token, mask, mode=spec.agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                     constant=spec.constant)
+                     constant=spec.constant, lengths=tokens.lengths)
     return loss, _metrics(mask, ratio=ratio, adv=adv, spec=spec, kl=kl)
 
 
@@ -142,20 +146,18 @@ def validate_loss_inputs(spec: AlgoSpec, prepared: PreparedBatch, *, mask: Tenso
 @torch.no_grad()
 def _metrics(mask, *, ratio, adv, spec: AlgoSpec, kl) -> Metrics:
     count = mask.sum().clamp(min=1).to(ratio.dtype)
-    has = bool(mask.any())
     r = ratio.detach()
-    one = torch.ones((), dtype=r.dtype, device=r.device)
 
     def share(flags: Tensor) -> Tensor:
         return (flags & mask).sum().to(r.dtype) / count
 
     out = {
         "train/ratio_mean": torch.where(mask, r, 0.0).sum() / count,
-        "train/ratio_min": torch.where(mask, r, float("inf")).min() if has else one,
-        "train/ratio_max": torch.where(mask, r, float("-inf")).max() if has else one,
+        "train/ratio_min": masked_extremum(r, mask, largest=False),
+        "train/ratio_max": masked_extremum(r, mask, largest=True),
         # Tokens where the clipped term is the active one and its gradient is zero (TRL's definition).
-        "clip/low_frac": share((r < 1.0 - spec.clip_low) & (adv < 0)),
-        "clip/high_frac": share((r > 1.0 + spec.clip_high) & (adv > 0)),
+        "clip/low_frac": share((r < 1.0 - spec.clip_eps_low) & (adv < 0)),
+        "clip/high_frac": share((r > 1.0 + spec.clip_eps_high) & (adv > 0)),
     }
     if kl is not None:
         out["train/kl_mean"] = torch.where(mask, kl.detach(), 0.0).sum() / count

@@ -37,14 +37,11 @@ import torch
 
 from megatron_gtpo.algo.advantage import entropy_filter, group_advantages, group_index, shape_advantages
 from megatron_gtpo.algo.checks import as_mask, check_shape
+from megatron_gtpo.algo.choices import NORMALIZATIONS, REDUCTIONS
 from megatron_gtpo.algo.conflict import ConflictRuns, conflict_runs, conflict_weights
 from megatron_gtpo.algo.spec import AlgoSpec
 
 Tensor = torch.Tensor
-
-NORMALIZATIONS = ("code", "paper")
-REDUCTIONS = ("mean", "sum")
-
 
 @dataclass
 class PreparedBatch:
@@ -95,7 +92,7 @@ def prepare_groups(spec: AlgoSpec, *, token_ids: Tensor, mask: Tensor, rewards: 
     """
     mask = as_mask(mask)
     check_shape(rewards, (mask.shape[0],), name="rewards", what="[B], one reward per completion (row of mask)")
-    adv = group_advantages(rewards, group_ids, std_scale=spec.std_scale, eps=spec.adv_eps)
+    adv = group_advantages(rewards, group_ids, std_scale=spec.adv_std_scale, eps=spec.adv_eps)
     if not spec.conflict_aware:
         runs = conflict_runs(token_ids, mask, adv, group_ids, pad_id=spec.pad_id)
         prepared = PreparedBatch(advantages=adv, raw_advantages=adv, token_weights=None, seq_scale=None,
@@ -111,17 +108,19 @@ def prepare_groups(spec: AlgoSpec, *, token_ids: Tensor, mask: Tensor, rewards: 
     return prepared
 
 
-def shape_rows(spec: AlgoSpec, prepared: PreparedBatch, mean_entropy: Tensor) -> PreparedBatch:
+def shape_rows(spec: AlgoSpec, prepared: PreparedBatch, mean_entropy: Tensor, *, check: bool = True) -> PreparedBatch:
     """GTPO's entropy filter and shift on any set of rows (a micro-batch, or the whole batch):
     ``delta_i = 1[<H>_i <= threshold]``, ``A~_i = delta_i (A_i - gamma <H>_i)`` from the unshaped
     ``raw_advantages``; row i needs only its own ``<H>_i`` (``mean_entropy`` [rows], pi_old's, no
     gradient). The other algorithms' rows come back unchanged. Checks finiteness (a NaN <H>_i
-    fails here, naming ``mean_entropy``)."""
+    fails here, naming ``mean_entropy``) unless ``check=False`` (the train step's per-micro-batch
+    call: no host sync; its finiteness flag covers <H>_i)."""
     if not spec.conflict_aware:
         return prepared
-    delta = entropy_filter(mean_entropy, threshold=spec.entropy_threshold).to(prepared.raw_advantages.dtype)
+    delta = entropy_filter(mean_entropy, threshold=spec.entropy_threshold, check=check)
+    delta = delta.to(prepared.raw_advantages.dtype)
     shaped = shape_advantages(prepared.raw_advantages, delta=delta, mean_entropy=mean_entropy,
-                              gamma=spec.entropy_gamma)
+                              gamma=spec.entropy_gamma, check=check)
     return replace(prepared, advantages=shaped, delta=delta, mean_entropy=mean_entropy.detach(), needs_entropy=False)
 
 

@@ -40,6 +40,7 @@ from megatron_gtpo.checkpoint.files import (CHECKPOINTS, HASH, CheckpointError, 
 from megatron_gtpo.convert.offline import checkpoint_model_dir
 from megatron_gtpo.parallel.dims import current_dims
 from megatron_gtpo.parallel.control import all_gather_object, any_rank, barrier, broadcast_object
+from megatron_gtpo.train import optim_state
 from megatron_gtpo.train.model import unwrap
 from megatron_gtpo.utils.runtime import PreemptionFlag
 
@@ -142,12 +143,13 @@ def _layout(model_chunks) -> dict:
 
 
 def _rng_sharded():
-    """This rank's RNG as a ShardedObject over the (PP, TP) grid; DP replicas share DP rank 0's."""
+    """This rank's RNG as a ShardedObject over the (PP, TP) grid; DP replicas and CP ranks (the same
+    RNG streams: Megatron seeds by PP and TP rank) share the main replica's, DP and CP rank 0's."""
     from megatron.core.dist_checkpointing import ShardedObject
 
     dims = current_dims()
     return ShardedObject("rng_state", _rng_state(), (dims.pp, dims.tp), (dims.pp_rank, dims.tp_rank),
-                         replica_id=dims.dp_rank)
+                         replica_id=(dims.dp_rank, dims.cp_rank))
 
 
 def _full_state(model_chunks, optimizer, *, is_loading: bool) -> dict:
@@ -273,43 +275,6 @@ def prepare_resume(run_dir: str | Path, resume: bool | str) -> ResumePoint | Non
     return point
 
 
-def _prime_optimizer_state(optimizer) -> None:
-    """Gives a fresh optimizer zeroed Adam state incl. ``step`` (the load overwrites all of it).
-
-    Megatron's DistributedOptimizer.state_dict() reads ``step`` from the inner torch optimizer's
-    per-parameter state when neither apex nor TE is installed (the CPU fallback), and asserts
-    if no step was ever taken; its own ``init_state_fn`` creates the moments but not ``step``.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner, init = getattr(opt, "optimizer", None), getattr(opt, "init_state_fn", None)
-        if inner is None or init is None or any(len(s) for s in inner.state.values()):
-            continue
-        init(inner, opt.config)
-        for state in inner.state.values():
-            state.setdefault("step", torch.tensor(0.0))
-
-
-def _restore_adam_steps(optimizer, loaded: dict) -> None:
-    """Sets each parameter's torch-Adam ``step`` to the saved iteration, as its own tensor.
-
-    On the torch fallback (no apex/TE) Megatron's DistributedOptimizer.load_state_dict gives
-    every parameter the *same* step tensor and then overwrites it from the dp_reshardable
-    buffers, which hold the freshly initialised value: the bias correction would restart.
-    The saved iteration is the ``step`` it stores in its param groups.
-    """
-    opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    states = [loaded] if len(opts) == 1 else [loaded[key] for key in sorted(loaded)]
-    for opt, state in zip(opts, states):
-        groups = state.get("optimizer", {}).get("param_groups", []) if isinstance(state, dict) else []
-        steps = {g["step"] for g in groups if g.get("step") is not None}
-        if len(steps) != 1 or getattr(opt, "optimizer", None) is None:
-            continue
-        step = float(steps.pop())
-        for param_state in opt.optimizer.state.values():
-            if "step" in param_state:
-                param_state["step"] = torch.tensor(step)
-
-
 def load_checkpoint(root: str | Path, *, model_chunks: list[torch.nn.Module], optimizer,
                     step: int | None = None, verify: bool = True) -> tuple[int, dict] | None:
     """Restores ``root/step_<step>`` into the model chunks, optimizer and RNG; with ``step=None``
@@ -334,14 +299,14 @@ def load_checkpoint(root: str | Path, *, model_chunks: list[torch.nn.Module], op
     if saved != now:
         raise ValueError(f"{directory} was saved with layout {saved}, this run has {now}: resume with the same "
                          "TP/PP/VPP (the DP size may differ), or load only the weights with load_model_weights")
-    _prime_optimizer_state(optimizer)
+    optim_state.prime(optimizer)  # in the layout of the optimizer in use (TE, apex, torch)
     state = _full_state(model_chunks, optimizer, is_loading=True)
     _drop_objects_missing_from(state, directory)
     loaded = dist_checkpointing.load(state, str(directory))
     _load_into_models(model_chunks, loaded)
     with torch.no_grad():  # fp32 main params can be views of the (grad-requiring) model params
         optimizer.load_state_dict(loaded["optimizer"])
-    _restore_adam_steps(optimizer, loaded["optimizer"])
+    optim_state.restore_steps(optimizer, loaded["optimizer"])
     _set_rng_state(loaded["rng_state"])
     return int(loaded["step"]), loaded["extra_state"]
 

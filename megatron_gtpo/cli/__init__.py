@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_gtpo.cli.worker import exit_now
+
 SUBCOMMANDS = {
     "train": ("megatron_gtpo.cli.train", "train a policy from a YAML recipe (launches torchrun ranks)"),
     "demo": ("megatron_gtpo.cli.demo", "short GTPO run on CPU with SmolLM2-135M-Instruct, then plots"),
@@ -49,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     import importlib
 
     module = importlib.import_module(SUBCOMMANDS[args.subcommand][0])
-    return int(module.main(argv[1:]) or 0)
+    code = int(module.main(argv[1:]) or 0)
+    if args.subcommand == "train":  # the run is over (or never started) and nothing is left to write
+        exit_now(code)
+    return code
 
 
 if __name__ == "__main__":

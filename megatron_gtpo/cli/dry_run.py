@@ -27,7 +27,7 @@ from megatron_gtpo.models.shape import ModelShape, load_model_shape
 from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
 from megatron_gtpo.plan.layout import Layout, LayoutError, LayoutRequest, plan_layout
 from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, in_flight, \
-    micro_batch_dims, optimizer_bytes_per_param
+    micro_batch_dims, optimizer_bytes_per_param, push_bytes
 from megatron_gtpo.plan.recipe import recipe_request
 from megatron_gtpo.utils.configuration import ConfigError
 
@@ -95,7 +95,8 @@ def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (),
         return EXIT_IMPOSSIBLE
     mem = estimate_memory(request.shape, layout, sizes)
     problems, warnings = check_memory(mem, layout)
-    lines = [*_layout_lines(layout, sizes), _push_line(request.shape, layout, sizes), *_memory_lines(mem, layout, sizes)]
+    lines = [*_layout_lines(layout, sizes), _push_line(request.shape, layout, sizes), *_host_lines(mem, layout),
+             *_memory_lines(mem, layout, sizes)]
     for line in lines:
         print(line, file=out)
     for note in [*notes, *layout.warnings, *warnings]:
@@ -115,6 +116,7 @@ def _model_line(shape: ModelShape) -> str:
 
 def _layout_lines(lay: Layout, sizes: MemorySizes) -> list[str]:
     vpp = f" x VPP={lay.vpp}" if lay.vpp else ""
+    cp = f" x CP={lay.cp}" if lay.cp > 1 else ""
     stage = f"{lay.layers_per_stage} layers per PP stage" + (
         f" ({lay.layers_per_stage // lay.vpp} per virtual stage)" if lay.vpp else "")
     if lay.placement == "colocated":
@@ -126,7 +128,7 @@ def _layout_lines(lay: Layout, sizes: MemorySizes) -> list[str]:
         rollout = (f"separate: {lay.engines} rollout server(s) x TP={lay.rollout_tp}, one per rollout node "
                    f"({lay.rollout_nodes} node(s) of their own)")
     return [
-        f"trainer  TP={lay.tp} x PP={lay.pp}{vpp} x DP={lay.dp} = {lay.world} ranks on {lay.trainer_nodes} "
+        f"trainer  TP={lay.tp}{cp} x PP={lay.pp}{vpp} x DP={lay.dp} = {lay.world} ranks on {lay.trainer_nodes} "
         f"node(s); {stage}",
         f"rollout  {rollout}; {lay.sequences_per_engine} sequences per engine per step",
         f"batch    {lay.sequences} sequences per step; {lay.sequences // lay.dp} per DP rank " + (
@@ -138,7 +140,7 @@ def _layout_lines(lay: Layout, sizes: MemorySizes) -> list[str]:
 
 def _push_line(shape: ModelShape, lay: Layout, sizes: MemorySizes) -> str:
     """Transfer volume of one step's weight push (sync/shards.py delivery modes)."""
-    full = shape.params_total() * sizes.param_bytes
+    full = push_bytes(shape, sizes)
     if lay.placement == "separate":
         return (f"push     {full / GIB:.1f} GiB per step to each of {lay.engines} rollout server(s) "
                 f"({lay.engines * full / GIB:.1f} GiB in all) from {lay.pp} sender rank(s) (TP rank 0 of each stage), "
@@ -153,9 +155,19 @@ def _push_line(shape: ModelShape, lay: Layout, sizes: MemorySizes) -> str:
     return f"push     {full / GIB:.1f} GiB per engine rank per step: full tensors gathered over TP/PP one at a time ({why})"
 
 
+def _host_lines(mem: MemoryEstimate, lay: Layout) -> list[str]:
+    """Host memory a rollout node stages a push in (separate transport only)."""
+    if mem.colocated:
+        return []
+    return [f"host     {mem.host_staging / GIB:.1f} GiB staged per rollout node per push: one copy of the push in one "
+            f"node-local staging area per server; each of its engine's {lay.rollout_tp} worker(s) takes only its own "
+            f"shards (not one copy per worker)"]
+
+
 def _memory_lines(mem: MemoryEstimate, lay: Layout, sizes: MemorySizes) -> list[str]:
     opt_bytes = optimizer_bytes_per_param(optimizer=sizes.optimizer, param_bytes=sizes.param_bytes)
-    sharded = f"sharded over DP={lay.dp}" if sizes.distributed_optimizer else "not sharded"
+    sharded = (f"sharded over DP={lay.dp}" + (f" x CP={lay.cp}" if lay.cp > 1 else "")) if sizes.distributed_optimizer \
+        else "not sharded"
     util = (f"gpu_memory_utilization={mem.gpu_memory_utilization} "
             f"({'set by the recipe' if not mem.planned else 'planned: what the rollout phase leaves' if mem.colocated else 'planned: a rollout node holds nothing else'})")
     held = "one decoder layer in vLLM's reload" if mem.colocated else f"one bucket of {sizes.bucket_bytes >> 20} MiB"
@@ -192,7 +204,8 @@ def _memory_lines(mem: MemoryEstimate, lay: Layout, sizes: MemorySizes) -> list[
 
 def _micro_batch(lay: Layout, sizes: MemorySizes) -> str:
     rows, tokens = micro_batch_dims(lay, sizes)
-    return f"packed: 1 row of {tokens} tokens" if sizes.micro_batch_tokens else f"{rows} rows x {tokens} tokens"
+    share = f", {tokens // lay.cp} of them on each of CP={lay.cp} ranks" if lay.cp > 1 else ""
+    return (f"packed: 1 row of {tokens} tokens" if sizes.micro_batch_tokens else f"{rows} rows x {tokens} tokens") + share
 
 
 def _dtype(nbytes: int) -> str:

@@ -32,10 +32,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from megatron_gtpo.data import build_prompts, load_benchmark
 from megatron_gtpo.eval.config import EvalConfig
-from megatron_gtpo.eval.harness import (EvalPlan, EvalReport, Sampling, evaluate_benchmark, format_table,
+from megatron_gtpo.eval.harness import (EvalPlan, EvalReport, evaluate_benchmark, format_table,
                                         log_to_mlflow, write_json_atomic)
 from megatron_gtpo.models.resolve import as_hf_dir
 from megatron_gtpo.reward import RewardConfig, RewardScorer
+from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.rollout.engine import RolloutEngine
 from megatron_gtpo.utils.configuration import ConfigError, build, field_docs, to_dict
 
@@ -209,15 +210,14 @@ def _run_with(config, *, generate, tokenizer=None, prompt_sets=None, scorer=None
 
     start = time.perf_counter()
     sets, too_long = prompt_sets or load_prompt_sets(config, tokenizer=tokenizer)
-    sampling = Sampling(n=config.n, temperature=config.temperature, top_p=config.top_p,
-                        max_tokens=config.max_tokens, seed=config.seed)
+    sampling = Sampling(n=config.n, temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)
     total = sum(len(p) for p in sets.values()) * config.n
     samples_path = Path(config.output).with_suffix(".samples.jsonl")
     with contextlib.ExitStack() as stack, _samples_writer(samples_path, config.save_samples) as samples_out, \
             tqdm(total=total, desc="eval samples", unit="sample") as bar:
         if scorer is None:
             scorer = stack.enter_context(answer_checker(config))
-        plan = EvalPlan(sampling=sampling, ks=config.k, chunk_samples=config.chunk_samples,
+        plan = EvalPlan(sampling=sampling, seed=config.seed, ks=config.k, chunk_samples=config.chunk_samples,
                         maj_resamples=config.maj_resamples, maj_max_exact=config.maj_max_exact)
         results = [evaluate_benchmark(name, prompts, generate=generate, scorer=scorer, plan=plan, bar=bar,
                                       num_too_long=too_long[name], samples_out=samples_out)

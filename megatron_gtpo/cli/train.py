@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 from megatron_gtpo.checkpoint.files import CheckpointError, add_resume_options, check_resume
 from megatron_gtpo.utils.configuration import ConfigError
+from megatron_gtpo.utils.runtime import START_TIME_ENV
 
 EPILOG = """examples:
   megatron-gtpo train configs/gtpo.yaml --output-dir runs/gtpo algo.entropy_threshold=0.7
@@ -38,6 +38,9 @@ def parse_args(argv):
     add_resume_options(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the config, model, data and parallel layout, print them, and exit")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="ranks the launcher will start (slurm/train.sbatch passes trainer nodes x ranks per "
+                             "node): refused in seconds, before anything loads, unless it equals parallel.tp x pp x dp")
     parser.add_argument("--prepare-only", action="store_true",
                         help="validate, write the resolved <output-dir>/config.yaml and exit: the ranks are "
                              "started elsewhere (slurm/train.sbatch runs `python -m megatron_gtpo.cli.worker` on every node)")
@@ -59,6 +62,9 @@ def prepare(args):
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     cfg = load_config(args.recipe, overrides)
+    if args.world_size is not None and (problem := cfg.parallel.world_size_problem(
+            args.world_size, launcher=f"the launcher (--world-size {args.world_size})")):
+        raise ConfigError(problem)
     if not checked and not args.dry_run:  # before the model/data checks and before config.yaml is written
         check_resume(cfg.output_dir, args.resume)
     return cfg, preflight(cfg)
@@ -92,39 +98,49 @@ def main(argv: list[str] | None = None) -> int:
 
 def launch_torchrun(resolved_config: Path, world: int, *, resume: str, module: str = "megatron_gtpo.cli.worker",
                     extra: tuple[str, ...] = ()) -> int:
-    """Starts ``world`` local ranks of ``python -m module CONFIG [extra]`` with torchrun (gloo on CPU,
-    NCCL on GPU) and waits for them.
+    """Starts ``world`` local ranks of ``python -m module CONFIG [extra]`` with torchrun's launcher
+    (gloo on CPU, NCCL on GPU) and waits for them; the exit code is 0, or 1 when a rank failed.
 
-    Multi-node jobs are launched by slurm/train.sbatch, which runs torchrun on every node itself.
+    The launcher runs in this process, which has already imported torch for the checks: a separate
+    ``torchrun`` agent would start another interpreter and import torch again before any rank
+    starts. SIGTERM and SIGUSR1 reach the ranks as SIGUSR1 (checkpoint, then exit 0); the launcher
+    keeps SIGINT, SIGHUP and SIGQUIT (it stops the ranks). Multi-node jobs are launched by
+    slurm/train.sbatch, which runs torchrun on every node itself.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_port",
-           os.environ.get("MASTER_PORT", str(_free_port())), "-m", module, str(resolved_config), *extra]
+    import psutil
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    argv = [f"--nproc_per_node={world}", "--master_port", os.environ.get("MASTER_PORT", str(_free_port())),
+            "-m", module, str(resolved_config), *extra]
     if resume == "require":
-        cmd.append("--resume")
+        argv.append("--resume")
     elif resume == "auto":
-        cmd.append("--resume=auto")
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.Popen(cmd, env=env)
-    forward = lambda signum, frame: _signal_workers(proc.pid)  # noqa: E731
+        argv.append("--resume=auto")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[START_TIME_ENV] = repr(psutil.Process().create_time())  # the ranks' start-up report counts from here
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM is forwarded below
+    forward = lambda signum, frame: _signal_workers(module)  # noqa: E731
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
-        return proc.wait()
+        run(get_args_parser().parse_args(argv))
+        return 0
+    except ChildFailedError as err:
+        print(err.format_msg(), file=sys.stderr, flush=True)
+        return 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _signal_workers(agent_pid: int) -> None:
-    """SIGUSR1 to the torchrun workers (not to the agent: its default action would kill the job)."""
+def _signal_workers(module: str) -> None:
+    """SIGUSR1 to the ranks this process started (``python -m module ...``), nothing else."""
     import psutil
 
-    try:
-        workers = psutil.Process(agent_pid).children(recursive=False)
-    except psutil.NoSuchProcess:
-        return
-    for worker in workers:
+    for child in psutil.Process().children(recursive=False):
         try:
-            worker.send_signal(signal.SIGUSR1)
+            if module in child.cmdline():
+                child.send_signal(signal.SIGUSR1)
         except psutil.NoSuchProcess:
             pass
 

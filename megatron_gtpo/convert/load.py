@@ -16,7 +16,8 @@ import torch
 from megatron_gtpo.convert import mapping as mp
 from megatron_gtpo.convert.hf_io import HFReader
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.models.hf_config import architecture_of, tied_embeddings
+from megatron_gtpo.models.families import family_of
+from megatron_gtpo.models.hf_config import tied_embeddings
 from megatron_gtpo.train.model import layer_offset, unwrap
 
 
@@ -24,7 +25,7 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], *, hf_dir: str | Path, 
                     dims: ParallelDims) -> int:
     """Copies the HF checkpoint in ``hf_dir`` into this rank's parameters (cast to their dtype).
     Returns the number of parameters filled; raises KeyError for a parameter with no HF source."""
-    family, tied = architecture_of(hf_config), tied_embeddings(hf_config)
+    family, tied = family_of(hf_config), tied_embeddings(hf_config)
     shapes = mp.shapes_of(hf_config)
     reader = HFReader(hf_dir)
     filled = 0

@@ -6,7 +6,10 @@ The name table is documented in ``megatron_gtpo/train/model.py``.
 
 Three layouts appear:
 
-* **HF**: separate ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj``.
+* **HF**: separate ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj`` by default; a
+  family record (``models/families.py``) may name other HF tensors for a parameter, and one name
+  for a fused parameter means its *pieces* (q, k, v / gate, up) are concatenated along dim 0 in one
+  HF tensor (Phi-3's ``qkv_proj`` = [q; k; v], ``gate_up_proj`` = [gate; up]).
 * **global Megatron** (what the dist-checkpoint stores, = TP=1): ``linear_qkv`` rows grouped per
   KV group ``[q heads of group g | k_g | v_g]``; ``linear_fc1`` = ``[gate ; up]``.
 * **TP shard r**: ``linear_qkv`` rows of groups ``r*G/tp .. (r+1)*G/tp``; ``linear_fc1`` =
@@ -19,10 +22,12 @@ drops the padding again; both leave other kinds untouched.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from megatron_gtpo.models.families import FAMILIES, Family
 from megatron_gtpo.models.hf_config import head_dim_of, num_kv_heads_of
 
 # Kinds of Megatron parameters, i.e. how they are fused and split across TP ranks.
@@ -42,34 +47,51 @@ class ParamMap:
     kind: str
     """How it is fused/split: one of qkv, fc1, column, row, vocab, replicated."""
     hf: tuple[str, ...]
-    """HF tensor names (per-layer ones relative to ``model.layers.{i}.``), in fusion order."""
+    """HF tensor names (per-layer ones relative to ``model.layers.{i}.``), in fusion order: one per
+    piece, or a single name holding every piece (``fused``)."""
+    shape: tuple[str, ...]
+    """Global (TP=1) shape in named sizes (:func:`global_shape`); the HF shapes follow from it."""
+
+    @property
+    def pieces(self) -> int:
+        """How many HF-side pieces make the parameter: q, k, v (qkv); gate, up (fc1); else one."""
+        return {QKV: 3, FC1: 2}.get(self.kind, 1)
+
+    @property
+    def fused(self) -> bool:
+        """True when one HF tensor holds every piece (concatenated along dim 0)."""
+        return self.pieces > 1 and len(self.hf) == 1
 
 
 _LAYER_MAPS = (
     ParamMap("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight",
-             "decoder.layers.self_attention.linear_qkv.layer_norm_weight", REPLICATED, ("input_layernorm.weight",)),
+             "decoder.layers.self_attention.linear_qkv.layer_norm_weight", REPLICATED, ("input_layernorm.weight",),
+             ("hidden",)),
     ParamMap("self_attention.linear_qkv.weight", None, "decoder.layers.self_attention.linear_qkv.weight", QKV,
-             ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+             ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), ("qkv", "hidden")),
     ParamMap("self_attention.linear_qkv.bias", None, "decoder.layers.self_attention.linear_qkv.bias", QKV,
-             ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
+             ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), ("qkv",)),
     ParamMap("self_attention.q_layernorm.weight", None, "decoder.layers.self_attention.q_layernorm.weight",
-             REPLICATED, ("self_attn.q_norm.weight",)),
+             REPLICATED, ("self_attn.q_norm.weight",), ("head_dim",)),
     ParamMap("self_attention.k_layernorm.weight", None, "decoder.layers.self_attention.k_layernorm.weight",
-             REPLICATED, ("self_attn.k_norm.weight",)),
+             REPLICATED, ("self_attn.k_norm.weight",), ("head_dim",)),
     ParamMap("self_attention.linear_proj.weight", None, "decoder.layers.self_attention.linear_proj.weight", ROW,
-             ("self_attn.o_proj.weight",)),
+             ("self_attn.o_proj.weight",), ("hidden", "q")),
     ParamMap("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight",
-             "decoder.layers.mlp.linear_fc1.layer_norm_weight", REPLICATED, ("post_attention_layernorm.weight",)),
+             "decoder.layers.mlp.linear_fc1.layer_norm_weight", REPLICATED, ("post_attention_layernorm.weight",),
+             ("hidden",)),
     ParamMap("mlp.linear_fc1.weight", None, "decoder.layers.mlp.linear_fc1.weight", FC1,
-             ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
-    ParamMap("mlp.linear_fc2.weight", None, "decoder.layers.mlp.linear_fc2.weight", ROW, ("mlp.down_proj.weight",)),
+             ("mlp.gate_proj.weight", "mlp.up_proj.weight"), ("fc1", "hidden")),
+    ParamMap("mlp.linear_fc2.weight", None, "decoder.layers.mlp.linear_fc2.weight", ROW, ("mlp.down_proj.weight",),
+             ("hidden", "ffn")),
 )
 
 _EMBED = ParamMap("embedding.word_embeddings.weight", None, "embedding.word_embeddings.weight", VOCAB,
-                  ("model.embed_tokens.weight",))
+                  ("model.embed_tokens.weight",), ("vocab", "hidden"))
 _FINAL_NORM = ParamMap("decoder.final_layernorm.weight", None, "decoder.final_layernorm.weight", REPLICATED,
-                       ("model.norm.weight",))
-_LM_HEAD = ParamMap("output_layer.weight", None, "output_layer.weight", VOCAB, ("lm_head.weight",))
+                       ("model.norm.weight",), ("hidden",))
+_LM_HEAD = ParamMap("output_layer.weight", None, "output_layer.weight", VOCAB, ("lm_head.weight",),
+                    ("vocab", "hidden"))
 
 # Linear modules whose (empty, local-spec) ``_extra_state`` Megatron stores per layer.
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -87,24 +109,46 @@ class Shapes:
     """Width of one head."""
     vocab: int = 0
     """config.json's ``vocab_size`` (0: unknown); a padded Megatron vocabulary is cut back to it."""
+    hidden: int = 0
+    """Residual width (``hidden_size``; 0: unknown, only :func:`global_shape` needs it)."""
+    ffn: int = 0
+    """SwiGLU inner width (``intermediate_size``; 0: unknown, only :func:`global_shape` needs it)."""
 
 
 def shapes_of(hf_config: dict) -> Shapes:
-    """Head counts and width from an HF config.json."""
+    """Head counts and widths from an HF config.json."""
     return Shapes(heads=int(hf_config["num_attention_heads"]), groups=num_kv_heads_of(hf_config),
-                  head_dim=head_dim_of(hf_config), vocab=int(hf_config["vocab_size"]))
+                  head_dim=head_dim_of(hf_config), vocab=int(hf_config["vocab_size"]),
+                  hidden=int(hf_config["hidden_size"]), ffn=int(hf_config["intermediate_size"]))
 
 
-def layer_maps(family: str) -> tuple[ParamMap, ...]:
-    """Per-layer parameters of ``family`` (qkv bias only for Qwen2, q/k norms only for Qwen3)."""
+def global_shape(pm: ParamMap, s: Shapes) -> tuple[int, ...]:
+    """The global (TP=1) Megatron shape of ``pm`` for a model of sizes ``s`` (vocabulary unpadded)."""
+    sizes = {"hidden": s.hidden, "ffn": s.ffn, "fc1": 2 * s.ffn, "head_dim": s.head_dim, "q": s.heads * s.head_dim,
+             "qkv": (s.heads + 2 * s.groups) * s.head_dim, "vocab": s.vocab}
+    return tuple(sizes[name] for name in pm.shape)
+
+
+def layer_maps(family: Family) -> tuple[ParamMap, ...]:
+    """Per-layer parameters of ``family``: the default rows, the q/k/v bias and q/k norms where the
+    record has them, and the record's own HF names (``Family.hf_names``)."""
     out = []
     for pm in _LAYER_MAPS:
-        if pm.local.endswith("linear_qkv.bias") and family != "qwen2":
+        if pm.local.endswith("linear_qkv.bias") and not family.qkv_bias:
             continue
-        if "_layernorm.weight" in pm.local and pm.local.startswith("self_attention.") and family != "qwen3":
+        if pm.local.endswith(("q_layernorm.weight", "k_layernorm.weight")) and not family.qk_norm:
             continue
-        out.append(pm)
+        names = family.hf_names.get(pm.local)
+        if names is not None and len(names) not in (1, pm.pieces):
+            raise ValueError(f"family {family.name}: {pm.local} has {pm.pieces} pieces; give one HF name per piece "
+                             f"or a single fused one, not {names}")
+        out.append(dataclasses.replace(pm, hf=names) if names else pm)
     return tuple(out)
+
+
+def all_layer_maps() -> list[ParamMap]:
+    """The per-layer parameters of every family (the weight-push check's table of split dims)."""
+    return [pm for family in FAMILIES.values() for pm in layer_maps(family)]
 
 
 def pre_maps() -> tuple[ParamMap, ...]:
@@ -122,19 +166,39 @@ def hf_names(pm: ParamMap, layer: int | None) -> tuple[str, ...]:
     return pm.hf if layer is None else tuple(f"model.layers.{layer}.{n}" for n in pm.hf)
 
 
-def all_hf_names(family: str, *, num_layers: int, tied: bool) -> list[str]:
-    """Every HF tensor name a checkpoint of this family must contain, in export order."""
-    names = [n for pm in pre_maps() for n in hf_names(pm, None)]
-    for layer in range(num_layers):
-        names += [n for pm in layer_maps(family) for n in hf_names(pm, layer)]
-    names += [n for pm in post_maps(tied=tied) for n in hf_names(pm, None)]
-    return names
-
-
 # ----------------------------------------------------------------------------- fusion
+
+def piece_rows(pm: ParamMap, rows: int, shapes: Shapes) -> list[int]:
+    """Rows of each piece (q, k, v / gate, up) of a Megatron tensor of ``rows`` rows: the global
+    tensor with the model's ``shapes``, or one TP shard with the shard's head counts."""
+    if pm.kind == QKV:
+        per_group = (shapes.heads // shapes.groups + 2) * shapes.head_dim
+        groups = rows // per_group
+        q = groups * (shapes.heads // shapes.groups) * shapes.head_dim
+        return [q, groups * shapes.head_dim, groups * shapes.head_dim]
+    if pm.kind == FC1:
+        return [rows // 2, rows // 2]
+    return [rows]
+
+
+def hf_shapes(pm: ParamMap, megatron_shape: tuple[int, ...], shapes: Shapes) -> list[tuple[int, ...]]:
+    """Shapes of the HF tensors :func:`split` makes of a Megatron tensor of ``megatron_shape`` (a
+    global tensor with ``shapes``, or one TP shard with the per-shard head counts): one per piece,
+    or one fused tensor; a padded vocabulary gets HF's row count."""
+    tail = tuple(megatron_shape[1:])
+    if pm.kind == VOCAB and shapes.vocab:
+        return [(shapes.vocab, *tail)]
+    rows = piece_rows(pm, megatron_shape[0], shapes)
+    return [(sum(rows), *tail)] if pm.fused else [(r, *tail) for r in rows]
+
 
 def fuse(pm: ParamMap, hf_tensors: list[torch.Tensor], shapes: Shapes) -> torch.Tensor:
     """HF tensors -> the global (TP=1) Megatron tensor of ``pm``."""
+    if pm.fused:  # one HF tensor of concatenated pieces: [q; k; v] or [gate; up]
+        (tensor,) = hf_tensors
+        if pm.kind == FC1:
+            return tensor
+        hf_tensors = list(tensor.split(piece_rows(pm, tensor.shape[0], shapes), dim=0))
     if pm.kind == QKV:
         q, k, v = hf_tensors
         per = shapes.heads // shapes.groups
@@ -151,12 +215,15 @@ def fuse(pm: ParamMap, hf_tensors: list[torch.Tensor], shapes: Shapes) -> torch.
 
 def split(pm: ParamMap, tensor: torch.Tensor, shapes: Shapes) -> list[torch.Tensor]:
     """Global Megatron tensor -> HF tensors (contiguous, in ``pm.hf`` order); inverse of fuse."""
+    if pm.kind == FC1 and pm.fused:  # [gate; up] is already the HF layout
+        return [tensor]
     if pm.kind == QKV:
         per = shapes.heads // shapes.groups
         tail = tensor.shape[1:]
         grouped = tensor.reshape(shapes.groups, (per + 2) * shapes.head_dim, *tail)
         q, k, v = torch.split(grouped, [per * shapes.head_dim, shapes.head_dim, shapes.head_dim], dim=1)
-        return [t.reshape(-1, *tail).contiguous() for t in (q, k, v)]
+        pieces = [t.reshape(-1, *tail) for t in (q, k, v)]
+        return [torch.cat(pieces, dim=0)] if pm.fused else [t.contiguous() for t in pieces]
     if pm.kind == FC1:
         return [t.contiguous() for t in tensor.chunk(2, dim=0)]
     return [tensor]
@@ -197,7 +264,8 @@ def tp_shard(pm: ParamMap, tensor: torch.Tensor, *, tp: int, rank: int) -> torch
 
 
 def tp_unshard(pm: ParamMap, shards: list[torch.Tensor]) -> torch.Tensor:
-    """Shards of all TP ranks (in rank order) -> the global tensor; inverse of tp_shard."""
+    """Shards of all TP ranks (in rank order) -> the global tensor; the inverse of tp_shard
+    (LoRA's adapter gather uses it; the converter tests check the pair)."""
     if len(shards) == 1 or pm.kind == REPLICATED:
         return shards[0]
     if pm.kind == FC1:
@@ -206,7 +274,7 @@ def tp_unshard(pm: ParamMap, shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(shards, dim=1 if pm.kind == ROW else 0)
 
 
-def find_param_map(local_name: str, family: str, *, tied: bool) -> tuple[ParamMap, int | None]:
+def find_param_map(local_name: str, family: Family, *, tied: bool) -> tuple[ParamMap, int | None]:
     """Maps a live parameter name (DDP/Float16Module prefixes removed) to its ParamMap and local
     layer index (None outside the layers). KeyError for names this module does not know."""
     if local_name.startswith("decoder.layers."):

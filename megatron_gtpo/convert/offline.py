@@ -30,7 +30,8 @@ from megatron_gtpo.convert import mapping as mp
 from megatron_gtpo.convert.hf_io import HFReader, HFWriter, copy_side_files, torch_dtype_name
 from megatron_gtpo.convert.mcore_ckpt import CheckpointReader, Chunk, ObjectItem, write_checkpoint
 from megatron_gtpo.models.config import VOCAB_DIVISIBLE_BY
-from megatron_gtpo.models.hf_config import architecture_of, read_hf_config, tied_embeddings
+from megatron_gtpo.models.families import Family, check_supported, family_of
+from megatron_gtpo.models.hf_config import read_hf_config, tied_embeddings
 from megatron_gtpo.train.model import check_layout, padded_vocab_size
 from megatron_gtpo.utils.configuration import ConfigError
 
@@ -40,26 +41,15 @@ MODEL_SUBDIR = "model"
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
-def _expected_shapes(hf_config: dict, family: str, tied: bool) -> dict[str, list[int]]:
+def _expected_shapes(hf_config: dict, family: Family, tied: bool) -> dict[str, list[int]]:
     """HF tensor shapes implied by config.json (checked before any output is written)."""
-    h, v, f = int(hf_config["hidden_size"]), int(hf_config["vocab_size"]), int(hf_config["intermediate_size"])
-    s = mp.shapes_of(hf_config)
-    per_layer = {
-        "input_layernorm.weight": [h], "post_attention_layernorm.weight": [h],
-        "self_attn.q_proj.weight": [s.heads * s.head_dim, h], "self_attn.k_proj.weight": [s.groups * s.head_dim, h],
-        "self_attn.v_proj.weight": [s.groups * s.head_dim, h], "self_attn.o_proj.weight": [h, s.heads * s.head_dim],
-        "self_attn.q_proj.bias": [s.heads * s.head_dim], "self_attn.k_proj.bias": [s.groups * s.head_dim],
-        "self_attn.v_proj.bias": [s.groups * s.head_dim], "self_attn.q_norm.weight": [s.head_dim],
-        "self_attn.k_norm.weight": [s.head_dim], "mlp.gate_proj.weight": [f, h], "mlp.up_proj.weight": [f, h],
-        "mlp.down_proj.weight": [h, f],
-    }
-    out = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h]}
-    if not tied:
-        out["lm_head.weight"] = [v, h]
-    for layer in range(int(hf_config["num_hidden_layers"])):
-        for pm in mp.layer_maps(family):
-            for short, full in zip(pm.hf, mp.hf_names(pm, layer)):
-                out[full] = per_layer[short]
+    shapes = mp.shapes_of(hf_config)
+    out = {}
+    layers = range(int(hf_config["num_hidden_layers"]))
+    maps = [(pm, None) for pm in mp.pre_maps()] + [(pm, layer) for layer in layers for pm in mp.layer_maps(family)]
+    for pm, layer in maps + [(pm, None) for pm in mp.post_maps(tied=tied)]:
+        hf = mp.hf_shapes(pm, mp.global_shape(pm, shapes), shapes)
+        out.update({name: list(shape) for name, shape in zip(mp.hf_names(pm, layer), hf)})
     return out
 
 
@@ -77,10 +67,15 @@ def _chunk_for(pm: mp.ParamMap, reader: HFReader, names: tuple[str, ...], *, lay
         return lambda: reader.get(name).to(dtype).reshape(*one, *reader.shape(name))
 
     if pm.kind == mp.FC1:  # gate rows then up rows, as Megatron's swiglu sharded factory stores them
-        rows = hf_shapes[0][0]
-        full = (*stack, 2 * rows, *hf_shapes[0][1:])
+        rows = sum(s[0] for s in hf_shapes) // 2
+        full, half = (*stack, 2 * rows, *hf_shapes[0][1:]), (rows, *hf_shapes[0][1:])
+        if pm.fused:  # one [gate; up] tensor: each chunk reads it and keeps its half
+            halves = [lambda i=i: reader.get(names[0]).to(dtype).chunk(2, dim=0)[i].reshape(*one, *half)
+                      for i in range(2)]
+        else:
+            halves = [read(name) for name in names]
         return [(Chunk(pm.ckpt_key, full, (*at, i * rows, *[0] * (len(full) - len(at) - 1)),
-                       (*one, *hf_shapes[i]), dtype), read(names[i])) for i in range(2)]
+                       (*one, *half), dtype), halves[i]) for i in range(2)]
     rows = padded_vocab if pm.kind == mp.VOCAB else sum(s[0] for s in hf_shapes)
     full = (*stack, rows, *hf_shapes[0][1:])
 
@@ -95,7 +90,7 @@ def _chunk_for(pm: mp.ParamMap, reader: HFReader, names: tuple[str, ...], *, lay
 def plan_from_hf(reader: HFReader, hf_config: dict, *, padded_vocab: int) -> tuple[list, list[ObjectItem], int]:
     """(chunks with producers, extra-state objects, total bytes) for one HF checkpoint, the
     vocabulary padded to ``padded_vocab`` rows."""
-    family, tied = architecture_of(hf_config), tied_embeddings(hf_config)
+    family, tied = family_of(hf_config), tied_embeddings(hf_config)
     layers, shapes = int(hf_config["num_hidden_layers"]), mp.shapes_of(hf_config)
     common = dict(num_layers=layers, shapes=shapes, padded_vocab=padded_vocab)
     chunks: list = []
@@ -116,7 +111,7 @@ def plan_from_hf(reader: HFReader, hf_config: dict, *, padded_vocab: int) -> tup
 def open_hf(input_dir: Path, *, tp: int, pp: int, vpp: int | None) -> tuple[HFReader, dict]:
     """Validates an HF checkpoint (config, layout, tensor names and shapes) before any write."""
     hf_config = read_hf_config(input_dir)
-    family = architecture_of(hf_config)
+    family = check_supported(hf_config, source=str(input_dir / "config.json"))
     check_layout(hf_config, tp=tp, pp=pp, vpp=vpp)
     tied = tied_embeddings(hf_config)
     reader = HFReader(input_dir)
@@ -126,7 +121,7 @@ def open_hf(input_dir: Path, *, tp: int, pp: int, vpp: int | None) -> tuple[HFRe
     extra = sorted(n for n in set(reader.names()) - set(expected) - {"lm_head.weight"}
                    if not n.endswith("rotary_emb.inv_freq"))
     if extra:
-        raise ConfigError(f"{input_dir}: tensor {extra[0]!r} has no Megatron counterpart for {family} "
+        raise ConfigError(f"{input_dir}: tensor {extra[0]!r} has no Megatron counterpart for {family.name} "
                           f"({len(extra)} unexpected tensors); is config.json the right one?")
     for name in expected:
         if reader.dtype(name) not in _DTYPES:
@@ -146,7 +141,7 @@ def hf_to_megatron(input_dir: Path, output_dir: Path, *, tp: int, pp: int, vpp: 
     (output_dir / MODEL_SUBDIR).mkdir()
     write_checkpoint(output_dir / MODEL_SUBDIR, chunks=chunks, objects=objects)
     copy_side_files(input_dir, output_dir)
-    manifest = {"format": FORMAT, "family": architecture_of(hf_config),
+    manifest = {"format": FORMAT, "family": family_of(hf_config).name,
                 "dtype": torch_dtype_name(chunks[0][0].dtype), "layout": {"tp": tp, "pp": pp, "vpp": vpp},
                 "vocab_size": vocab, "padded_vocab_size": padded,
                 "make_vocab_size_divisible_by": vocab_divisible_by, "source": str(input_dir), "bytes": total}
@@ -168,7 +163,7 @@ def validate_checkpoint(ckpt_dir: Path, hf_config: dict) -> None:
     config.json (checked from the checkpoint metadata before anything is written). Vocabulary
     tensors may carry padding rows beyond ``vocab_size`` (any amount: the padding rule of the
     writer, e.g. Megatron-LM at another TP, is not ours to assume)."""
-    family, tied = architecture_of(hf_config), tied_embeddings(hf_config)
+    family, tied = check_supported(hf_config), tied_embeddings(hf_config)
     layers = int(hf_config["num_hidden_layers"])
     expected = _expected_shapes(hf_config, family, tied)
     reader = CheckpointReader(ckpt_dir)
@@ -185,7 +180,7 @@ def validate_checkpoint(ckpt_dir: Path, hf_config: dict) -> None:
             found = "missing" if meta is None else f"shape {list(meta.size)}"
             hint = " (at least; more rows are vocabulary padding)" if pm.kind == mp.VOCAB else ""
             raise ConfigError(f"{ckpt_dir}: checkpoint tensor {pm.ckpt_key!r} is {found}, but config.json "
-                              f"({family}, {layers} layers, tied={tied}) implies shape {want}{hint}")
+                              f"({family.name}, {layers} layers, tied={tied}) implies shape {want}{hint}")
 
 
 def check_manifest(directory: Path, hf_config: dict) -> None:
@@ -203,7 +198,7 @@ def check_manifest(directory: Path, hf_config: dict) -> None:
 def iter_hf_tensors(ckpt_dir: Path, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """HF ``(name, tensor)`` pairs read layer by layer from a torch_dist checkpoint, stored dtype;
     vocabulary padding rows are dropped (config.json's ``vocab_size`` rows are kept)."""
-    family, tied = architecture_of(hf_config), tied_embeddings(hf_config)
+    family, tied = family_of(hf_config), tied_embeddings(hf_config)
     layers, shapes = int(hf_config["num_hidden_layers"]), mp.shapes_of(hf_config)
     vocab = int(hf_config["vocab_size"])
     reader = CheckpointReader(ckpt_dir)
@@ -214,7 +209,7 @@ def iter_hf_tensors(ckpt_dir: Path, hf_config: dict) -> Iterator[tuple[str, torc
             meta = reader.tensor_meta(pm.ckpt_key)
             if meta is None:
                 raise ConfigError(f"{ckpt_dir}: checkpoint has no tensor {pm.ckpt_key!r}; "
-                                  f"does config.json ({family}, tied={tied}) belong to it?")
+                                  f"does config.json ({family.name}, tied={tied}) belong to it?")
             size = tuple(meta.size)
             if pm.kind == mp.VOCAB:  # read the real rows only: the padding is dropped
                 size = (vocab, *size[1:])

@@ -21,7 +21,7 @@ from megatron_gtpo.data.sources import Example
 PAPER_SYSTEM_PROMPT = (
     "You are a helpful assistant for solving problems. Given a question, first think step by step "
     "between <reasoning> and </reasoning>. Then, give the final answer between <answer> and </answer>.")
-"""The system prompt of the GTPO reference code (spec algorithms.md section 7)."""
+"""The system prompt of the GTPO reference code (docs/algorithms.md section 7)."""
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 """User-turn suffix of the ``boxed`` template."""

@@ -10,7 +10,7 @@ from megatron_gtpo.utils.configuration import require
 from megatron_gtpo.data.sources import canonical_benchmark
 
 PAPER_BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23"]
-"""The GTPO paper's evaluation sets (spec algorithms.md section 7); add mmlu_stem for MMLU."""
+"""The GTPO paper's evaluation sets (docs/algorithms.md section 7); add mmlu_stem for MMLU."""
 
 
 @dataclass(kw_only=True)

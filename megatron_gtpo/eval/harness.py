@@ -5,8 +5,9 @@
         --metrics.py--> BenchmarkResult
     EvalReport --> JSON (atomic), printed table, MLflow metrics
 
-``evaluate`` takes a ``generate`` callable with ``RolloutEngine.generate``'s signature, so it runs
-the same with a real engine, a local vLLM adapter or a scripted fake in unit tests.
+``evaluate`` takes a ``generate`` callable with ``RolloutEngine.generate``'s signature (prompts, the
+rollout ``Sampling`` record, a seed), so it runs the same with a real engine, a local vLLM adapter or
+a scripted fake in unit tests.
 """
 
 from __future__ import annotations
@@ -22,27 +23,12 @@ from tqdm import tqdm
 
 from megatron_gtpo.eval.metrics import ProblemSamples, benchmark_metrics
 from megatron_gtpo.reward.pool import STATUS_ERROR, STATUS_TIMEOUT, SampleScore
+from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.types import Completion, Prompt
 from megatron_gtpo.utils.atomic import write_text_atomic
 
 GenerateFn = Callable[..., list[Completion]]
-"""``generate(prompts, *, n, temperature, top_p, max_tokens, stop=None, seed=None) -> list[Completion]``."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Sampling:
-    """How each problem is sampled."""
-
-    n: int
-    """Completions per problem."""
-    temperature: float
-    """Sampling temperature."""
-    top_p: float
-    """Nucleus threshold."""
-    max_tokens: int
-    """Completion token limit."""
-    seed: int = 0
-    """Base seed; the chunk starting at problem i uses seed + i."""
+"""``generate(prompts, sampling, *, seed) -> list[Completion]`` (``RolloutEngine.generate``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +36,9 @@ class EvalPlan:
     """How every benchmark of one evaluation is sampled, chunked and summarised."""
 
     sampling: Sampling
-    """Sampling of each problem."""
+    """Sampling of each problem (the rollout record, as engines take it)."""
+    seed: int = 0
+    """Base seed; the chunk starting at problem i uses seed + i (and maj@k's subsets use it)."""
     ks: list[int]
     """k values of pass@k / maj@k / mean@k."""
     chunk_samples: int
@@ -138,8 +126,7 @@ def evaluate_benchmark(name: str, prompts: list[Prompt], *, generate: GenerateFn
     problems: list[ProblemSamples] = []
     counts = {"timeouts": 0, "errors": 0, "no_answer": 0, "truncated": 0, "tokens": 0, "samples": 0}
     for offset, chunk in _chunks(prompts, sampling.n, plan.chunk_samples):
-        completions = generate(chunk, n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                               max_tokens=sampling.max_tokens, stop=None, seed=sampling.seed + offset)
+        completions = generate(chunk, sampling, seed=plan.seed + offset)
         groups = _check_completions(completions, len(chunk), sampling.n)
         flat = [c for g in groups for c in g]
         scores = scorer.score([(c.text, chunk[c.prompt_index].gold, chunk[c.prompt_index].task) for c in flat],
@@ -164,7 +151,7 @@ def evaluate_benchmark(name: str, prompts: list[Prompt], *, generate: GenerateFn
     return BenchmarkResult(
         name=name, num_problems=len(problems), num_too_long=num_too_long, n=sampling.n,
         metrics=benchmark_metrics(problems, plan.ks, max_exact_subsets=plan.maj_max_exact,
-                                  num_resamples=plan.maj_resamples, seed=sampling.seed) if problems else {},
+                                  num_resamples=plan.maj_resamples, seed=plan.seed) if problems else {},
         num_timeouts=counts["timeouts"], num_errors=counts["errors"], no_answer_rate=counts["no_answer"] / total,
         truncated_rate=counts["truncated"] / total, mean_completion_tokens=counts["tokens"] / total,
         seconds=time.perf_counter() - start)

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import torch
 
+from megatron_gtpo.train.lora import LoraConfig
 from megatron_gtpo.utils.configuration import require
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -47,6 +48,10 @@ class ModelConfig:
     (Megatron-LM's --make-vocab-size-divisible-by, and its default), so any vocabulary size works at
     any TP. Padding rows are zero, never sampled or scored, and never sent to vLLM or exported.
     Not a TransformerConfig field, hence not under `megatron`. 1 pads only up to a multiple of TP."""
+
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the frozen policy (megatron_gtpo.train.lora): off unless ``lora.rank`` > 0,
+    e.g. ``model.lora.rank=8``."""
 
     def __post_init__(self):
         require(bool(self.path), "path", self.path, "a model directory or 'smollm2' / 'tiny'")

@@ -11,14 +11,6 @@ from pathlib import Path
 
 from megatron_gtpo.utils.configuration import ConfigError
 
-# architectures[0] in config.json -> family name used across train/ and convert/.
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MistralForCausalLM": "mistral",
-}
-
 # Megatron's llama3 RoPE scaling hard-codes these; other values are re-applied after build.
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 8192}
@@ -41,16 +33,6 @@ def read_hf_config(path: str | Path) -> dict:
     return data
 
 
-def architecture_of(hf_config: dict) -> str:
-    """Family name (``llama``, ``qwen2``, ``qwen3``, ``mistral``) of ``hf_config['architectures'][0]``."""
-    archs = hf_config.get("architectures")
-    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise ConfigError(
-            f"config.json field 'architectures'={archs!r} is not supported; expected exactly one of "
-            f"{', '.join(sorted(ARCHITECTURES))}")
-    return ARCHITECTURES[archs[0]]
-
-
 def head_dim_of(hf_config: dict) -> int:
     """Per-head width: ``head_dim`` when present (Qwen3, Mistral-NeMo), else hidden/heads."""
     if hf_config.get("head_dim"):
@@ -64,14 +46,15 @@ def num_kv_heads_of(hf_config: dict) -> int:
 
 
 def tied_embeddings(hf_config: dict) -> bool:
-    """True when lm_head shares the input embedding (SmolLM2); the four families default to False."""
+    """True when lm_head shares the input embedding (SmolLM2); every family defaults to False."""
     return bool(hf_config.get("tie_word_embeddings", False))
 
 
 def rope_settings(hf_config: dict) -> dict:
-    """``{"theta", "type", "factor", "low_freq_factor", "high_freq_factor",
+    """``{"theta", "type", "partial", "factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings"}`` from transformers-5 ``rope_parameters`` or the older
-    ``rope_theta`` + ``rope_scaling`` pair."""
+    ``rope_theta`` + ``rope_scaling`` pair. ``partial`` is the share of each head's dimensions that
+    RoPE rotates (``partial_rotary_factor``, 1.0 unless set: Phi-4-mini uses 0.75)."""
     params = dict(hf_config.get("rope_parameters") or {})
     scaling = hf_config.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
@@ -79,7 +62,10 @@ def rope_settings(hf_config: dict) -> dict:
     merged = {**scaling, **params}
     if kind not in ("default", "llama3"):
         raise ConfigError(f"config.json rope type {kind!r} is not supported; supported: default, llama3")
-    out = {"theta": float(theta), "type": kind}
+    partial = params.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+    if not 0 < float(partial) <= 1:
+        raise ConfigError(f"config.json partial_rotary_factor={partial!r} must be in (0, 1]")
+    out = {"theta": float(theta), "type": kind, "partial": float(partial)}
     if kind == "llama3":
         out["factor"] = float(merged["factor"])
         for key, default in LLAMA3_ROPE_DEFAULTS.items():

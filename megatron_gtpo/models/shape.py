@@ -2,9 +2,10 @@
 
 Pure arithmetic (no torch, no transformers): ``dry-run`` uses it to check a parallel layout and to
 estimate memory before any job is submitted. The counts follow the HF modules of the supported
-families (Llama, Mistral, Qwen2, Qwen3: GQA attention, SwiGLU MLP, RMSNorm), which are also what
+families (``models/families.py``: GQA attention, SwiGLU MLP, RMSNorm), which are also what
 Megatron-Core builds for them, so ``params_total`` equals the checkpoint's parameter count
-(8,030,261,248 for Llama-3-8B; 32,763,876,352 for Qwen2.5-32B).
+(8,030,261,248 for Llama-3-8B; 32,763,876,352 for Qwen2.5-32B). The family is read, and refused,
+exactly as the model builder does (``families.check_supported``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_gtpo.models.hf_config import ARCHITECTURES, read_hf_config
+from megatron_gtpo.models.families import check_supported
+from megatron_gtpo.models.hf_config import head_dim_of, num_kv_heads_of, read_hf_config, tied_embeddings
 from megatron_gtpo.utils.configuration import ConfigError
-
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +25,7 @@ class ModelShape:
     name: str
     """Display name (the config file's directory or stem)."""
     family: str
-    """HF ``model_type``: one of FAMILIES."""
+    """Family name (``models.families.FAMILIES``)."""
     layers: int
     """Transformer blocks (``num_hidden_layers``)."""
     hidden: int
@@ -44,7 +43,7 @@ class ModelShape:
     tied_embeddings: bool
     """True when the output layer reuses the input embedding (``tie_word_embeddings``)."""
     qkv_bias: bool
-    """q/k/v projections carry biases (Qwen2, or ``attention_bias``)."""
+    """q/k/v projections carry biases (Qwen2)."""
     qk_norm: bool
     """Per-head RMSNorm on queries and keys (Qwen3)."""
     max_positions: int
@@ -93,12 +92,7 @@ def load_model_shape(path: str | Path) -> ModelShape:
 def shape_from_hf_config(raw: dict, *, name: str, source: str = "config.json") -> ModelShape:
     """Builds a ModelShape from a parsed HF config dict (``text_config`` of multimodal configs too)."""
     raw = raw.get("text_config", raw)
-    family = raw.get("model_type") or (ARCHITECTURES.get((raw.get("architectures") or [""])[0], ""))
-    if family not in FAMILIES:
-        raise ConfigError(f"{source}: model_type={family!r} is not supported by dry-run; "
-                          f"supported: {', '.join(FAMILIES)} (dense decoders)")
-    if any(raw.get(key) for key in _MOE_KEYS):
-        raise ConfigError(f"{source}: mixture-of-experts configs are not supported by dry-run")
+    family = check_supported(raw, source=source)
 
     def need(key: str) -> int:
         if not isinstance(raw.get(key), int) or raw[key] < 1:
@@ -107,11 +101,9 @@ def shape_from_hf_config(raw: dict, *, name: str, source: str = "config.json") -
 
     heads, hidden = need("num_attention_heads"), need("hidden_size")
     return ModelShape(
-        name=name, family=family, layers=need("num_hidden_layers"), hidden=hidden,
+        name=name, family=family.name, layers=need("num_hidden_layers"), hidden=hidden,
         ffn=need("intermediate_size"), heads=heads,
-        kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or hidden // heads, vocab=need("vocab_size"),
-        tied_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=family == "qwen3", max_positions=need("max_position_embeddings"),
+        kv_heads=num_kv_heads_of(raw), head_dim=head_dim_of(raw), vocab=need("vocab_size"),
+        tied_embeddings=tied_embeddings(raw),
+        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, max_positions=need("max_position_embeddings"),
     )

@@ -8,8 +8,11 @@ Weights are seeded, so every machine builds the same model.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
+from importlib.metadata import version
 from pathlib import Path
 
 from megatron_gtpo.models.smollm2 import default_cache_dir, ensure_smollm2
@@ -24,10 +27,24 @@ TINY_CONFIG = dict(
 )
 
 
+BUILD = "torch.manual_seed(seed); transformers.Qwen2ForCausalLM(config) in float32"
+"""How a seed becomes weights: part of the cache key with the config and the library versions."""
+
+
+def cache_key(config: dict, tokenizer: str, seed: int) -> str:
+    """Directory suffix of a cached tiny model: a hash of everything its weights and files depend
+    on (the config, the tokenizer, how the seed is used, torch's and transformers' versions), so
+    that a change to any of them builds a new model instead of silently reusing a stale one."""
+    what = {"config": config, "tokenizer": tokenizer, "build": BUILD, "torch": version("torch"),
+            "transformers": version("transformers")}
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{digest}-seed{seed}"
+
+
 def ensure_tiny(cache_dir: str | os.PathLike | None = None, *, seed: int = 0) -> Path:
     """Returns an HF directory with the tiny random model (built once, then cached)."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    out = root / f"{TINY_NAME}-seed{seed}"
+    out = root / f"{TINY_NAME}-{cache_key(TINY_CONFIG, 'smollm2', seed)}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     import torch
@@ -52,6 +69,9 @@ CHAR_TEMPLATE = (
     "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+CHAR_CONFIG = {**TINY_CONFIG, "vocab_size": 128, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
 
 def _char_tokenizer():
@@ -88,15 +108,15 @@ def ensure_tiny_char(cache_dir: str | os.PathLike | None = None, *, seed: int = 
     49k-token vocabulary each sampled token is rarely seen twice and learning is far slower.)
     """
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    out = root / f"tiny-qwen2-char-seed{seed}"
+    key = cache_key(CHAR_CONFIG, f"char {CHAR_SPECIALS} {CHAR_TEMPLATE}", seed)
+    out = root / f"tiny-qwen2-char-{key}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.Qwen2Config(**{**TINY_CONFIG, "vocab_size": 128, "bos_token_id": 1,
-                                         "eos_token_id": 2, "pad_token_id": 2})
+    config = transformers.Qwen2Config(**CHAR_CONFIG)
     config.architectures = ["Qwen2ForCausalLM"]
     model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
     with atomic_directory(out, replace=False) as tmp:

@@ -2,10 +2,10 @@
 reducing step metrics so every rank reports the same numbers. Tensors here are device data (device
 groups); the few Python values (metric names, min/max floats, the metrics dict) go over ``control``.
 
-Metrics travel as ``name -> (sum, count)`` pairs. Summing both parts over micro-batches and
-data-parallel ranks and dividing at the end gives the mean over the whole global batch, whatever
-the split (a mean of per-micro-batch means would weight a short micro-batch like a long one).
-Only the last pipeline stage computes losses; :func:`broadcast_from_last_stage` hands its result
+Metrics travel as ``(sum, count)`` pairs (``train/metric_sums.py``). Summing both parts over
+micro-batches and data-parallel ranks and dividing at the end gives the mean over the whole global
+batch, whatever the split (a mean of per-micro-batch means would weight a short micro-batch like a
+long one). Only the last pipeline stage computes losses; :func:`broadcast_from_last_stage` hands its result
 to the other stages.
 """
 
@@ -40,60 +40,16 @@ def all_gather_rows(local: Tensor, group) -> Tensor:
     return out
 
 
-def sum_metric_pairs(pairs: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Adds up ``name -> tensor([sum, count])`` dicts (one per micro-batch); missing names count 0."""
-    total: dict[str, Tensor] = {}
-    for item in pairs:
-        for name, value in item.items():
-            value = value.detach().to(torch.float64).reshape(2)
-            total[name] = total[name] + value if name in total else value.clone()
-    return total
-
-
-def reduce_metric_pairs(pairs: dict[str, Tensor], group) -> dict[str, float]:
-    """All-reduces ``name -> tensor([sum, count])`` over ``group`` (SUM of both parts) and returns
-    ``name -> sum / count`` (NaN when count is 0). Every rank of ``group`` must pass the same names."""
-    names = sorted(pairs)
-    if not names:
-        return {}
-    stacked = torch.stack([pairs[name].to(comm_device(), torch.float64).reshape(2) for name in names])  # [M, 2]
+def reduce_sums_and_maxima(sums: Tensor, maxima: Tensor, group) -> tuple[Tensor, Tensor]:
+    """All-reduces two device tensors over ``group``: ``sums`` element-wise by SUM, ``maxima`` by MAX
+    (a minimum travels negated). The step's metrics of every update go through this once per step."""
     if _size(group) > 1:
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
-    out = {}
-    for name, (total, count) in zip(names, stacked.tolist()):
-        out[name] = total / count if count != 0 else float("nan")
-    return out
-
-
-def reduce_min_max(lows: dict[str, float], highs: dict[str, float], group) -> dict[str, float]:
-    """Minimum of ``lows`` and maximum of ``highs`` over the ranks of ``group`` (Python floats: over
-    its gloo twin, see ``control``). A rank may lack a name (e.g. no loss tokens in its
-    micro-batches, so no ratio minimum): names are unioned first and gaps take the neutral value,
-    so the reduction sees equally long lists everywhere."""
-    names = control.all_gather_object((sorted(lows), sorted(highs)), over=group)
-    low_names = sorted(set().union(*(n[0] for n in names)))
-    high_names = sorted(set().union(*(n[1] for n in names)))
-    values = [-lows.get(n, float("inf")) for n in low_names] + [highs.get(n, float("-inf")) for n in high_names]
-    reduced = control.reduce_floats(values, "max", over=group)
-    out = {name: -v for name, v in zip(low_names, reduced[:len(low_names)])}
-    out.update(zip(high_names, reduced[len(low_names):]))
-    return out
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    return sums, maxima
 
 
 def broadcast_from_last_stage(obj, *, pp_group, last_stage_rank: int):
     """Returns the last pipeline stage's ``obj`` (any picklable value, e.g. a metrics dict) on every
     stage of ``pp_group`` (over its gloo twin); ``last_stage_rank`` is that stage's global rank."""
     return control.broadcast_object(obj, src=last_stage_rank, over=pp_group)
-
-
-def broadcast_tensor_from_last_stage(tensor: Tensor | None, *, shape, dtype, pp_group,
-                                     last_stage_rank: int) -> Tensor:
-    """Tensor version of :func:`broadcast_from_last_stage`: stages other than the last pass None
-    and receive a ``shape``/``dtype`` tensor."""
-    if _size(pp_group) == 1:
-        return tensor
-    if dist.get_rank() != last_stage_rank:
-        tensor = torch.empty(shape, dtype=dtype, device=comm_device())
-    tensor = tensor.to(comm_device()).contiguous()
-    dist.broadcast(tensor, src=last_stage_rank, group=pp_group)
-    return tensor

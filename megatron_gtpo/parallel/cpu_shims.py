@@ -2,8 +2,8 @@
 
 Every shim here replaces one CUDA assumption inside megatron-core. They are installed once per
 process by :func:`install`, and only when ``torch.cuda.is_available()`` is False: on a GPU machine
-this module does nothing and Megatron runs untouched. Measured facts behind each shim are in
-``../shared/spec/megatron_cpu.md``; with all of them in place TP/PP/VPP, DDP, the distributed
+this module does nothing and Megatron runs untouched. Each shim's docstring names the CUDA
+assumption it replaces; with all of them in place TP/PP/VPP, DDP, the distributed
 optimizer and dist-checkpointing give the same fp32 numbers as a single-process reference.
 """
 
@@ -39,7 +39,10 @@ class CudaToCpuMode(TorchFunctionMode):
     scratch tensors with a hard-coded ``device="cuda"``; its mixed-precision and distributed
     optimizers dispatch on ``param.type() == "torch.cuda.FloatTensor"``. Safe because on a CPU
     build every tensor lives on CPU anyway: the redirect only restores what the code means, and
-    the faked type string is read by Megatron's dispatch alone (torch never parses it).
+    the faked type string is read by Megatron's dispatch alone (torch never parses it). Pinned
+    host memory (``pin_memory=True``, which a CPU build cannot allocate) becomes plain host memory:
+    Megatron pins only staging tensors for a non-blocking copy to the GPU (e.g. the chunk indices of
+    context-parallel RoPE, ``rope_utils.get_pos_emb_on_this_cp_rank``), and on CPU there is no copy.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -49,6 +52,8 @@ class CudaToCpuMode(TorchFunctionMode):
             return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs and is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and is_cuda_device(args[1]):

@@ -43,14 +43,20 @@ def model_split_problems(shape: ModelShape, *, tp: int, pp: int, vpp: int | None
     return problems
 
 
-def batch_split_problem(sequences: int, *, dp: int, micro_batch_size: int) -> str | None:
+def batch_split_problem(sequences: int, *, dp: int, rows_per_micro_batch: int) -> str | None:
     """Why a global batch of ``sequences`` rows cannot be cut into DP ranks x equal micro-batches
-    (Megatron's schedules need equally sized micro-batches), or None."""
-    if sequences % (dp * micro_batch_size):
-        return (f"global batch of {sequences} sequences (train.prompts_per_step x rollout.n) is not divisible by "
-                f"parallel.dp x train.micro_batch_size = {dp} x {micro_batch_size} = {dp * micro_batch_size}: "
-                "change the prompts per step, the group size or the micro-batch size")
-    return None
+    (Megatron's schedules need equally sized micro-batches), or None. ``rows_per_micro_batch`` is
+    ``train.rows_per_micro_batch``: ``train.micro_batch_size`` for padded micro-batches
+    (``train.micro_batch_tokens: 0``), 1 when packing (the default: a packed micro-batch takes any
+    number of whole rows). The config, the dry-run and the train step all ask this one rule with it."""
+    if not sequences % (dp * rows_per_micro_batch):
+        return None
+    what = f"global batch of {sequences} sequences (train.prompts_per_step x rollout.n) is not divisible by "
+    if rows_per_micro_batch == 1:
+        return what + f"parallel.dp = {dp}: change the prompts per step or the group size"
+    return (what + f"parallel.dp x train.micro_batch_size = {dp} x {rows_per_micro_batch} = "
+            f"{dp * rows_per_micro_batch} (padded micro-batches, train.micro_batch_tokens: 0): change the prompts "
+            "per step, the group size or the micro-batch size, or pack (train.micro_batch_tokens: null)")
 
 
 def pipeline_problem(microbatches: int, *, pp: int, vpp: int | None) -> str | None:
@@ -59,4 +65,56 @@ def pipeline_problem(microbatches: int, *, pp: int, vpp: int | None) -> str | No
     if vpp is not None and pp > 1 and (microbatches < pp or microbatches % pp):
         return (f"the interleaved schedule (VPP={vpp}) needs the micro-batches per DP rank ({microbatches}) to be "
                 f"a multiple of PP={pp}: change train.micro_batch_size or the rollout batch size")
+    return None
+
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+"""Megatron's ``cp_comm_type`` values a CP layout may use (None = p2p, Megatron's default for TE).
+``a2a+p2p`` also needs hierarchical CP groups (``hierarchical_context_parallel_sizes``), which
+``parallel.dims.init_distributed`` does not create."""
+
+
+def context_parallel_problems(shape: ModelShape, *, tp: int, cp: int, comm_type=None,
+                              cp_attention: bool = True) -> list[str]:
+    """Every reason the model cannot run with ``cp`` context-parallel ranks.
+
+    ``comm_type``: Megatron's ``cp_comm_type`` (``model.megatron``). ``a2a`` (Ulysses) scatters a TP
+    rank's attention heads over the CP ranks, so ``cp`` must divide them; p2p and all_gather exchange
+    K/V chunks and take any head count. ``cp_attention``: the layer spec has a context-parallel
+    attention (Transformer Engine's on GPU, the exact stand-in of parallel/cp_attention.py for
+    Megatron's local spec on CPU); False for Megatron's local spec on a GPU.
+    """
+    if cp == 1:
+        return []
+    problems = []
+    if not cp_attention:
+        problems.append(f"parallel.cp={cp} needs a context-parallel attention: Megatron's local layer spec on GPU "
+                        "has none (its DotProductAttention refuses CP); use Transformer Engine's layer spec, or "
+                        "parallel.cp=1")
+    kinds = list(comm_type) if isinstance(comm_type, (list, tuple)) else [comm_type]
+    bad = sorted({str(k) for k in kinds if k is not None and k not in CP_COMM_TYPES})
+    if bad:
+        problems.append(f"model.megatron.cp_comm_type={comm_type!r}: {', '.join(bad)} is not supported; choose "
+                        f"among {', '.join(CP_COMM_TYPES)} (a2a+p2p needs hierarchical CP groups, not set up here)")
+    per_rank = shape.heads // tp if tp and shape.heads % tp == 0 else None
+    if "a2a" in kinds and per_rank is not None and per_rank % cp:
+        problems.append(f"model.megatron.cp_comm_type=a2a scatters the {per_rank} attention heads of a TP rank "
+                        f"(num_attention_heads={shape.heads} / TP={tp}) over parallel.cp={cp} ranks: choose "
+                        f"parallel.cp among {divisors(per_rank)}, or cp_comm_type p2p / all_gather")
+    kv_per_rank = shape.kv_heads_per_rank(tp) if tp else None
+    if "a2a" in kinds and per_rank is not None and kv_per_rank and kv_per_rank % cp:
+        problems.append(f"model.megatron.cp_comm_type=a2a scatters the {kv_per_rank} KV heads of a TP rank "
+                        f"(num_key_value_heads={shape.kv_heads}, TP={tp}) over parallel.cp={cp} ranks too: choose "
+                        f"parallel.cp among {divisors(kv_per_rank)}, or cp_comm_type p2p / all_gather")
+    return problems
+
+
+def world_problem(world: int, *, tp: int, cp: int, pp: int) -> str | None:
+    """Why ``world`` ranks cannot be split into TP x CP x PP model replicas, or None: the check of
+    ``init_distributed``, which knows no configured DP size (DP is what the world leaves). The
+    launched world against the configured layout, DP included, is ``ParallelConfig.world_size_problem``."""
+    model = tp * cp * pp
+    if world % model:
+        return (f"{world} ranks are not divisible by TP x CP x PP = {tp} x {cp} x {pp} = {model}: change "
+                f"parallel.tp/parallel.cp/parallel.pp or launch a multiple of {model} ranks")
     return None

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_gtpo.models.shape import ModelShape
-from megatron_gtpo.parallel.layout import batch_split_problem, divisors, model_split_problems, pipeline_problem
+from megatron_gtpo.parallel.layout import (batch_split_problem, context_parallel_problems, divisors,
+                                           model_split_problems, pipeline_problem)
 from megatron_gtpo.plan.engine_args import context_problem
 from megatron_gtpo.utils.configuration import ConfigError
 
@@ -55,7 +56,7 @@ class Layout:
     vpp: int | None
     """Virtual pipeline stages per PP rank (interleaved schedule), or None."""
     dp: int
-    """Trainer data-parallel size: trainer GPUs / (TP * PP)."""
+    """Trainer data-parallel size: trainer GPUs / (TP * CP * PP)."""
     layers_per_stage: int
     """Transformer blocks per PP rank (all of its virtual stages together)."""
     rollout_tp: int
@@ -67,13 +68,16 @@ class Layout:
     sequences_per_engine: int
     """Sequences one engine generates per step (the largest share)."""
     micro_batch_size: int
-    """Sequences per micro-batch."""
+    """Sequences per padded micro-batch; 1 when packing (``LayoutRequest.rows_per_micro_batch``)."""
     microbatches: int
-    """Micro-batches each DP rank runs per step: sequences / (DP * micro_batch_size)."""
+    """Micro-batches each DP rank runs per step: sequences / (DP * micro_batch_size); when packing the
+    most it can run (one row each), fewer when rows share a packed micro-batch."""
     seq_len: int
     """Longest sequence: max prompt tokens + max completion tokens."""
     warnings: list[str] = field(default_factory=list)
     """Legal but costly choices (TP across nodes, pipeline bubbles, idle GPUs)."""
+    cp: int = 1
+    """Trainer context-parallel size: every sequence split over this many ranks."""
 
     @property
     def trainer_gpus(self) -> int:
@@ -82,7 +86,7 @@ class Layout:
     @property
     def world(self) -> int:
         """Trainer ranks (torchrun world size)."""
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,38 +118,48 @@ class LayoutRequest:
     """train.prompts_per_step"""
     group_size: int = 8
     """rollout.n"""
-    micro_batch_size: int = 1
-    """train.micro_batch_size"""
+    rows_per_micro_batch: int = 1
+    """``train.rows_per_micro_batch``: train.micro_batch_size for padded micro-batches
+    (train.micro_batch_tokens: 0), 1 when packing (the default), which ignores micro_batch_size."""
     max_prompt_tokens: int = 1024
     """data.max_prompt_tokens"""
     max_completion_tokens: int = 1024
     """rollout.max_tokens"""
+    cp: int = 1
+    """parallel.cp"""
+    cp_comm_type: str | list | None = None
+    """model.megatron.cp_comm_type (Megatron's own setting; None = p2p)."""
 
 
 def plan_layout(req: LayoutRequest) -> Layout:
     """Checks a layout and returns it; raises LayoutError listing every violated rule."""
     problems: list[str] = []
-    _check_positive(problems, nodes=req.nodes, gpus_per_node=req.gpus_per_node, tp=req.tp, pp=req.pp,
+    _check_positive(problems, nodes=req.nodes, gpus_per_node=req.gpus_per_node, tp=req.tp, pp=req.pp, cp=req.cp,
                     rollout_tp=req.rollout_tp, prompts_per_step=req.prompts_per_step, group_size=req.group_size,
-                    micro_batch_size=req.micro_batch_size)
+                    rows_per_micro_batch=req.rows_per_micro_batch)
     if problems:  # every rule below divides by these
         raise LayoutError(problems)
-    shape, tp, pp, gpus_per_node = req.shape, req.tp, req.pp, req.gpus_per_node
+    shape, tp, pp, cp, gpus_per_node = req.shape, req.tp, req.pp, req.cp, req.gpus_per_node
     vpp = None if req.vpp in (None, 1) else req.vpp
     warnings: list[str] = []
     rollout_problems: list[str] = []  # reported after the trainer's, which the reader checks first
     engines, rollout_nodes = _plan_rollout(rollout_problems, warnings, req)
     trainer_gpus = max(req.nodes - rollout_nodes, 0) * gpus_per_node
     problems += model_split_problems(shape, tp=tp, pp=pp, vpp=vpp)
-    if trainer_gpus and trainer_gpus % (tp * pp):
-        problems.append(f"{trainer_gpus} trainer GPUs are not divisible by TP*PP = {tp}*{pp} = {tp * pp}: "
-                        f"change parallel.tp/parallel.pp or the GPU count")
-    dp = max(trainer_gpus // (tp * pp), 1)
-    if req.dp is not None and req.dp != dp and not trainer_gpus % (tp * pp):
-        problems.append(f"parallel.dp={req.dp}, but {trainer_gpus} trainer GPUs / (TP*PP = {tp * pp}) give "
+    problems += context_parallel_problems(shape, tp=tp, cp=cp, comm_type=req.cp_comm_type)
+    model = tp * cp * pp
+    # the sizes as the recipe sets them: CP named only when it is used
+    names, sizes, keys = ("TP*CP*PP", f"{tp}*{cp}*{pp}", "parallel.tp/parallel.cp/parallel.pp") if cp > 1 else \
+        ("TP*PP", f"{tp}*{pp}", "parallel.tp/parallel.pp")
+    if trainer_gpus and trainer_gpus % model:
+        problems.append(f"{trainer_gpus} trainer GPUs are not divisible by {names} = {sizes} = {model}: "
+                        f"change {keys} or the GPU count")
+    dp = max(trainer_gpus // model, 1)
+    if req.dp is not None and req.dp != dp and not trainer_gpus % model:
+        problems.append(f"parallel.dp={req.dp}, but {trainer_gpus} trainer GPUs / ({names} = {model}) give "
                         f"{dp} data-parallel ranks: set parallel.dp={dp}")
     sequences = req.prompts_per_step * req.group_size
-    microbatches = _check_batch(problems, warnings, sequences=sequences, dp=dp, mbs=req.micro_batch_size,
+    microbatches = _check_batch(problems, warnings, sequences=sequences, dp=dp, mbs=req.rows_per_micro_batch,
                                 pp=pp, vpp=vpp)
     seq_len = req.max_prompt_tokens + req.max_completion_tokens
     too_long = context_problem(context=shape.max_positions, source="the model's max_position_embeddings",
@@ -162,8 +176,8 @@ def plan_layout(req: LayoutRequest) -> Layout:
         nodes=req.nodes, gpus_per_node=gpus_per_node, placement=req.placement,  # type: ignore[arg-type]
         trainer_nodes=req.nodes - rollout_nodes, rollout_nodes=rollout_nodes, tp=tp, pp=pp, vpp=vpp,
         dp=dp, layers_per_stage=shape.layers // pp, rollout_tp=req.rollout_tp, engines=engines, sequences=sequences,
-        sequences_per_engine=math.ceil(sequences / engines), micro_batch_size=req.micro_batch_size,
-        microbatches=microbatches, seq_len=seq_len, warnings=warnings)
+        sequences_per_engine=math.ceil(sequences / engines), micro_batch_size=req.rows_per_micro_batch,
+        microbatches=microbatches, seq_len=seq_len, warnings=warnings, cp=cp)
 
 
 def _check_positive(problems: list[str], **values: int) -> None:
@@ -175,7 +189,7 @@ def _check_positive(problems: list[str], **values: int) -> None:
 def _check_batch(problems: list[str], warnings: list[str], *, sequences: int, dp: int, mbs: int,
                  pp: int, vpp: int | None) -> int:
     """Micro-batches per DP rank; the global batch must split evenly into DP * micro-batch."""
-    problem = batch_split_problem(sequences, dp=dp, micro_batch_size=mbs)
+    problem = batch_split_problem(sequences, dp=dp, rows_per_micro_batch=mbs)
     if problem:
         problems.append(problem)
         return 0

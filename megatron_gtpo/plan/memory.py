@@ -5,10 +5,11 @@ Terms (bytes on the rank that holds them; trainer figures for the largest pipeli
 * weights: the model dtype; gradients: Megatron DDP's grad buffer (fp32 with
   ``ddp.grad_reduce_in_fp32``), never sharded; optimizer: Adam's two moments plus an fp32 master
   copy for half-precision models (12 B/param; 8 for fp32), SGD one moment plus the copy, divided by
-  DP under the distributed optimizer;
+  DP x CP under the distributed optimizer (Megatron shards it over the DP x CP group);
 * reference: the frozen reference model of a KL term (``algo.kl_beta > 0``): one more copy of the
   weights in the model dtype, on every trainer rank for the whole run;
-* logits: one micro-batch of logits on the last stage (packed: one row of the token budget), two
+* logits: one micro-batch of logits on the last stage (packed: one row of the token budget; under
+  CP this rank's 1/cp of its positions), two
   copies in the dtype the output layer returns (fp32, or the model dtype with
   ``fp32_output=False``: train/step.py): the output layer's
   ``[s, b, V]`` result and its ``[b, s, V]`` transpose during the forward; in backward the logits'
@@ -17,6 +18,12 @@ Terms (bytes on the rank that holds them; trainer figures for the largest pipeli
 * activations: what Megatron's layers keep for backward over one micro-batch
   (:func:`activation_bytes`; its size: :func:`micro_batch_dims`), times the micro-batches a
   pipeline keeps in flight;
+* context parallelism (``parallel.cp``) divides the tokens of every micro-batch a rank holds, so
+  its logits and per-token activations, by CP: a rank keeps ``s / cp`` positions of each sequence.
+  What attention keeps of the others depends on the kernel: Transformer Engine's ring (p2p) keeps
+  only its own chunks (the K/V of the other ranks pass through, and are exchanged again in
+  backward); the CPU stand-in all-gathers K and V, so it keeps them for the whole sequence, and its
+  scores are ``[heads, s / cp, s]``;
 * push: what a weight push holds on top (``sync.bucket_mb``): colocated engines receive tensors
   one at a time into vLLM's layer-wise reload, which keeps up to one decoder layer, plus one
   gathered tensor; a sender of the separate pool holds one bucket plus one gathered tensor;
@@ -25,7 +32,11 @@ Terms (bytes on the rank that holds them; trainer figures for the largest pipeli
   share leaves after its weights (``kv_needed``: the KV of all of an engine's sequences at full
   length, for the warning when that is less);
 * reserve: 5% of the GPU for the CUDA context, NCCL buffers and allocator fragmentation, outside
-  both budgets.
+  both budgets;
+* host staging (separate transport, host memory of one rollout node, not GPU memory): each rollout
+  server receives one copy of the push into one node-local staging area, from which each of its
+  engine's workers copies only its own shards to its GPU, so a node holds one copy of the model in
+  the push dtype (:func:`push_bytes`), whatever the engine's TP (not one per worker).
 
 Phases of a colocated step (rollout/memory.py runs them): *rollout* (trainer weights and reference,
 plus gradients and optimizer unless ``rollout.offload_trainer``, next to vLLM's share); *train*
@@ -42,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_gtpo.models.shape import ModelShape
+from megatron_gtpo.parallel.cp_index import cp_sequence_multiple
 from megatron_gtpo.plan.layout import Layout
 from megatron_gtpo.utils.configuration import ConfigError
 
@@ -90,6 +102,9 @@ class MemorySizes:
     micro_batch_tokens: int = 0
     """Packed micro-batches (``train.micro_batch_tokens`` resolved): one row of at most this many
     tokens each; 0: padded micro-batches of ``micro_batch_size`` rows of the longest sequence."""
+    sequence_multiple: int = 1
+    """What micro-batch lengths are padded to (train/model.py ``padding_multiple``: FP8 recipe, TP,
+    sequence parallelism): a packed row or a padded row can be up to this minus one token longer."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +125,8 @@ class MemoryEstimate:
     """Tensors the layers keep for backward: one micro-batch x those in flight (see activation_bytes)."""
     push: int
     """Extra memory of a weight push (buffers and in-flight tensors)."""
+    host_staging: int
+    """Host memory of one rollout node for a push (separate transport; 0 colocated): one copy."""
     rollout_weights: int
     """vLLM engine weights on one GPU."""
     kv_per_sequence: int
@@ -195,6 +212,11 @@ def stage_params(shape: ModelShape, layout: Layout) -> int:
     return blocks + vocab + shape.hidden
 
 
+def push_bytes(shape: ModelShape, sizes: MemorySizes) -> int:
+    """Bytes of one whole weight push: every HF tensor in the trainer's dtype."""
+    return shape.params_total() * sizes.param_bytes
+
+
 def optimizer_bytes_per_param(*, optimizer: str, param_bytes: int) -> int:
     """fp32 state per parameter: moments (Adam 2, SGD 1) plus a master copy for half-precision models."""
     moments = 2 if optimizer == "adam" else 1
@@ -208,8 +230,9 @@ def largest_tensor(shape: ModelShape) -> int:
 
 def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> int:
     """Bytes Megatron's layers keep for backward over one micro-batch (``micro_batch_dims``: rows x
-    s tokens) on one rank of the largest stage, times the micro-batches a pipeline keeps in
-    flight (1F1B: up to PP on the first stage; interleaving adds (PP - 1) / (PP x VPP) of that).
+    s tokens, ``s / cp`` of them on this rank) on one rank of the largest stage, times the
+    micro-batches a pipeline keeps in flight (1F1B: up to PP on the first stage; interleaving adds
+    (PP - 1) / (PP x VPP) of that).
 
     Per token and layer, in elements (h hidden, f SwiGLU width, a query / g KV heads of width d per
     TP rank, s the sequence; norms are replicated over TP):
@@ -219,41 +242,48 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
       the softmax probabilities (as), the output projection's input (ad), fc1's output, SiLU's
       output, the gate product and fc2's input (5f): ``6h + 4ad + 5f + as + 2``; plus one
       ``[b a, s, s]`` scores buffer per process (Megatron's global memory buffer). Measured exactly
-      by ``tests/unit/test_memory_activations.py``.
+      by ``tests/unit/test_memory_activations.py``. Under CP the stand-in attention
+      (parallel/cp_attention.py) keeps its local q (ad per local token) but k, v of the WHOLE
+      sequence (2ad x s per row) and probabilities of its queries against every key (as per local
+      token); the scores buffer is ``[b a, s / cp, s]``.
     * ``te`` (Transformer Engine, GPUs): the fused norm+linear layers keep their input and
       normalised output (4h + 2), fused attention q, k, v at their own heads and its output
       ((2a + 2g) d, no probabilities), the fused SwiGLU fc1's output and fc2's input (3f):
-      ``4h + (2a + 2g) d + 3f + 2`` (from those modules' saved tensors; not measured here).
+      ``4h + (2a + 2g) d + 3f + 2`` (from those modules' saved tensors; not measured here), per
+      local token under CP (TE's CP attention keeps its own chunks only).
 
     ``selective`` recompute drops the core attention's part (q, k, v, probabilities), ``full`` keeps
     each layer's input (h) plus one layer's whole set while it is recomputed. The last stage adds the
     final norm and the output layer's input (3h + 1).
     """
     rows, s = micro_batch_dims(layout, sizes)
-    tp, h, d = layout.tp, shape.hidden, shape.head_dim
+    tp, h, d, cp = layout.tp, shape.hidden, shape.head_dim, layout.cp
     a, g = shape.heads // tp, shape.kv_heads_per_rank(tp)
-    if sizes.layer_spec == "local":
-        core, rest = 3 * a * d + a * s, 6 * h + a * d + 5 * shape.ffn // tp + 2
+    local = s // cp  # positions of each sequence on this rank
+    if sizes.layer_spec == "local":  # per row: q and probabilities per local token, k and v whole
+        core, rest = local * (a * d + a * s) + 2 * a * d * s, 6 * h + a * d + 5 * shape.ffn // tp + 2
     else:
-        core, rest = (a + 2 * g) * d, 4 * h + a * d + 3 * shape.ffn // tp + 2
-    layer = rest + (0 if sizes.recompute == "selective" else core)
+        core, rest = local * (a + 2 * g) * d, 4 * h + a * d + 3 * shape.ffn // tp + 2
+    layer = rest * local + (0 if sizes.recompute == "selective" else core)  # per row
     if sizes.recompute == "full":
-        kept = layout.layers_per_stage * h + layer
+        kept = layout.layers_per_stage * h * local + layer
     else:
         kept = layout.layers_per_stage * layer
-    tokens = rows * s
-    scores = rows * a * s * s if sizes.layer_spec == "local" else 0
-    return int((in_flight(layout) * tokens * (kept + 3 * h + 1) + scores) * sizes.param_bytes)
+    scores = rows * a * local * s if sizes.layer_spec == "local" else 0
+    return int((in_flight(layout) * rows * (kept + (3 * h + 1) * local) + scores) * sizes.param_bytes)
 
 
 def micro_batch_dims(layout: Layout, sizes: MemorySizes) -> tuple[int, int]:
     """(rows, tokens per row) of the largest micro-batch: padded, ``micro_batch_size`` rows of the
-    longest sequence; packed, one row of the token budget. Megatron's local spec attends over a
-    packed row as a whole (a block-diagonal mask, train/model_input.py), so its scores and
-    probabilities are those of one ``budget``-token sequence; TE's THD attention keeps none."""
+    longest sequence; packed, one row of the token budget; either rounded up to the padding multiple
+    (under CP: ``cp_index.cp_sequence_multiple``, each rank then holding 1/cp of the tokens).
+    Megatron's local spec attends over a packed row as a whole (a block-diagonal mask,
+    train/model_input.py), so its scores and probabilities are those of one ``budget``-token
+    sequence; TE's THD attention keeps none."""
+    multiple = cp_sequence_multiple(sizes.sequence_multiple, layout.cp)
     if sizes.micro_batch_tokens:
-        return 1, sizes.micro_batch_tokens
-    return layout.micro_batch_size, layout.seq_len
+        return 1, -(-sizes.micro_batch_tokens // multiple) * multiple
+    return layout.micro_batch_size, -(-layout.seq_len // multiple) * multiple
 
 
 def in_flight(layout: Layout) -> float:
@@ -270,9 +300,9 @@ def estimate_memory(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> Me
     params = stage_params(shape, layout)
     opt = params * optimizer_bytes_per_param(optimizer=sizes.optimizer, param_bytes=sizes.param_bytes)
     if sizes.distributed_optimizer:
-        opt //= layout.dp
+        opt //= layout.dp * layout.cp
     rows, tokens = micro_batch_dims(layout, sizes)
-    logits = 2 * rows * tokens * (shape.vocab // layout.tp) * sizes.logits_bytes
+    logits = 2 * rows * (tokens // layout.cp) * (shape.vocab // layout.tp) * sizes.logits_bytes
     rtp, colocated = layout.rollout_tp, layout.placement == "colocated"
     rollout_weights = (shape.layers * shape.layer_params(rtp)
                        + shape.embedding_params(rtp) * (1 if shape.tied_embeddings else 2)) * sizes.rollout_bytes
@@ -288,7 +318,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> Me
     return MemoryEstimate(
         weights=params * sizes.param_bytes, grads=params * sizes.grad_bytes, optimizer=opt,
         reference=params * sizes.param_bytes if sizes.reference else 0, logits=logits,
-        activations=activation_bytes(shape, layout, sizes), push=push, rollout_weights=rollout_weights,
+        activations=activation_bytes(shape, layout, sizes), push=push,
+        host_staging=0 if colocated else push_bytes(shape, sizes), rollout_weights=rollout_weights,
         kv_per_sequence=kv_sequence, kv_needed=layout.sequences_per_engine * kv_sequence,
         kv_cache_bytes=sizes.kv_cache_bytes, gpu=gpu, gpu_memory_utilization=util,
         planned=sizes.gpu_memory_utilization is None, offload_trainer=sizes.offload_trainer, colocated=colocated)
@@ -299,9 +330,10 @@ def check_memory(mem: MemoryEstimate, layout: Layout) -> tuple[list[str], list[s
     problems, warnings, gib = [], [], _gib
     usable = mem.gpu - mem.reserve
     if mem.trainer_total > usable:
-        problems.append(f"trainer needs {gib(mem.trainer_total)} GiB per GPU (weights + gradients + optimizer + "
-                        f"logits) but a GPU has {gib(usable)} GiB after the reserve: raise parallel.tp/parallel.pp, "
-                        f"set optim.optimizer.use_distributed_optimizer=true, or use more GPUs")
+        problems.append(f"trainer needs {gib(mem.trainer_total)} GiB per GPU (weights + gradients + optimizer "
+                        f"{gib(mem.trainer_state)} GiB, logits + activations of one micro-batch "
+                        f"{gib(mem.logits + mem.activations)} GiB at CP={layout.cp}) but a GPU has {gib(usable)} GiB "
+                        f"after the reserve: " + _trainer_fix(mem, layout))
     if mem.rollout_weights >= mem.engine_share:
         problems.append(f"a vLLM engine needs {gib(mem.rollout_weights)} GiB of weights per GPU, more than its share "
                         f"gpu_memory_utilization={mem.gpu_memory_utilization} x {gib(mem.gpu)} GiB: raise "
@@ -348,6 +380,23 @@ def check_engine_start(budget: EngineBudget, *, free: int, total: int) -> None:
             f"(the plan expected the trainer to hold {_gib(budget.trainer_resident)} GiB): lower "
             f"rollout.vllm.gpu_memory_utilization to <= {free / total:.2f}, set rollout.offload_trainer=true, or "
             f"check the layout with `megatron-gtpo dry-run`")
+
+
+def _trainer_fix(mem: MemoryEstimate, layout: Layout) -> str:
+    """What to change when the trainer does not fit: the sequence's share first when it dominates
+    (logits and per-token activations shrink about as 1/cp; the CP size named is the smallest
+    doubling that would fit by that rule: the dry-run with it checks the rest)."""
+    state = ("raise parallel.tp/parallel.pp, set optim.optimizer.use_distributed_optimizer=true, or use more "
+             "GPUs")
+    sequence, usable = mem.logits + mem.activations, mem.gpu - mem.reserve
+    if sequence < mem.trainer_state:
+        return state
+    fits = [cp for cp in (layout.cp * 2 ** k for k in range(1, 7))
+            if mem.trainer_state + sequence * layout.cp / cp <= usable]
+    cp = f"set parallel.cp={fits[0]}" if fits else "raise parallel.cp"
+    return (f"the sequence's logits and activations dominate: {cp} (each rank then holds 1/cp of every "
+            f"sequence; parallel.dp = GPUs / (TP x CP x PP)), shorten the micro-batches "
+            f"(train.micro_batch_tokens, or model.megatron.recompute_granularity), or " + state)
 
 
 def _share(gpu: int, resident: int) -> float:

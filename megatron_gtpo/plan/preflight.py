@@ -19,6 +19,7 @@ from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.models.resolve import resolve_model
 from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
 from megatron_gtpo.reward.functions import resolve_reward
+from megatron_gtpo.rollout.pool import server_addresses
 from megatron_gtpo.tracking import check_tracking_uri, resolve_uri
 from megatron_gtpo.train.model import transformer_config_from_hf
 from megatron_gtpo.utils.configuration import ConfigError
@@ -30,14 +31,18 @@ def preflight(cfg) -> str:
     tc = cfg.tracking  # early: a tracking server that does not answer fails in seconds, not after engine start
     tracking = check_tracking_uri(resolve_uri(tc.uri, cfg.output_dir), tc.request_timeout_s) if tc.enabled else "off"
     check_vllm_kwargs(cfg.rollout.vllm)
+    on_gpu = torch.cuda.is_available()
+    check_rollout_servers(cfg.sync, on_gpu=on_gpu)
+    check_fusions(cfg.model.megatron, on_gpu=on_gpu)
     par = cfg.parallel
     model_dir = resolve_model(cfg.model.path)
     hf_config = read_hf_config(model_dir)
     try:
         transformer_config_from_hf(hf_config, tp=par.tp, pp=par.pp, vpp=par.vpp, dtype=DTYPES[cfg.model.dtype],
-                                   overrides=cfg.model.megatron)
+                                   overrides=cfg.model.megatron, cp=par.cp)
     except ConfigError as err:
-        raise ConfigError(f"model {model_dir} at parallel.tp={par.tp} pp={par.pp} vpp={par.vpp}: {err}") from None
+        raise ConfigError(f"model {model_dir} at parallel.tp={par.tp} cp={par.cp} pp={par.pp} vpp={par.vpp}: "
+                          f"{err}") from None
     context = check_context(cfg, hf_config)
     stats = check_prompts(cfg.data, tokenizer_dir=cfg.rollout.vllm.get("tokenizer") or model_dir)
     try:
@@ -46,6 +51,37 @@ def preflight(cfg) -> str:
         raise ConfigError(f"reward.fn={cfg.reward.fn!r}: {err}") from None
     return _summary(cfg, model_dir=model_dir, hf_config=hf_config, context=context, stats=stats) + \
         f"\ntracking   {tracking}"
+
+
+def check_rollout_servers(sync, *, on_gpu: bool) -> None:
+    """``sync.transport: separate`` on GPUs needs rollout servers on GPUs of their own. With no
+    address known (``sync.servers``, or ``MGTPO_ROLLOUT_HOSTS`` from ``ROLLOUT_NODES``), trainer rank
+    0 would start one on its own node, on the GPUs its trainer ranks hold, and vLLM refuses to start
+    there (it needs its share of the GPU free): refused now, in seconds, instead."""
+    if sync.transport != "separate" or not on_gpu or server_addresses(sync):
+        return
+    raise ConfigError(
+        "sync.transport=separate on GPUs, but no rollout server is known: submit with ROLLOUT_NODES=N "
+        "(slurm/train.sbatch starts one `megatron-gtpo rollout-server` on each of the last N nodes and exports "
+        "MGTPO_ROLLOUT_HOSTS), or set sync.servers=[host:port, ...] to running servers; without either, trainer "
+        "rank 0 would start the server on its own node, on GPUs the trainer ranks hold, where vLLM refuses to start")
+
+
+def check_fusions(megatron: dict, *, on_gpu: bool) -> None:
+    """Fusions Megatron-Core 0.16.1 can only build with a kernel it imports: refused here, naming the
+    setting, instead of at model build. ``gradient_accumulation_fusion`` needs apex's
+    ``fused_weight_gradient_mlp_cuda`` even with Transformer Engine: the output layer is Megatron's own
+    ``ColumnParallelLinear`` (tensor_parallel/layers.py), which raises without it; TE's linears fuse the
+    wgrad accumulation themselves. (``apply_rope_fusion`` needs TE >= 1.4: TransformerConfig checks it.)"""
+    if not megatron.get("gradient_accumulation_fusion"):
+        return
+    from megatron.core.tensor_parallel import layers
+
+    if not (on_gpu and layers._grad_accum_fusion_available):
+        raise ConfigError(
+            "model.megatron.gradient_accumulation_fusion=true needs apex's fused_weight_gradient_mlp_cuda "
+            "extension (apex built with --cpp_ext --cuda_ext, not in requirements/gpu.lock) and a GPU: Megatron's "
+            "output layer refuses to build without it; remove the setting")
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -119,16 +155,16 @@ def check_prompts(data_cfg, *, tokenizer_dir):
 
 def _summary(cfg, *, model_dir, hf_config: dict, context: int, stats) -> str:
     par = cfg.parallel
-    algo = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
+    algo = cfg.algorithm
     rows = cfg.train.prompts_per_step * cfg.rollout.n
     per_rank = rows // par.dp
     return "\n".join([
         f"model      {model_dir} ({hf_config.get('architectures', ['?'])[0]}, {hf_config['num_hidden_layers']} layers, "
         f"{hf_config['num_attention_heads']} heads / {hf_config.get('num_key_value_heads')} kv, "
         f"vocab {hf_config['vocab_size']}), dtype {cfg.model.dtype}",
-        f"layout     tp={par.tp} pp={par.pp} vpp={par.vpp} dp={par.dp} -> {par.world_size} rank(s), "
-        f"{'CUDA' if torch.cuda.is_available() else 'CPU/gloo'}",
-        f"algorithm  {algo.name}: agg={algo.agg_mode} std_scale={algo.std_scale} kl_beta={algo.kl_beta} mu={algo.mu}"
+        f"layout     tp={par.tp} cp={par.cp} pp={par.pp} vpp={par.vpp} dp={par.dp} -> {par.world_size} rank(s), "
+        f"{'CUDA' if torch.cuda.is_available() else 'CPU/gloo'}" + _cp_note(par.cp),
+        f"algorithm  {algo.name}: agg={algo.agg_mode} adv_std_scale={algo.adv_std_scale} kl_beta={algo.kl_beta} mu={algo.mu}"
         + (f" W={algo.conflict_weight} overlap={algo.conflict_overlap} H*={algo.entropy_threshold} "
            f"gamma={algo.entropy_gamma} norm={algo.gtpo_normalization}" if algo.conflict_aware else ""),
         f"batch      {cfg.train.prompts_per_step} prompts x {cfg.rollout.n} completions = {rows} rows; "
@@ -142,3 +178,11 @@ def _summary(cfg, *, model_dir, hf_config: dict, context: int, stats) -> str:
                                             else "in the training process (num_workers=0: no crash protection)"),
         f"run        {cfg.train.steps} steps -> {cfg.output_dir}",
     ])
+
+
+def _cp_note(cp: int) -> str:
+    if cp == 1:
+        return ""
+    attention = "Transformer Engine's CP attention" if torch.cuda.is_available() else \
+        "the exact CPU stand-in for TE's CP attention"
+    return f"; context parallel over {cp} ranks with {attention}"

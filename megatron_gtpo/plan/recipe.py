@@ -19,6 +19,7 @@ import torch
 from megatron_gtpo.models.shape import ModelShape, load_model_shape
 from megatron_gtpo.plan.layout import LayoutRequest, plan_layout
 from megatron_gtpo.plan.memory import EngineBudget, MemorySizes, estimate_memory
+from megatron_gtpo.train.model import low_precision_recipe, padding_multiple
 from megatron_gtpo.utils.configuration import ConfigError
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "auto": 2}
@@ -29,7 +30,7 @@ def recipe_request(cfg: Any, *, shape: ModelShape, nodes: int, gpus_per_node: in
     """The layout and memory inputs of a RunConfig (``rollout_nodes``: rollout servers of the
     separate transport, one per node; None = one; ``layer_spec``: ``MemorySizes.layer_spec``, te on
     GPUs, local for Megatron's local spec on CPU)."""
-    vllm, optimizer, ddp = cfg.rollout.vllm, cfg.optim.optimizer, cfg.optim.ddp
+    vllm, optimizer, ddp, megatron = cfg.rollout.vllm, cfg.optim.optimizer, cfg.optim.ddp, cfg.model.megatron
     notes = []
     engine_dtype = str(vllm.get("dtype", "auto"))
     if engine_dtype not in DTYPE_BYTES:
@@ -43,10 +44,11 @@ def recipe_request(cfg: Any, *, shape: ModelShape, nodes: int, gpus_per_node: in
         rollout_tp=int(vllm.get("tensor_parallel_size", 1)),
         engines=rollout_nodes if cfg.sync.transport == "separate" else None,
         prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.n,
-        micro_batch_size=cfg.train.micro_batch_size, max_prompt_tokens=cfg.data.max_prompt_tokens,
-        max_completion_tokens=cfg.rollout.max_tokens)
+        rows_per_micro_batch=cfg.train.rows_per_micro_batch, max_prompt_tokens=cfg.data.max_prompt_tokens,
+        max_completion_tokens=cfg.rollout.max_tokens, cp=cfg.parallel.cp,
+        cp_comm_type=cfg.model.megatron.get("cp_comm_type"))
     util, kv = vllm.get("gpu_memory_utilization"), vllm.get("kv_cache_memory_bytes")
-    spec = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
+    spec = cfg.algorithm
     sizes = MemorySizes(
         param_bytes=param_bytes, grad_bytes=4 if ddp.get("grad_reduce_in_fp32", False) else param_bytes,
         optimizer=str(optimizer.get("optimizer", "adam")),
@@ -55,9 +57,11 @@ def recipe_request(cfg: Any, *, shape: ModelShape, nodes: int, gpus_per_node: in
         gpu_memory_utilization=None if util is None else float(util), bucket_bytes=cfg.sync.bucket_size,
         offload_trainer=bool(cfg.rollout.offload_trainer), reference=spec.needs_reference,
         kv_cache_bytes=None if kv is None else int(kv), layer_spec=layer_spec,
-        recompute=cfg.model.megatron.get("recompute_granularity"),
+        recompute=megatron.get("recompute_granularity"),
         # A half-precision output layer returns logits in the model dtype (train/step.py forward_kwargs)
-        logits_bytes=4 if cfg.model.lm_head_fp32 else param_bytes, micro_batch_tokens=cfg.token_budget)
+        logits_bytes=4 if cfg.model.lm_head_fp32 else param_bytes, micro_batch_tokens=cfg.token_budget,
+        sequence_multiple=padding_multiple(recipe=low_precision_recipe(megatron), tp=cfg.parallel.tp,
+                                           sequence_parallel=bool(megatron.get("sequence_parallel"))))
     return request, sizes, notes
 
 

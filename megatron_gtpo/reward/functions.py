@@ -43,7 +43,7 @@ FORMAT_FULL = 10.0
 
 
 def paper_format_score(text: str) -> float:
-    """The GTPO paper's format reward (spec algorithms.md section 7), one of {10, 1.5, 1, 0}.
+    """The GTPO paper's format reward (docs/algorithms.md section 7), one of {10, 1.5, 1, 0}.
 
     10 when a ``<reasoning>...</reasoning>`` block is present and an ``<answer>...</answer>`` block
     ends the text. Otherwise partial credit for the one complete block: 1.5 when a stray tag of
@@ -91,7 +91,7 @@ def gtpo_reward(completion: str, gold: str, task: str) -> RewardOutput:
 
 
 def dapo_reward(completion: str, gold: str, task: str) -> RewardOutput:
-    """DAPO's rule reward (spec algorithms.md section 4, Eq. 7): +1 correct, -1 otherwise."""
+    """DAPO's rule reward (docs/algorithms.md section 4, Eq. 7): +1 correct, -1 otherwise."""
     correct = _judge_cached(completion, gold, task).correct
     return RewardOutput(reward=1.0 if correct else -1.0, correct=correct)
 
@@ -122,7 +122,7 @@ class OverlongPunishment:
 
 
 def overlong_penalty(num_tokens: int, *, max_tokens: int, cache_tokens: int, factor: float = 1.0) -> float:
-    """DAPO's soft overlong punishment R_len (spec algorithms.md section 4), times ``factor``.
+    """DAPO's soft overlong punishment R_len (docs/algorithms.md section 4), times ``factor``.
 
     0 up to ``max_tokens - cache_tokens`` tokens, then falls linearly to -1 at ``max_tokens``, and
     is -1 beyond it: 0, -0.5, -1 at ``L_max - L_cache``, ``L_max - L_cache/2``, ``L_max + 1``.

@@ -22,6 +22,7 @@ again and regenerates that batch with the restored weights (staleness 0 for that
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -32,25 +33,10 @@ from megatron_gtpo.parallel.control import broadcast_object
 from megatron_gtpo.reward.failures import RewardFunctionFailing
 from megatron_gtpo.reward.pool import RewardFunctionCrashed
 from megatron_gtpo.reward.score import RewardScorer, group_indices, score_groups
+from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.rollout.group import Generation, RolloutGroup
 from megatron_gtpo.rollout.staleness import PolicyVersions
 from megatron_gtpo.types import Completion, Prompt, RolloutBatch, ScoredGroup
-
-
-@dataclass(frozen=True, kw_only=True)
-class Sampling:
-    """How each prompt's completions are sampled (``RolloutConfig.sampling()``)."""
-
-    n: int
-    """Completions per prompt (G)."""
-    temperature: float
-    """Sampling temperature."""
-    top_p: float
-    """Nucleus mass."""
-    max_tokens: int
-    """Most tokens per completion."""
-    stop: list[str] | None = None
-    """Extra stop strings."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,7 +133,7 @@ class RolloutCollector:
         prompts = self.dataset.next_batch(num_prompts)
         seed = self._seed * 1_000_003 + (step - 1) * 1_009 + attempt
         start = time.perf_counter()
-        generation = self.engines.submit(prompts, **self._sampling_kwargs(), seed=seed)
+        generation = self.engines.submit(prompts, self.sampling, seed=seed)
         result.rollout_s += time.perf_counter() - start
         return _Submitted(step=step, prompts=prompts, generation=generation, version=self.versions.current)
 
@@ -173,17 +159,13 @@ class RolloutCollector:
 
     def evaluate(self, prompts: list[Prompt], *, seed: int) -> dict[str, float]:
         """Greedy accuracy and mean reward on held-out ``prompts`` (one completion each)."""
-        completions = self.engines.generate(prompts, n=1, temperature=0.0, top_p=1.0,
-                                            max_tokens=self.sampling.max_tokens, stop=self.sampling.stop, seed=seed)
+        greedy = dataclasses.replace(self.sampling, n=1, temperature=0.0, top_p=1.0)
+        completions = self.engines.generate(prompts, greedy, seed=seed)
         groups, _ = self._score(prompts, completions)
         correct = [c for g in groups for c in g.correct]
         rewards = [r for g in groups for r in g.rewards]
         return {"eval/accuracy": sum(correct) / max(len(correct), 1),
                 "eval/reward_mean": sum(rewards) / max(len(rewards), 1)}
-
-    def _sampling_kwargs(self) -> dict:
-        s = self.sampling
-        return {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens, "stop": s.stop}
 
     def _score(self, prompts: list[Prompt], completions: list[Completion]):
         """Rank 0 scores; every rank builds the same groups from its own completions and the

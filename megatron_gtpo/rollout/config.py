@@ -1,4 +1,8 @@
-"""Rollout settings: how many completions per prompt and how they are sampled.
+"""Rollout settings: how many completions per prompt and how they are sampled, and where engines run.
+
+    RolloutConfig (the ``rollout:`` block) --sampling()--> Sampling: the one record every layer
+    passes down (collector -> RolloutGroup -> engine or pool -> rollout server -> vLLM SamplingParams)
+    SyncConfig.placement() --> EnginePlacement: where the engines run (``rollout.build_engines``)
 
 vLLM's own engine settings are not mirrored here: ``vllm`` is handed to ``vllm.LLM(...)`` as is
 (see :mod:`megatron_gtpo.rollout.engine` for the few values the engine fills in itself).
@@ -9,10 +13,56 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from megatron_gtpo.rollout.staleness import MAX_STALENESS
 from megatron_gtpo.utils.configuration import require
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How each prompt's completions are sampled: built once from the config, handed down unchanged
+    to the engine, which turns it into vLLM ``SamplingParams`` (one per prompt, with its seed)."""
+
+    n: int
+    """Completions per prompt (G)."""
+    temperature: float
+    """Sampling temperature; 0 is greedy (evaluation)."""
+    top_p: float = 1.0
+    """Nucleus mass, in (0, 1]."""
+    max_tokens: int
+    """Most tokens per completion."""
+    stop: tuple[str, ...] = ()
+    """Extra stop strings (EOS always stops)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"Sampling.n must be an int >= 1, got {self.n!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"Sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"Sampling.top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"Sampling.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        object.__setattr__(self, "stop", tuple(self.stop or ()))  # a list from a caller is fine
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnginePlacement:
+    """Where the job's engines run (``rollout.build_engines``). The user sets it under ``sync:`` (its
+    transport decides both where engines run and how weights reach them): ``SyncConfig.placement()``."""
+
+    kind: Literal["colocated", "separate"] = "colocated"
+    """``colocated``: one engine per ``rollout.vllm`` TP x PP consecutive trainer ranks, in the trainer
+    processes. ``separate``: a pool of rollout servers that trainer rank 0 drives."""
+    servers: tuple[str, ...] = ()
+    """``host:port`` of running rollout servers (empty: ``MGTPO_ROLLOUT_HOSTS``, else local ones)."""
+    server_port: int = 29650
+    """Port of the servers named by ``MGTPO_ROLLOUT_HOSTS``."""
+    local_servers: int = 1
+    """Servers trainer rank 0 starts on localhost when no address is known."""
+    timeout_s: float = 900.0
+    """Longest wait for a server to start or to answer one request."""
 
 
 @dataclass(kw_only=True)
@@ -41,12 +91,15 @@ class RolloutConfig:
     seed: int = 0
     """Base sampling seed; each prompt of each step gets its own seed derived from it."""
 
-    request_seeds: bool | None = None
+    request_seeds: bool | None = True
     """Give every vLLM request its own seed (derived from ``seed``, the step and the prompt), so
-    completions do not depend on how prompts are spread over engines. vLLM's GPU sampler handles
-    seeded requests one by one in a Python loop, so on GPUs the default (None = auto) is off: the
-    engines then sample from their own generator, seeded with ``seed`` at start-up (reproducible for
-    a fixed layout, not across layouts). None: on without CUDA, off with CUDA."""
+    completions do not depend on how prompts are spread over engines. On by default, GPUs included:
+    vLLM 0.32's GPU model runner (V2, its default with Triton) samples every request in one batched
+    Gumbel kernel that reads each request's seed (``v1/worker/gpu/sample/gumbel.py``), so seeds cost
+    nothing there; a request without one gets a seed drawn from the process-global NumPy RNG
+    (``v1/worker/gpu/sample/states.py``), which the per-rank schedulers of a colocated engine of TP > 1
+    (external launcher) must then draw identically, or their batches and collectives diverge. False:
+    unseeded requests. None (resolved configs of older runs, where it meant "auto"): on."""
 
     staleness: int = 0
     """One-step-off rollouts: 0 = every step generates with the weights it trains from (on-policy up
@@ -89,17 +142,13 @@ class RolloutConfig:
                 "unset: the model directory comes from the conversion step")
 
     def seeded_requests(self) -> bool:
-        """``request_seeds`` with None resolved for this machine."""
-        if self.request_seeds is not None:
-            return self.request_seeds
-        import torch  # only here: the config module stays importable without torch
+        """``request_seeds`` resolved (None: on)."""
+        return self.request_seeds is not False
 
-        return not torch.cuda.is_available()
-
-    def sampling(self) -> dict[str, Any]:
-        """The keyword arguments of ``RolloutEngine.generate`` (everything but prompts and seed)."""
-        return {"n": self.n, "temperature": self.temperature, "top_p": self.top_p,
-                "max_tokens": self.max_tokens, "stop": list(self.stop) or None}
+    def sampling(self) -> Sampling:
+        """The sampling record of every rollout (everything a generate call needs but prompts and seed)."""
+        return Sampling(n=self.n, temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
+                        stop=tuple(self.stop))
 
     def with_fp32_head(self) -> RolloutConfig:
         """This config with vLLM's lm_head in fp32 (``hf_overrides: {head_dtype: float32}``, vLLM 0.32's

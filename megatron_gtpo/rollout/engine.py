@@ -1,8 +1,12 @@
 """vLLM rollout engine: G sampled completions per prompt from the current policy weights.
 
-    list[Prompt] --generate(n, temperature, top_p, max_tokens, stop, seed)--> list[Completion]
+    list[Prompt], Sampling, seeds --sample / submit+wait / generate--> list[Completion]
     load_weights(stream of HF tensors, version) --vLLM layer-wise in-place reload--> serves it
-    sleep() / wake_up(tags): vLLM sleep level 1 and its tagged wake-up (weights, kv_cache)
+    sleep() / wake_up(tags): vLLM sleep level 2 and its tagged wake-up (weights, kv_cache)
+
+It implements the :class:`~megatron_gtpo.rollout.protocol.Engine` and
+:class:`~megatron_gtpo.rollout.protocol.LocalWeights` protocols; ``submit`` generates at once and
+its ticket holds the completions (an immediate future).
 
 The engine always lives in the calling process (vLLM's V1 multiprocessing is switched off): a
 weight push then hands tensors to vLLM by reference instead of serialising them to an engine-core
@@ -30,10 +34,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.types import Completion, Prompt
 
 _SEED_SPACE = 2**31 - 1
@@ -115,6 +121,13 @@ def prompt_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
     return [(base + i * n) % _SEED_SPACE for i in range(num_prompts)]
 
 
+@dataclass(frozen=True)
+class Finished:
+    """The ticket of :meth:`RolloutEngine.submit`: the call already ran, here are its completions."""
+
+    completions: list[Completion]
+
+
 class RolloutEngine:
     """One vLLM engine in this process, serving one version of the policy weights."""
 
@@ -132,6 +145,7 @@ class RolloutEngine:
         if not self._owns_world:
             _PINNED.append(self._llm)  # never garbage-collected before exit: see close()
         self._model_dir = str(model_dir)
+        self._tp = int(kwargs.get("tensor_parallel_size", 1))
         self._seed = seed
         self._calls = 0
         self._version = 0
@@ -181,11 +195,15 @@ class RolloutEngine:
         """The engine's weight dtype."""
         return self._llm.llm_engine.model_config.dtype
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks this engine spans (``vllm.tensor_parallel_size``)."""
+        return self._tp
+
     # ----------------------------------------------------------------------------- sampling
 
-    def generate(self, prompts: list[Prompt], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, stop: list[str] | None = None, seed: int | None = None) -> list[Completion]:
-        """``len(prompts) * n`` completions, grouped by prompt (prompt 0's n samples first).
+    def generate(self, prompts: list[Prompt], sampling: Sampling, *, seed: int | None = None) -> list[Completion]:
+        """``len(prompts) * sampling.n`` completions, grouped by prompt (prompt 0's samples first).
 
         ``seed=None`` derives a fresh seed from the engine seed and a call counter, so runs are
         reproducible and successive calls differ; equal seeds give equal completions.
@@ -193,16 +211,24 @@ class RolloutEngine:
         if seed is None:
             seed = call_seed(self._seed, self._calls)
         self._calls += 1
-        return self.sample(prompts, seeds=prompt_seeds(seed, len(prompts), n), n=n,
-                           temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop)
+        return self.sample(prompts, seeds=prompt_seeds(seed, len(prompts), sampling.n), sampling=sampling)
 
-    def sample(self, prompts: Sequence[Prompt], *, seeds: Sequence[int], n: int, temperature: float,
-               top_p: float, max_tokens: int, stop: list[str] | None = None) -> list[Completion]:
+    def submit(self, prompts: Sequence[Prompt], *, seeds: Sequence[int], sampling: Sampling) -> Finished:
+        """:meth:`sample`, now (there is nothing in this process to overlap with); the ticket holds
+        the completions for :meth:`wait`."""
+        return Finished(self.sample(prompts, seeds=seeds, sampling=sampling))
+
+    def wait(self, ticket: Finished) -> list[Completion]:
+        """The completions of a :meth:`submit` call."""
+        return ticket.completions
+
+    def sample(self, prompts: Sequence[Prompt], *, seeds: Sequence[int], sampling: Sampling) -> list[Completion]:
         """:meth:`generate` with one explicit seed per prompt (sample j of prompt i uses seeds[i] + j),
         for callers that split one batch across engines and want the split not to matter. An engine
         built with ``request_seeds=False`` ignores ``seeds`` (vLLM's batched sampler; see
         ``rollout.request_seeds``)."""
-        _check_sampling(prompts, seeds, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+        _check_prompts(prompts, seeds)
+        stop = list(sampling.stop)
         if stop and not self._has_tokenizer:
             raise ValueError("stop strings need detokenization; build the engine without skip_tokenizer_init")
         self._require("weights", "kv_cache", "generate with")
@@ -211,9 +237,9 @@ class RolloutEngine:
             return []
         from vllm import SamplingParams
 
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                 stop=list(stop) if stop else None, seed=int(s) if self._request_seeds else None,
-                                 logprobs=0,
+        params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                 max_tokens=sampling.max_tokens, stop=stop or None,
+                                 seed=int(s) if self._request_seeds else None, logprobs=0,
                                  detokenize=self._has_tokenizer) for s in seeds]
         requests = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
         outputs = self._llm.generate(requests, params, use_tqdm=False)
@@ -271,14 +297,16 @@ class RolloutEngine:
     # ----------------------------------------------------------------------------- memory
 
     def sleep(self) -> None:
-        """Gives the accelerator memory back to the trainer after a rollout: vLLM sleep level 1
-        (weights offloaded to host RAM, KV cache freed; level 1 keeps the weights, so a rejected
-        push loses nothing). vLLM supports it on GPUs only (``enable_sleep_mode``); on CPU only the
-        state changes, so the driver's order is still enforced and recorded."""
+        """Gives the accelerator memory back to the trainer after a rollout: vLLM sleep level 2
+        (weights and KV cache discarded, only model buffers kept on the host): the push after the
+        train step rewrites every weight, so level 1's copy of the weights to host RAM and back
+        would be overwritten unread (a failed push raises and stops the run). vLLM supports it on
+        GPUs only (``enable_sleep_mode``); on CPU only the state changes, so the driver's order is
+        still enforced and recorded."""
         if self._awake == set():
             return
         if self._sleep_mode:
-            self._llm.sleep(level=1)
+            self._llm.sleep(level=2)
         self._awake = set()
         self.memory_events.append("sleep")
 
@@ -374,16 +402,7 @@ def _repack_tied_cpu_gemms(model: torch.nn.Module) -> int:
     return repacked
 
 
-def _check_sampling(prompts: Sequence[Prompt], seeds: Sequence[int], *, n: int, temperature: float,
-                    top_p: float, max_tokens: int) -> None:
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+def _check_prompts(prompts: Sequence[Prompt], seeds: Sequence[int]) -> None:
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     for i, prompt in enumerate(prompts):

@@ -15,11 +15,12 @@ own slice). How the work is spread depends on the transport:
 * separate: **global rank 0 holds the pool of rollout servers** (``rollout.pool.RolloutPool``), which
   spreads the prompts over the servers; rank 0 broadcasts the completions.
 
-``generate`` is ``submit(...).wait()``. :meth:`RolloutGroup.submit` starts a call and returns a
-:class:`Generation`; only a pool generates in the background (its servers are other processes):
-``submit`` sends the requests and returns, ``Generation.wait`` collects (one-step-off rollouts,
-``rollout.staleness: 1``, train meanwhile). Engines in the trainer processes generate inside
-``submit``: there is nothing on the same processes to overlap with.
+``generate`` is ``submit(...).wait()``. :meth:`RolloutGroup.submit` starts a call on this rank's
+engine through the declared :class:`~megatron_gtpo.rollout.protocol.Engine` protocol
+(``engine.submit`` -> ``engine.wait``) and returns a :class:`Generation`. Which engine it is never
+matters here: a pool's servers generate in the background until ``Generation.wait`` (one-step-off
+rollouts, ``rollout.staleness: 1``, train meanwhile); an engine in the trainer process generates
+inside its ``submit`` (an immediate future).
 
 Completions travel as Python objects over the gloo control group (``parallel.control``), never over
 the default group, which is NCCL on GPU. A world of one rank needs no communication in either case.
@@ -30,7 +31,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from megatron_gtpo.parallel import control
+from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.rollout.engine import call_seed, prompt_seeds
+from megatron_gtpo.rollout.protocol import Engine
 from megatron_gtpo.types import Completion, Prompt
 
 
@@ -51,11 +54,11 @@ class Generation:
 class RolloutGroup:
     """The job's engines behind one generate call made on every rank."""
 
-    def __init__(self, engine, *, shard: bool, model_dir: str,
+    def __init__(self, engine: Engine | None, *, shard: bool, model_dir: str,
                  seed: int = 0, ranks_per_engine: int = 1):
         self.engine = engine
-        """This rank's engine (None on ranks without one): a ``RolloutEngine``, or any object with
-        its ``sample``/``tokenizer``/``sleep``/``wake_up``/``close`` API (``rollout.pool.RolloutPool``)."""
+        """This rank's engine (None on ranks without one): a ``RolloutEngine`` or rank 0's
+        ``RolloutPool``, driven only through the :class:`~megatron_gtpo.rollout.protocol.Engine` protocol."""
         self._shard, self._model_dir, self._seed, self._calls = shard, str(model_dir), seed, 0
         self._per_engine = ranks_per_engine
         self._tokenizer = None
@@ -77,40 +80,33 @@ class RolloutGroup:
             self._tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
         return self._tokenizer
 
-    def generate(self, prompts: list[Prompt], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, stop: list[str] | None = None, seed: int | None = None) -> list[Completion]:
+    def generate(self, prompts: list[Prompt], sampling: Sampling, *, seed: int | None = None) -> list[Completion]:
         """As :meth:`RolloutEngine.generate`; the same result on every rank."""
-        return self.submit(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop,
-                           seed=seed).wait()
+        return self.submit(prompts, sampling, seed=seed).wait()
 
-    def submit(self, prompts: list[Prompt], *, n: int, temperature: float, top_p: float,
-               max_tokens: int, stop: list[str] | None = None, seed: int | None = None) -> Generation:
+    def submit(self, prompts: list[Prompt], sampling: Sampling, *, seed: int | None = None) -> Generation:
         """Starts :meth:`generate` (module docstring: a pool generates in the background until
         ``wait``; other engines generate now). Called on every rank at the same point."""
         if seed is None:
             seed = call_seed(self._seed, self._calls)
         self._calls += 1
-        seeds = prompt_seeds(seed, len(prompts), n)
-        sampling = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop)
+        seeds = prompt_seeds(seed, len(prompts), sampling.n)
         if self._world > 1 and self._shard:
             done = self._sharded(prompts, seeds, sampling)
             return Generation(lambda: done)
-        ticket = mine = None
-        if self._rank == 0:
-            if hasattr(self.engine, "submit"):  # a pool: its servers generate while the trainer goes on
-                ticket = self.engine.submit(prompts, seeds=seeds, **sampling)
-            else:
-                mine = self.engine.sample(prompts, seeds=seeds, **sampling)
-        own = lambda: mine if ticket is None else self.engine.wait(ticket)  # noqa: E731
+        ticket = self.engine.submit(prompts, seeds=seeds, sampling=sampling) if self._rank == 0 else None
+        own = lambda: self.engine.wait(ticket)  # noqa: E731
         if self._world == 1:
             return Generation(own)
         return Generation(lambda: _relink(_broadcast_outcome(own), prompts, offset=0))
 
-    def _sharded(self, prompts: Sequence[Prompt], seeds: list[int], sampling: dict) -> list[Completion]:
+    def _sharded(self, prompts: Sequence[Prompt], seeds: list[int], sampling: Sampling) -> list[Completion]:
         engines, index = self._world // self._per_engine, self._rank // self._per_engine
         per_engine = -(-len(prompts) // engines)
         lo, hi = min(index * per_engine, len(prompts)), min((index + 1) * per_engine, len(prompts))
-        mine = self.engine.sample(prompts[lo:hi], seeds=seeds[lo:hi], **sampling) if hi > lo else []
+        mine = []
+        if hi > lo:
+            mine = self.engine.wait(self.engine.submit(prompts[lo:hi], seeds=seeds[lo:hi], sampling=sampling))
         shards = control.all_gather_object((lo, mine))
         first_ranks = shards[::self._per_engine]  # the other ranks of an engine hold the same shard
         return [c for start, part in first_ranks for c in _relink(part, prompts, offset=start)]

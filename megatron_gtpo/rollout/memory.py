@@ -2,7 +2,7 @@
 
 The driver's step, with colocated engines (:class:`Choreography`, three calls)::
 
-    generate --after_rollout()--> engine sleeps (vLLM level 1: weights to host, KV cache freed);
+    generate --after_rollout()--> engine sleeps (vLLM level 2: weights and KV cache freed);
                                   trainer state back on the GPU (rollout.offload_trainer)
     train step
     --before_push()--> trainer releases its step memory (release_cached_memory: CUDA's allocator
@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
+from megatron_gtpo.train import optim_state
 from megatron_gtpo.utils.memory import release_cached_memory
 
 
@@ -86,11 +87,10 @@ class TrainerOffload:
 
 
 def _optimizer_tensors(optimizer) -> Iterable[torch.Tensor]:
-    """Moments and fp32 master weights of a Megatron optimizer (chained or not)."""
+    """Moments and fp32 master weights of a Megatron optimizer (chained or not): the per-parameter
+    state by the rules of the optimizer in use (``train.optim_state``), then Megatron's main copies."""
+    yield from optim_state.state_tensors(optimizer)
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", opt)
-        for state in getattr(inner, "state", {}).values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1)
         for name in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
             for group in getattr(opt, name, None) or []:
                 yield from (p.data for p in group)

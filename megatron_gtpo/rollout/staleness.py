@@ -16,7 +16,8 @@ serve, in push order (:class:`PolicyVersions`), and checks every step's completi
 With ``rollout.staleness: 1`` step ``k`` trains the weights of version ``k - 1`` on completions of
 version ``k - 2`` (one push old) from its second step on; the first step after a start or a resume
 has no batch in flight and generates its own (staleness 0). Uninterrupted, from step 0:
-``weight_version(step k) = max(k - 2, 0)`` (:func:`expected_versions`).
+``weight_version(step k) = max(k - 2, 0)``; after a start or resume at step ``s``,
+``max(k - 1 - staleness, s)``.
 """
 
 from __future__ import annotations
@@ -49,12 +50,6 @@ def staleness_problem(staleness: int, mismatch_correction: str) -> str | None:
                 f"importance correction pi_old / pi_sampler; set algo.mismatch_correction=tis (or mis), or "
                 f"rollout.staleness=0")
     return None
-
-
-def expected_versions(steps: Iterable[int], *, start: int, staleness: int) -> list[int]:
-    """The policy version of the completions each of ``steps`` trains on in a run that started (or
-    resumed) at step ``start`` and updates at every step: ``max(step - 1 - staleness, start)``."""
-    return [max(step - 1 - staleness, start) for step in steps]
 
 
 @dataclass(kw_only=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +38,7 @@ from megatron_gtpo.parallel import control
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.sync.checks import WeightPushError
 from megatron_gtpo.sync.export import Exporter
-from megatron_gtpo.sync.shards import BucketPlan, Mode, TensorMeta, aligned
+from megatron_gtpo.sync.shards import BucketPlan, Mode, TensorMeta
 
 
 @dataclass(kw_only=True)
@@ -78,7 +78,7 @@ class ExportPlan:
 
 
 class PushSource(ABC):
-    """What a push is made of, as a transport consumes it (the :class:`Exporter`, or a list)."""
+    """What a push is made of, as a transport consumes it (the :class:`Exporter`; the tests' lists)."""
 
     @abstractmethod
     def metas(self, mode: Mode) -> list[TensorMeta]:
@@ -98,42 +98,6 @@ class PushSource(ABC):
 
 
 PushSource.register(Exporter)
-
-
-class ListSource(PushSource):
-    """A push given as ready HF tensors (tests, benchmarks, tools): every rank holds all of them."""
-
-    def __init__(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]):
-        self.items = [item for bucket in buckets for item in bucket]
-
-    def metas(self, mode: Mode) -> list[TensorMeta]:
-        return [TensorMeta(name=n, shape=tuple(t.shape), dtype=str(t.dtype)) for n, t in self.items]
-
-    def tensors(self, mode: Mode) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.items
-
-    def buckets(self, bucket_bytes: int) -> list[BucketPlan]:
-        out, current, size = [], [], 0
-        for index, (name, tensor) in enumerate(self.items):
-            if current and size + tensor.nbytes > bucket_bytes:
-                out.append(BucketPlan(index=len(out), owner=0, entries=tuple(i for i, _ in current),
-                                      tensors=tuple(m for _, m in current), nbytes=size))
-                current, size = [], 0
-            current.append((index, TensorMeta(name=name, shape=tuple(tensor.shape), dtype=str(tensor.dtype),
-                                              offset=size)))
-            size += aligned(tensor.nbytes)
-        if current:
-            out.append(BucketPlan(index=len(out), owner=0, entries=tuple(i for i, _ in current),
-                                  tensors=tuple(m for _, m in current), nbytes=size))
-        return out
-
-    def pack(self, bucket: BucketPlan, buffer: torch.Tensor | None) -> bool:
-        if control.world()[0] != 0:
-            return False
-        for index, meta in zip(bucket.entries, bucket.tensors):
-            tensor = self.items[index][1].detach().contiguous().view(-1).view(torch.uint8)
-            buffer[meta.offset:meta.offset + tensor.numel()].copy_(tensor)
-        return True
 
 
 class WeightSync(ABC):

@@ -73,19 +73,13 @@ class WeightSpec:
         item = torch.empty((), dtype=self.dtype).element_size()
         return sum(_numel(shape) for shape in self.shapes.values()) * item
 
-    def expected_shape(self, name: str) -> tuple[int, ...] | None:
-        return self.shapes.get(name, self.optional_shapes.get(name))
-
 
 def sharded_shapes(shapes: dict[str, tuple[int, ...]], tp: int) -> dict[str, tuple[int, ...]]:
     """Shapes one engine TP rank holds of each HF tensor when every linear layer arrives as its TP
     shard (``local`` delivery): column-parallel tensors cut on dim 0, row-parallel ones on dim 1
     (the kinds of :mod:`megatron_gtpo.convert.mapping`); norms and vocabulary tensors stay full."""
-    cut: dict[str, int] = {}
-    for family in ("llama", "qwen2", "qwen3"):
-        for pm in mp.layer_maps(family):
-            if pm.kind in (mp.QKV, mp.FC1, mp.COLUMN, mp.ROW):
-                cut.update({suffix: 1 if pm.kind == mp.ROW else 0 for suffix in pm.hf})
+    cut = {suffix: 1 if pm.kind == mp.ROW else 0 for pm in mp.all_layer_maps()
+           if pm.kind in (mp.QKV, mp.FC1, mp.COLUMN, mp.ROW) for suffix in pm.hf}
     out = {}
     for name, shape in shapes.items():
         suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else name

@@ -21,16 +21,16 @@ marks the engine broken and fails the step on every rank (see sync/base.py).
 
 from __future__ import annotations
 
-from megatron_gtpo.rollout.engine import RolloutEngine
+from megatron_gtpo.rollout.protocol import LocalWeights
 from megatron_gtpo.sync.base import ExportPlan, PushSource, PushTimer, SyncStats, WeightSync, agree, drain
 from megatron_gtpo.sync.checks import WeightPushError, WeightSpec, check_plan, checked_stream
 from megatron_gtpo.sync.shards import Mode, push_bytes
 
 
 class ColocatedSync(WeightSync):
-    """Pushes into the :class:`RolloutEngine` of this process (one rank of its engine)."""
+    """Pushes into the engine of this process (one rank of it), through the ``LocalWeights`` protocol."""
 
-    def __init__(self, engine: RolloutEngine, export: ExportPlan | None, *, mode: Mode = "full", engine_tp: int = 1):
+    def __init__(self, engine: LocalWeights, export: ExportPlan | None, *, mode: Mode = "full", engine_tp: int = 1):
         super().__init__(export)
         self.mode, self._engine_tp = mode, engine_tp
         self._engine = engine

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_gtpo.rollout.config import EnginePlacement
 from megatron_gtpo.utils.configuration import ConfigError, require
 
 
@@ -59,3 +60,9 @@ class SyncConfig:
     def bucket_size(self) -> int:
         """``bucket_mb`` in bytes."""
         return self.bucket_mb << 20
+
+    def placement(self) -> EnginePlacement:
+        """Where these settings put the engines (``rollout.placement.build_engines``): the transport and
+        the rollout servers' addresses live here, next to the weight transfer they choose."""
+        return EnginePlacement(kind=self.transport, servers=tuple(self.servers), server_port=self.server_port,
+                               local_servers=self.local_servers, timeout_s=self.timeout_s)

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.convert import mapping as mp
-from megatron_gtpo.models.hf_config import architecture_of, tied_embeddings
+from megatron_gtpo.models.families import Family, family_of
+from megatron_gtpo.models.hf_config import tied_embeddings
 from megatron_gtpo.parallel import control
 from megatron_gtpo.parallel.collectives import comm_device
 from megatron_gtpo.parallel.dims import ParallelDims
@@ -39,7 +40,7 @@ from megatron_gtpo.sync.shards import (BucketPlan, Entry, Mode, TensorMeta, deli
 from megatron_gtpo.train.model import layer_offset, unwrap
 
 
-def local_params(model_chunks: list[torch.nn.Module], *, family: str, tied: bool) -> dict:
+def local_params(model_chunks: list[torch.nn.Module], *, family: Family, tied: bool) -> dict:
     """``{(ParamMap.local, global layer or None): parameter}`` for this rank's chunks. The last
     stage's copy of a tied embedding is left out (the first stage's is the source)."""
     out = {}
@@ -58,7 +59,7 @@ class Exporter:
     """One rank's view of the policy as a stream of HF tensors (see the module docstring)."""
 
     def __init__(self, model_chunks: list[torch.nn.Module], *, hf_config: dict, dims: ParallelDims):
-        self.dims, self.family = dims, architecture_of(hf_config)
+        self.dims, self.family = dims, family_of(hf_config)
         self.shapes = mp.shapes_of(hf_config)
         self.params = local_params(model_chunks, family=self.family, tied=tied_embeddings(hf_config))
         self._entries: list[Entry] | None = None
@@ -68,8 +69,8 @@ class Exporter:
         """Every parameter of the whole pipeline in HF order (gathered once, then cached)."""
         if self._entries is None:
             mine = [(local, layer, tuple(p.shape), str(p.dtype)) for (local, layer), p in self.params.items()]
-            gathered = control.all_gather_object((self.dims.pp_rank, self.dims.tp_rank, self.dims.dp_rank, mine))
-            stages = {pp: items for pp, tp, dp, items in gathered if tp == 0 and dp == 0}
+            gathered = control.all_gather_object((self.dims.pp_rank, self.dims.tp_rank, self.dims.first_copy, mine))
+            stages = {pp: items for pp, tp, first, items in gathered if tp == 0 and first}
             entries = [Entry(local=local, layer=layer, owner=pp, shard_shape=shape, dtype=dtype)
                        for pp, items in sorted(stages.items()) for local, layer, shape, dtype in items]
             self._entries = sorted(entries, key=lambda e: hf_order(e.local, e.layer, self.family))
@@ -77,7 +78,8 @@ class Exporter:
 
     def receives(self, entry: Entry, mode: Mode) -> bool:
         d = self.dims
-        return receives(mode, tp_rank=d.tp_rank, dp_rank=d.dp_rank, pp_rank=d.pp_rank, owner=entry.owner, rank=d.rank)
+        return receives(mode, tp_rank=d.tp_rank, dp_rank=d.dp_rank, pp_rank=d.pp_rank, owner=entry.owner, rank=d.rank,
+                        cp_rank=d.cp_rank)
 
     def metas(self, mode: Mode) -> list[TensorMeta]:
         """What :meth:`tensors` yields on this rank, in order: the push plan, before any byte moves."""
@@ -91,10 +93,10 @@ class Exporter:
 
     def pack(self, bucket: BucketPlan, buffer: torch.Tensor | None) -> bool:
         """``senders`` mode: writes ``bucket`` into ``buffer`` (uint8, >= ``bucket.nbytes``) on its
-        sender, TP rank 0 of data-parallel replica 0 of the owner stage; the stage's other TP ranks
-        of that replica send their shards; everybody else does nothing. True on the sender."""
+        sender, TP rank 0 of data-parallel replica 0 (CP rank 0) of the owner stage; the stage's other
+        TP ranks of that replica send their shards; everybody else does nothing. True on the sender."""
         d = self.dims
-        if d.dp_rank != 0 or d.pp_rank != bucket.owner:
+        if not d.first_copy or d.pp_rank != bucket.owner:
             return False
         metas = iter(bucket.tensors)
         for index in bucket.entries:
@@ -102,7 +104,7 @@ class Exporter:
             pm = param_map(entry.local, self.family)
             for part in range(len(pm.hf)):
                 meta = next(metas)
-                self._gather(pm, entry, part, view_of(buffer, meta) if d.tp_rank == 0 else None, to_all=False)
+                self._gather_hf(pm, entry, part, view_of(buffer, meta) if d.tp_rank == 0 else None, to_all=False)
         return d.tp_rank == 0
 
     # ----------------------------------------------------------------------------- full / local / first
@@ -128,16 +130,23 @@ class Exporter:
         if mode == "first":
             return self._to_first(pm, entry, part, meta, pp_group=pp_group)
         if mode == "local" and pm.kind not in (mp.VOCAB, mp.REPLICATED):
-            tensor = self._part(pm, entry, part) if mine else None
+            tensor = self._local_hf(pm, entry, part) if mine else None
         else:
-            tensor = self._gather(pm, entry, part, None, to_all=True) if mine else None
+            tensor = self._gather_hf(pm, entry, part, None, to_all=True) if mine else None
         if d.pp > 1:  # the owner stage's tensor goes to the same TP rank of every stage
             tensor = _pp_broadcast(tensor, meta, owner=entry.owner, pp_group=pp_group)
         return tensor
 
+    def _local_hf(self, pm: mp.ParamMap, entry: Entry, part: int) -> torch.Tensor:
+        """This rank's TP shard of HF tensor ``part`` (``local`` mode): its piece, or for a fused
+        HF tensor its pieces concatenated (what the HF tensor's rows of this shard are)."""
+        if not pm.fused:
+            return self._part(pm, entry, part)
+        return torch.cat([self._part(pm, entry, piece) for piece in range(pm.pieces)], dim=0)
+
     def _part(self, pm: mp.ParamMap, entry: Entry, part: int) -> torch.Tensor:
-        """This rank's piece of HF tensor ``part`` of a parameter (its TP shard's q/k/v or
-        gate/up slice; a copy only for q/k/v, whose rows interleave per KV group)."""
+        """This rank's piece ``part`` of a parameter (its TP shard's q, k or v, gate or up slice, or
+        the whole shard for unsplit kinds; a copy only for q/k/v, whose rows interleave per KV group)."""
         shard = self.params[(entry.local, entry.layer)].detach()
         if pm.kind == mp.QKV:
             hd, per = self.shapes.head_dim, self.shapes.heads // self.shapes.groups
@@ -147,6 +156,24 @@ class Exporter:
         if pm.kind == mp.FC1:
             return shard.chunk(2, dim=0)[part]
         return shard
+
+    def _gather_hf(self, pm: mp.ParamMap, entry: Entry, part: int, out: torch.Tensor | None, *,
+                   to_all: bool) -> torch.Tensor | None:
+        """HF tensor ``part`` of a parameter, gathered from the TP ranks (:meth:`_gather`). A fused HF
+        tensor (Phi-3's qkv_proj: [q; k; v]) gathers each piece straight into its own rows of ``out``,
+        so it costs no more memory than a separate one."""
+        if not pm.fused:
+            return self._gather(pm, entry, part, out, to_all=to_all)
+        here = to_all or self.dims.tp_rank == 0
+        rows = mp.piece_rows(pm, full_shape(pm, entry.shard_shape, self.dims.tp)[0], self.shapes)
+        if here and out is None:
+            param = self.params[(entry.local, entry.layer)]
+            out = torch.empty((sum(rows), *entry.shard_shape[1:]), dtype=param.dtype, device=param.device)
+        start = 0
+        for piece, count in enumerate(rows):
+            self._gather(pm, entry, piece, out.narrow(0, start, count) if here else None, to_all=to_all)
+            start += count
+        return out if here else None
 
     def _gather(self, pm: mp.ParamMap, entry: Entry, part: int, out: torch.Tensor | None, *,
                 to_all: bool) -> torch.Tensor | None:
@@ -191,11 +218,12 @@ class Exporter:
 
     def _to_first(self, pm, entry: Entry, part: int, meta: TensorMeta, *, pp_group) -> torch.Tensor | None:
         """Full tensors on global rank 0 only: TP gather to TP rank 0 of the owner stage, then a
-        point-to-point send to stage 0 when the owner is another stage."""
+        point-to-point send to stage 0 when the owner is another stage (ranks of DP replica 0 and CP
+        rank 0 only: the other copies of the weights take no part)."""
         d = self.dims
-        if d.dp_rank != 0:
+        if not d.first_copy:
             return None
-        tensor = self._gather(pm, entry, part, None, to_all=False) if entry.owner == d.pp_rank else None
+        tensor = self._gather_hf(pm, entry, part, None, to_all=False) if entry.owner == d.pp_rank else None
         if d.tp_rank != 0:
             return None
         if d.pp == 1 or entry.owner == 0:
@@ -245,23 +273,3 @@ def _pp_broadcast(tensor: torch.Tensor | None, meta: TensorMeta, *, owner: int, 
     tensor = _empty(meta) if tensor is None else tensor.contiguous()
     dist.broadcast(tensor, src=dist.get_process_group_ranks(pp_group)[owner], group=pp_group)
     return tensor
-
-
-def export_hf_weights(model_chunks: list[torch.nn.Module], *, hf_config: dict, dims: ParallelDims,
-                      bucket_bytes: int = 256 << 20,
-                      dst_ranks: Literal["all", "first"] = "all") -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The whole model as buckets of ``(hf_name, full_tensor)`` (about ``bucket_bytes`` each, a
-    larger tensor alone), in HF order: on every rank (``all``) or on global rank 0 (``first``);
-    other ranks take part in the collectives and yield nothing. No ``lm_head`` when tied."""
-    if dst_ranks not in ("all", "first"):
-        raise ValueError(f"dst_ranks={dst_ranks!r}: expected 'all' or 'first'")
-    bucket, size = [], 0
-    for name, tensor in Exporter(model_chunks, hf_config=hf_config, dims=dims).tensors(
-            "full" if dst_ranks == "all" else "first"):
-        bucket.append((name, tensor))
-        size += tensor.nbytes
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket

@@ -46,7 +46,7 @@ class PoolSync(WeightSync):
         dims = export.dims
         self.servers = control.broadcast_object([(link.address, link.info) for link in pool.links] if pool else None)
         """(address, hello info) of every server, on every rank."""
-        self._stage = dims.pp_rank if dims.tp_rank == 0 and dims.dp_rank == 0 else None
+        self._stage = dims.pp_rank if dims.tp_rank == 0 and dims.first_copy else None
         self._groups = self._join(prefix=control.broadcast_object(f"mgtpo-{uuid.uuid4().hex}"), stages=dims.pp)
 
     def _join(self, *, prefix: str, stages: int) -> list:

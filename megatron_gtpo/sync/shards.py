@@ -13,10 +13,12 @@ Delivery modes (:func:`delivery_mode`) say what one rank receives:
 * ``local``: engine TP == trainer TP (> 1): engine rank r is trainer TP rank r, so each rank gets
   only its own TP shard, in HF names (vLLM loads it with ``is_sharded_weight``). Only the
   vocabulary-parallel tensors (embedding, lm_head) are gathered, because vLLM pads the vocabulary
-  its own way. Shards are broadcast along the pipeline (the same TP rank of every stage).
-* ``senders``: the separate rollout pool. TP rank 0 of data-parallel replica 0 of every pipeline
-  stage gathers its own stage's tensors and sends them straight to every server; nobody else
-  receives anything.
+  its own way. Shards are broadcast along the pipeline (the same TP rank of every stage). Not for
+  families whose checkpoint fuses pieces into one tensor (Phi-3's qkv_proj): vLLM 0.32 cuts a fused
+  tensor by its full q/k/v sizes, so it only loads it whole (``full``).
+* ``senders``: the separate rollout pool. TP rank 0 of data-parallel replica 0 (and context-parallel
+  rank 0: CP ranks hold the same weights) of every pipeline stage gathers its own stage's tensors
+  and sends them straight to every server; nobody else receives anything.
 * ``first``: global rank 0 gets everything (HF export to disk).
 """
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_gtpo.convert import mapping as mp
+from megatron_gtpo.models.families import Family
 
 Mode = Literal["full", "local", "senders", "first"]
 
@@ -85,14 +88,14 @@ class BucketPlan:
     """Buffer size (aligned end of the last tensor)."""
 
 
-def param_map(local: str, family: str) -> mp.ParamMap:
+def param_map(local: str, family: Family) -> mp.ParamMap:
     for pm in mp.pre_maps() + mp.layer_maps(family) + mp.post_maps(tied=False):
         if pm.local == local:
             return pm
     raise KeyError(local)
 
 
-def hf_order(local: str, layer: int | None, family: str) -> tuple:
+def hf_order(local: str, layer: int | None, family: Family) -> tuple:
     """Sort key reproducing HF order: embedding, layers in order, final norm, lm_head."""
     if layer is not None:
         return (1, layer, [pm.local for pm in mp.layer_maps(family)].index(local))
@@ -107,51 +110,35 @@ def full_shape(pm: mp.ParamMap, shard_shape: tuple[int, ...], tp: int) -> tuple[
     return tuple(n * tp if i == dim else n for i, n in enumerate(shard_shape))
 
 
-def hf_shapes(pm: mp.ParamMap, megatron_shape: tuple[int, ...], shapes: mp.Shapes) -> list[tuple[int, ...]]:
-    """Shapes of the HF tensors ``mapping.split`` makes of a Megatron tensor of ``megatron_shape``
-    (a global tensor with ``shapes``, or one TP shard with the per-shard head counts)."""
-    tail = megatron_shape[1:]
-    if pm.kind == mp.QKV:
-        groups = megatron_shape[0] // ((shapes.heads // shapes.groups + 2) * shapes.head_dim)
-        per = shapes.heads // shapes.groups
-        return [(groups * per * shapes.head_dim, *tail), (groups * shapes.head_dim, *tail),
-                (groups * shapes.head_dim, *tail)]
-    if pm.kind == mp.FC1:
-        return [(megatron_shape[0] // 2, *tail)] * 2
-    if pm.kind == mp.VOCAB and shapes.vocab:  # a padded vocabulary reaches vLLM with HF's row count
-        return [(shapes.vocab, *tail)]
-    return [megatron_shape]
-
-
-def delivery_mode(*, transport: str, trainer_tp: int, engine_tp: int) -> Mode:
-    """What each rank receives for a transport and layout (see the module docstring)."""
+def delivery_mode(*, transport: str, trainer_tp: int, engine_tp: int, family: Family) -> Mode:
+    """What each rank receives for a transport, layout and family (see the module docstring)."""
     if transport == "separate":
         return "senders"
-    return "local" if engine_tp == trainer_tp and trainer_tp > 1 else "full"
+    return "local" if engine_tp == trainer_tp and trainer_tp > 1 and not family.fused else "full"
 
 
-def receives(mode: Mode, *, tp_rank: int, dp_rank: int, pp_rank: int, owner: int, rank: int) -> bool:
+def receives(mode: Mode, *, tp_rank: int, dp_rank: int, pp_rank: int, owner: int, rank: int, cp_rank: int = 0) -> bool:
     """Whether a rank with these coordinates ends up holding the tensors of an entry of ``owner``."""
     if mode in ("full", "local"):
         return True
     if mode == "first":
         return rank == 0
-    return tp_rank == 0 and dp_rank == 0 and pp_rank == owner
+    return tp_rank == 0 and dp_rank == 0 and cp_rank == 0 and pp_rank == owner
 
 
-def delivered(entry: Entry, mode: Mode, *, family: str, shapes: mp.Shapes, tp: int) -> list[TensorMeta]:
+def delivered(entry: Entry, mode: Mode, *, family: Family, shapes: mp.Shapes, tp: int) -> list[TensorMeta]:
     """The HF tensors of ``entry`` as a receiving rank gets them in ``mode``."""
     pm = param_map(entry.local, family)
     if mode == "local" and pm.kind not in (mp.VOCAB, mp.REPLICATED):
         local = mp.Shapes(heads=shapes.heads // tp, groups=shapes.groups // tp, head_dim=shapes.head_dim)
-        out_shapes = hf_shapes(pm, entry.shard_shape, local)
+        out_shapes = mp.hf_shapes(pm, entry.shard_shape, local)
     else:
-        out_shapes = hf_shapes(pm, full_shape(pm, entry.shard_shape, tp), shapes)
+        out_shapes = mp.hf_shapes(pm, full_shape(pm, entry.shard_shape, tp), shapes)
     return [TensorMeta(name=name, shape=tuple(shape), dtype=entry.dtype)
             for name, shape in zip(mp.hf_names(pm, entry.layer), out_shapes)]
 
 
-def plan_buckets(entries: list[Entry], *, family: str, shapes: mp.Shapes, tp: int,
+def plan_buckets(entries: list[Entry], *, family: Family, shapes: mp.Shapes, tp: int,
                  bucket_bytes: int) -> list[BucketPlan]:
     """Cuts a ``senders`` push into buckets of whole parameters of one stage, up to ``bucket_bytes``
     (a larger parameter travels alone). Deterministic: every rank and server computes the same."""

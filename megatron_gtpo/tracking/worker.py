@@ -75,10 +75,6 @@ class Worker:
             self._cv.notify_all()
         self._thread.join(timeout=1.0)
 
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
-
     def _due(self) -> bool:
         return self._served < self._requested and time.monotonic() >= self._retry_at
 

@@ -75,7 +75,7 @@ def collate(groups: list[ScoredGroup], *, pad_id: int) -> Batch:
 def local_rows(batch_size: int, *, dp: int, dp_rank: int, micro_batch_size: int) -> slice:
     """This DP rank's contiguous block of global rows; the global batch must split evenly into DP
     ranks and micro-batches (Megatron's pipeline schedules need equally sized micro-batches)."""
-    problem = batch_split_problem(batch_size, dp=dp, micro_batch_size=micro_batch_size)
+    problem = batch_split_problem(batch_size, dp=dp, rows_per_micro_batch=micro_batch_size)
     if problem:
         raise ValueError(problem)
     per_rank = batch_size // dp
@@ -108,6 +108,9 @@ class MicroBatch:
     padding tail is one more segment); None: one row per sequence (padded micro-batch)."""
     max_seqlen: int = 0
     """Packed micro-batch: its longest segment (THD attention's ``max_seqlen``, the RoPE table length)."""
+    index: int = 0
+    """Position in the step's list of micro-batches (schedule order): how an update refers to what
+    an earlier update of the step kept for this micro-batch (``train/loss.py``)."""
 
     def to(self, device) -> MicroBatch:
         """This micro-batch with every tensor on ``device`` (None: where they are)."""
@@ -158,12 +161,12 @@ def micro_batches(batch: Batch, rows: slice, *, micro_batch_size: int, common_le
     all_rows = torch.arange(batch.size)[rows]
     shared = _rounded(int(ends[all_rows].max()), pad_to_multiple) if common_length else None
     out = []
-    for idx in all_rows.split(micro_batch_size):
+    for index, idx in enumerate(all_rows.split(micro_batch_size)):
         seq_len = shared or _rounded(int(ends[idx].max()), pad_to_multiple)
         out.append(MicroBatch(rows=idx.to(device), input_ids=_model_input(batch, idx, seq_len).to(device),
                               position_ids=torch.arange(seq_len).expand(len(idx), seq_len).contiguous().to(device),
                               start=batch.prompt_lengths[idx].to(device), lengths=batch.lengths[idx].to(device),
-                              width=max(int(batch.lengths[idx].max()), 1)))
+                              width=max(int(batch.lengths[idx].max()), 1), index=index))
     return out
 
 
@@ -181,9 +184,11 @@ def token_budget_problem(budget: int, longest: int, what: str = "the longest row
     return None
 
 
-def row_tokens(batch: Batch) -> Tensor:
-    """``[B]`` long: model tokens of every row of the batch (prompt + completion, at least 1)."""
-    return (batch.prompt_lengths + batch.lengths).clamp(min=1)
+def row_tokens(batch: Batch, multiple: int = 1) -> Tensor:
+    """``[B]`` long: model tokens of every row of the batch (prompt + completion, at least 1), each
+    rounded up to ``multiple`` (context parallelism pads every packed sequence to 2 x cp)."""
+    tokens = (batch.prompt_lengths + batch.lengths).clamp(min=1)
+    return tokens if multiple == 1 else -(-tokens // multiple) * multiple
 
 
 def balanced_partition(lengths: list[int], count: int) -> list[list[int]]:
@@ -233,31 +238,35 @@ def pack_rows(lengths: list[int], count: int, budget: int) -> list[list[int]]:
     return sorted(bins, key=lambda b: b[0])
 
 
-def micro_batch_count(batch: Batch, *, dp: int, token_budget: int, multiple: int = 1) -> int:
+def micro_batch_count(batch: Batch, *, dp: int, token_budget: int, multiple: int = 1, seq_multiple: int = 1) -> int:
     """Packed micro-batches per DP rank for this step: the most any DP rank needs (every rank holds
     the whole Batch and computes every rank's need, so all agree without communicating), rounded up
-    to ``multiple`` (the interleaved pipeline schedule needs a multiple of PP) where the rows allow."""
-    lengths, per_rank = row_tokens(batch).tolist(), batch.size // dp
+    to ``multiple`` (the interleaved pipeline schedule needs a multiple of PP) where the rows allow.
+    ``seq_multiple``: every sequence counts as its length rounded up to it (``packed_micro_batches``)."""
+    lengths, per_rank = row_tokens(batch, seq_multiple).tolist(), batch.size // dp
     count = max(fewest_bins(lengths[r * per_rank:(r + 1) * per_rank], token_budget) for r in range(dp))
     return min(-(-count // multiple) * multiple, per_rank)
 
 
 def packed_micro_batches(batch: Batch, rows: slice, *, token_budget: int, count: int, common_length: bool,
-                         pad_to_multiple: int = 1, device=None) -> list[MicroBatch]:
+                         pad_to_multiple: int = 1, seq_multiple: int = 1, device=None) -> list[MicroBatch]:
     """``count`` packed micro-batches of ``rows`` (each one row of whole sequences, at most
     ``token_budget`` real tokens; ``micro_batch_count`` gives the count every DP rank must use).
 
     The packed length is rounded up to ``pad_to_multiple`` (FP8, sequence parallelism) with a
     padding tail; ``common_length`` (pipeline parallel): every micro-batch takes the longest packed
-    length of the step. ``device``: where the tensors are placed (default: CPU).
+    length of the step. ``seq_multiple``: each sequence counts as its length rounded up to it, in
+    the budget and the packed length (context parallelism pads every sequence to 2 x cp when it
+    splits the row: ``train/cp_shard.py``; the row built here holds the sequences unpadded, with a
+    tail to that length). ``device``: where the tensors are placed (default: CPU).
     """
     all_rows = torch.arange(batch.size)[rows]
-    lengths = row_tokens(batch)[all_rows].tolist()
+    lengths = row_tokens(batch, seq_multiple)[all_rows].tolist()
     bins = pack_rows(lengths, count, token_budget)
     totals = [sum(lengths[i] for i in b) for b in bins]
     shared = _rounded(max(totals), pad_to_multiple) if common_length else None
-    return [_packed(batch, all_rows[torch.tensor(b)], shared or _rounded(total, pad_to_multiple)).to(device)
-            for b, total in zip(bins, totals)]
+    return [dataclasses.replace(_packed(batch, all_rows[torch.tensor(b)], shared or _rounded(total, pad_to_multiple)),
+                                index=index).to(device) for index, (b, total) in enumerate(zip(bins, totals))]
 
 
 def _packed(batch: Batch, idx: Tensor, seq_len: int) -> MicroBatch:

@@ -11,9 +11,11 @@ Where each one is computed (the pure functions are in ``algo/diagnostics.py`` an
     D4  loss.py + adam_step mu > 1: overshoot counts per micro-batch (train/loss.py), and the Adam
                             update norm of every inner step from the optimizer state (momentum_metrics)
 
-Megatron's optimizer keeps torch's Adam state per parameter it steps (``optimizer.optimizer.state``;
+Megatron's optimizer keeps Adam state per parameter it steps (``optimizer.optimizer.state``;
 a ``ChainedOptimizer`` holds several): the model parameters themselves (fp32 models), fp32 main
-copies (bf16 models) or this rank's shard of them (distributed optimizer). Sums over the state skip
+copies (bf16 models) or this rank's shard of them (distributed optimizer); where the step lives
+and how the moments are stored depends on the Adam in use (torch, TE or apex FusedAdam), which
+``train.optim_state`` reads. Sums over the state skip
 shared and tensor-parallel duplicate parameters and are all-reduced over the group Megatron uses
 for the grad norm (``get_grad_stats_parallel_group``: model-parallel, or the world with the
 distributed optimizer), so every parameter entry counts exactly once.
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from megatron_gtpo import algo
 from megatron_gtpo.algo import AlgoSpec, PreparedBatch, SurrogateDecomposition
 from megatron_gtpo.parallel import collectives
+from megatron_gtpo.train import optim_state
 from megatron_gtpo.types import Batch
 
 Tensor = torch.Tensor
@@ -83,18 +86,16 @@ class AdamStep:
 
 
 def _adam_states(optimizer):
-    """``(sub-optimizer, torch param group, [state, ...])`` for every Adam param group of a Megatron
-    optimizer; states of shared and tensor-parallel duplicate parameters are left out."""
+    """``(param group, step, [(exp_avg, exp_avg_sq), ...])`` for every Adam param group of a Megatron
+    optimizer, read by the rules of the optimizer in use (``train.optim_state``: torch keeps the step
+    per parameter, TE/apex FusedAdam in the group); shared and tensor-parallel duplicate parameters
+    are left out."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
 
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(sub, "optimizer", None)
-        for group in getattr(inner, "param_groups", []):
-            states = [inner.state[p] for p in group["params"]
-                      if "exp_avg_sq" in inner.state.get(p, {}) and param_is_not_shared(p)
-                      and param_is_not_tensor_parallel_duplicate(p)]
-            yield sub, group, states
+    for adam in optim_state.adam_groups(optimizer):
+        kept = [p for p in adam.params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+        yield adam.group, adam.step, [adam.moments(p) for p in kept]
 
 
 def _sum_over_shards(values: list[float], optimizer) -> list[float]:
@@ -112,13 +113,12 @@ def adam_step(optimizer) -> AdamStep | None:
     (SGD). Collective: every rank of the optimizer's grad-stats group must call it (a rank whose
     shard is empty contributes zeros)."""
     sq, holders, steps, betas = 0.0, 0.0, 0.0, None
-    for _, group, states in _adam_states(optimizer):
+    for group, step, states in _adam_states(optimizer):
         betas = betas or (tuple(group["betas"]) if "betas" in group else None)
         if not states:
             continue
-        step = int(states[0]["step"])
         holders, steps = holders + 1, steps + step
-        sq += float(algo.adam_update_sq_norm([s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+        sq += float(algo.adam_update_sq_norm([m for m, _ in states], [v for _, v in states],
                                              step=step, lr=group["lr"], beta1=betas[0], beta2=betas[1],
                                              eps=group["eps"]))
     holders, steps, total = _sum_over_shards([holders, steps, sq], optimizer)
@@ -132,10 +132,10 @@ def small_v_fraction(optimizer, *, eps: float | None = None, factor: float = 10.
     the optimizer's own adam eps by default), where Adam's eps is not negligible and reward-scale
     invariance breaks (spec 6 Prop. 2). None without Adam state. Collective like ``adam_step``."""
     small = total = 0
-    for _, group, states in _adam_states(optimizer):
+    for group, step, states in _adam_states(optimizer):
         if not states:
             continue
-        s, t = algo.small_second_moment_counts([st["exp_avg_sq"] for st in states], step=int(states[0]["step"]),
+        s, t = algo.small_second_moment_counts([v for _, v in states], step=step,
                                                beta2=group["betas"][1], eps=group["eps"] if eps is None else eps,
                                                factor=factor)
         small, total = small + int(s), total + int(t)

@@ -80,8 +80,12 @@ def build_policy(model: ModelConfig, *, dims: ParallelDims, optim: OptimConfig |
 class Learner:
     """Trains the policy on one Batch per rollout step (``spec.mu`` optimizer steps)."""
 
-    def __init__(self, policy: Policy, *, settings: StepSettings, dims: ParallelDims, reference: Policy | None):
+    def __init__(self, policy: Policy, *, settings: StepSettings, dims: ParallelDims, reference: Policy | None,
+                 model: ModelConfig | None = None):
         self.policy, self.settings, self.dims, self.reference = policy, settings, dims, reference
+        self.model = model
+        """The model's config (the reference model is built from it when a restart first needs one)."""
+        self._frozen = reference
 
     @classmethod
     def build(cls, model: ModelConfig, optim: OptimConfig, *, settings: StepSettings, dims: ParallelDims,
@@ -93,11 +97,28 @@ class Learner:
         policy = build_policy(model, dims=dims, optim=optim, total_steps=rollout_steps * settings.spec.mu)
         # Every forward (policy, pi_old, reference) pads its micro-batches to what the model's config needs.
         settings = dataclasses.replace(settings, pad_to_multiple=sequence_multiple(get_model_config(policy.chunks[0])))
-        reference = None
-        if settings.spec.needs_reference:
+        learner = cls(policy, settings=settings, dims=dims, reference=None, model=model)
+        learner.reference = learner._reference_for(settings)
+        return learner
+
+    def _reference_for(self, settings: StepSettings) -> Policy | None:
+        """The frozen reference model when ``settings``' algorithm has a KL term (built once)."""
+        if not settings.spec.needs_reference:
+            return None
+        if self._frozen is None:
             log.info("building the frozen reference model for the KL term (kl_beta=%g)", settings.spec.kl_beta)
-            reference = build_policy(model, dims=dims)
-        return cls(policy, settings=settings, dims=dims, reference=reference)
+            self._frozen = build_policy(self.model, dims=self.dims)
+        return self._frozen
+
+    def restart(self, optim: OptimConfig, settings: StepSettings, *, rollout_steps: int) -> None:
+        """A fresh optimizer and LR schedule (over ``rollout_steps * mu`` updates) and ``settings``
+        for the same policy, whose parameters the caller has set (the driver's ``restart``: the
+        reward-scale probe's runs). A reference model built once stays for later restarts."""
+        policy = self.policy
+        policy.optimizer, policy.scheduler = build_optimizer(policy.chunks, optim,
+                                                             total_steps=rollout_steps * settings.spec.mu)
+        self.settings = dataclasses.replace(settings, pad_to_multiple=self.settings.pad_to_multiple)
+        self.reference = self._reference_for(settings)
 
     def step(self, batch: Batch) -> dict[str, float]:
         """One rollout step's updates; metrics identical on every rank."""

@@ -262,6 +262,32 @@ def shifted_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
     return torch.cat([zeros, logp[:, :-1]], dim=1), torch.cat([zeros, entropy[:, :-1]], dim=1)
 
 
+@dataclass(kw_only=True)
+class LogprobSettings:
+    """How a model's logits become log-probs and entropies on this rank (fixed for a run)."""
+
+    tp_group: object
+    """Tensor-parallel process group (the vocabulary is sharded over it)."""
+    tp_rank: int
+    """This rank's index in ``tp_group``: its shard starts at ``tp_rank * V/TP``."""
+    vocab_size: int | None
+    """True vocabulary size (excludes padding columns); None = the logits' full width x TP."""
+    temperature: float
+    """Rollout sampling temperature; logits are divided by it."""
+    chunk_tokens: int | None
+    """Rows per chunk of the fused log-prob/entropy pass (None: automatic, ``CHUNK_ELEMENTS``)."""
+
+    def token_stats(self, logits: torch.Tensor, input_ids: torch.Tensor, *, entropy_prob_floor: float = 0.0,
+                    inplace_backward: bool = False, temperature: float | None = None):
+        """``(logp, entropy)`` ``[mb, s]`` aligned with the predicted tokens (column 0 is 0), at the
+        sampling temperature unless ``temperature`` is given (GTPO's raw-logit entropy)."""
+        shard = VocabShard(group=self.tp_group, start=self.tp_rank * logits.shape[-1], vocab_size=self.vocab_size)
+        return shifted_token_logprobs(logits, input_ids, shard=shard,
+                                      temperature=self.temperature if temperature is None else temperature,
+                                      chunk_tokens=self.chunk_tokens, entropy_prob_floor=entropy_prob_floor,
+                                      inplace_backward=inplace_backward)
+
+
 @torch.no_grad()
 def vocab_parallel_argmax(logits: torch.Tensor, *, group=None, vocab_start: int = 0,
                           vocab_size: int | None = None) -> torch.Tensor:

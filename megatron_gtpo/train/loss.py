@@ -1,308 +1,177 @@
 """The distributed loss adapter: one micro-batch's logits -> ``algo.compute_loss`` -> Megatron.
 
 Megatron's schedule calls ``loss_func(output_tensor)`` on the last pipeline stage for every
-micro-batch. Here that function:
+micro-batch; here that is :meth:`Update.loss`, which
 
 1. turns the TP-sharded logits ``[mb, s, V/TP]`` into per-token log-probs and entropies with the
-   fused vocab-parallel pass (``train/logprobs.py``),
-2. moves them to the completion view ``[mb, T]`` that ``algo/`` expects (``MicroBatch.take``),
-3. calls the pure ``algo.compute_loss`` with this micro-batch's rows of the per-sequence inputs
-   (advantages, GTPO lambda and scales) that were prepared ONCE for the whole global batch, and with
-   the GLOBAL normalisers (masked tokens and completions of the global batch), so the per-micro-batch
-   losses of all micro-batches on all DP ranks add up to the single-process loss; GTPO's rows are
-   shaped here first (``algo.shape_rows``: entropy filter and gamma shift) with the ``<H>_i`` of this
-   very forward at the first update (pi_old: the weights before any update), kept for the others,
-4. multiplies by the one Megatron rescale factor (``train/step.py::megatron_loss_scale``).
+   fused vocab-parallel pass (``train/logprobs.py``) and moves them to the completion view
+   ``[mb, T]`` that ``algo/`` expects (``StepPlan.token_stats``; under context parallelism this
+   rank's share, scored on the tokens it holds, ``StepPlan.loss_mask``, with the whole completion
+   lengths and <H>_i: train/cp_loss.py),
+2. takes this micro-batch's rows of what the step prepared once for the whole global batch
+   (``train/plan.py``: advantages, GTPO's lambda and scales) and of what is known about pi_old
+   (:class:`PiOld`: GTPO's shaped advantages, pi_old's log-probs at mu > 1, the mismatch weights),
+3. calls the pure ``algo.compute_loss`` with the GLOBAL normalisers, so the losses of all
+   micro-batches on all DP ranks add up to the single-process loss,
+4. returns it times the one Megatron rescale factor (``StepPlan.loss_scale``) and hands the
+   metrics to the update's ``MetricSums`` and to the step observer (``train/observer.py``).
 
-Metrics leave as ``name -> tensor([sum, count])`` so that they can be summed over micro-batches and
-DP ranks (``parallel/collectives.py``); min/max metrics travel separately.
+Nothing here reads a device value back, so a micro-batch costs no host sync
+(``tests/unit/test_loss_syncs.py`` counts them): metrics stay on the device, and non-finite values
+(a NaN <H>_i, a NaN loss) are counted there; the step reads the count once per update, before
+``optimizer.step()`` (``train/step.py``).
 
-One pass (the default, ``StepInputs.old_logp`` None): at mu > 1 pi_old is the detached log-prob of
-the first update's own forward, kept per micro-batch for the later updates; the step's separate
-no-grad forward (``StepSettings.pre_pass``) hands ``old_logp`` and shaped rows in instead.
-
-Per micro-batch, also: the train-inference mismatch weights (``algo.mismatch_correction``; at
-mu = 1 from this forward's detached log-probs, at mu > 1 once from pi_old at the first update and
-kept for the others), the parts of the D2 surrogate decomposition only the loss sees (its KL
-part and the share due to the mismatch weights, first update) and, at mu > 1, the D4 overshoot
-counts: each row's detached log-ratio of inner step k is kept and compared at step k + 1.
+pi_old is the policy before the step's first update, so the first update's own forward *is*
+pi_old's. Whatever the step's :class:`PiOld` lacks when the first update starts (everything, but
+for the tests' pre-pass reference) is learned from that forward: GTPO's <H>_i (the rows are shaped
+right here with them, ``algo.shape_rows``; after the update the whole batch is shaped with every
+row's value), at mu > 1 the detached log-probs and the mismatch weights. :meth:`Update.learned`
+returns the completed record, which the later updates receive.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from megatron_gtpo import algo
-from megatron_gtpo.algo import AlgoSpec, PreparedBatch
+from megatron_gtpo.algo import PreparedBatch
+from megatron_gtpo.parallel import collectives
 from megatron_gtpo.train.batching import MicroBatch
-from megatron_gtpo.train.logprobs import VocabShard, shifted_token_logprobs
+from megatron_gtpo.train.cp_shard import CPShard
+from megatron_gtpo.train.metric_sums import F64, MetricSums
+from megatron_gtpo.train.plan import StepPlan, to_device
 
 Tensor = torch.Tensor
 
 
-@dataclass(kw_only=True)
-class LogprobSettings:
-    """How logits become log-probs on this rank (fixed for a run)."""
+@dataclass(frozen=True, kw_only=True)
+class PiOld:
+    """What the step knows about pi_old, the policy before its first update; a field left None is
+    learned by the first update from its own forward (module docstring). Per-micro-batch tensors
+    are indexed like ``StepPlan.micro_batches``."""
 
-    tp_group: object
-    """Tensor-parallel process group (the vocabulary is sharded over it)."""
-    tp_rank: int
-    """This rank's index in ``tp_group``: its shard starts at ``tp_rank * V/TP``."""
-    vocab_size: int | None
-    """True vocabulary size (excludes padding columns); None = the logits' full width x TP."""
-    temperature: float
-    """Rollout sampling temperature; logits are divided by it."""
-    chunk_tokens: int | None
-    """Rows per chunk of the fused log-prob/entropy pass (None: automatic; see logprobs.py)."""
+    prepared: PreparedBatch | None
+    """The whole batch's loss inputs on the device, ready for the loss (GTPO: shaped with every
+    row's <H>_i); None: GTPO rows still to be shaped."""
+    host_prepared: PreparedBatch | None
+    """The same on the CPU: the whole-batch metrics and D1/D2 read it."""
+    logp: tuple[Tensor, ...] | None = None
+    """mu > 1: pi_old's detached log-probs of each micro-batch's tokens ``[mb, width]``."""
+    is_weights: tuple[Tensor, ...] | None = None
+    """mu > 1 with a mismatch correction: each micro-batch's weights ``[mb, width]``."""
 
-    def token_stats(self, logits: Tensor, input_ids: Tensor, *, entropy_prob_floor: float = 0.0,
-                    inplace_backward: bool = False, temperature: float | None = None):
-        """``(logp, entropy)`` ``[mb, s]`` aligned with the predicted tokens (column 0 is 0), at the
-        sampling temperature unless ``temperature`` is given (GTPO's raw-logit entropy)."""
-        shard = VocabShard(group=self.tp_group, start=self.tp_rank * logits.shape[-1], vocab_size=self.vocab_size)
-        return shifted_token_logprobs(logits, input_ids, shard=shard,
-                                      temperature=self.temperature if temperature is None else temperature,
-                                      chunk_tokens=self.chunk_tokens, entropy_prob_floor=entropy_prob_floor,
-                                      inplace_backward=inplace_backward)
+    @classmethod
+    def before_first_update(cls, plan: StepPlan) -> PiOld:
+        """Nothing known yet; for all but GTPO the plan's groups are the loss inputs as they are."""
+        if plan.spec.needs_mean_entropy:
+            return cls(prepared=None, host_prepared=None)
+        return cls(prepared=plan.prepared, host_prepared=plan.host_prepared)
 
 
-@dataclass
-class RowCache:
-    """Tensors of one step kept from one inner update to the next, keyed by micro-batch (``id(mb)``:
-    the step reuses the same MicroBatch objects for every update)."""
+class Update:
+    """One optimizer update of a step: the loss function Megatron calls per micro-batch
+    (:meth:`loss`), its metrics (``sums``) and, at the first update, what it learns about pi_old."""
 
-    is_weights: dict[int, Tensor] = field(default_factory=dict)
-    """mu > 1: the mismatch weights of the first update ([mb, width]), reused by the others."""
-    log_ratio: dict[int, Tensor] = field(default_factory=dict)
-    """mu > 1: detached ``logp - old_logp`` [mb, width] of the previous update (D4 overshoot)."""
-    old_logp: dict[int, Tensor] = field(default_factory=dict)
-    """One pass, mu > 1: pi_old, the detached log-probs [mb, width] of the first update's forward."""
-    mean_entropy: dict[int, Tensor] = field(default_factory=dict)
-    """One pass, GTPO: the rows' <H>_i [mb] of the first update's forward (the step gathers them for
-    the whole-batch metrics and diagnostics; later updates reuse them)."""
+    def __init__(self, plan: StepPlan, index: int, pi_old: PiOld, observer):
+        self.plan, self.index, self.pi_old, self.observer = plan, index, pi_old, observer
+        self.sums = MetricSums()
+        count = len(plan.micro_batches)
+        self._mean_entropy: list[Tensor | None] = [None] * count
+        self._logp: list[Tensor | None] = [None] * count
+        self._weights: list[Tensor | None] = [None] * count
 
+    def loss(self, mb: MicroBatch | CPShard, logits: Tensor):
+        """Loss of one micro-batch, already rescaled for Megatron, and an empty dict (its metrics
+        stay on the device in ``self.sums``)."""
+        plan, spec = self.plan, self.plan.spec
+        same_temperature = spec.entropy_temperature(plan.logprobs.temperature) == plan.logprobs.temperature
+        # GTPO's <H>_i statistic (its floored entropy) comes from this forward when its rows are
+        # shaped here; the floor changes the entropy output only, never log p or its gradient.
+        floor = spec.entropy_prob_floor if self.pi_old.prepared is None and same_temperature else 0.0
+        # The logits (the output layer's fresh output) have no other consumer: their storage can
+        # take the gradient, so backward never holds two logits-sized buffers.
+        logp, entropy = plan.token_stats(mb, logits, inplace_backward=True, entropy_prob_floor=floor)
+        mask = plan.loss_mask(mb)  # under CP: the tokens this rank holds; mb.lengths the whole completions
+        rows = self._rows(mb, logits, entropy)
+        old_logp = self._old_logp(mb, logp)
+        tokens = algo.TokenInputs(logp=logp, mask=mask, lengths=mb.lengths, old_logp=old_logp,
+                                  ref_logp=plan.local(plan.ref_logp, mb),
+                                  is_weights=self._is_weights(mb, logp.detach() if old_logp is None else old_logp, mask))
+        loss, metrics = algo.compute_loss(spec, tokens, rows, num_tokens=plan.num_tokens, num_seqs=plan.num_seqs)
+        tokens_f64 = mask.sum().to(F64)
+        self.sums.add_token_metrics(metrics, tokens_f64)
+        self.sums.add("loss", loss.detach(), torch.full((), plan.metric_weight, dtype=F64, device=loss.device))
+        self.sums.count_nonfinite("loss", loss)
+        self.observer.micro_batch(self, mb, tokens, rows, entropy)
+        return loss * plan.loss_scale, {}
 
-ZERO_WHEN_EMPTY = ("bias/clip_overshoot_rate",)
-"""Rate metrics whose denominator may be empty in a step (no favoured-clipped token): logged as 0."""
+    def _rows(self, mb: MicroBatch | CPShard, logits: Tensor, entropy: Tensor) -> PreparedBatch:
+        """This micro-batch's loss inputs; GTPO's at the first update shaped with this forward's <H>_i."""
+        if self.pi_old.prepared is not None:
+            return self.pi_old.prepared.rows(mb.rows)
+        mean_h = self._row_entropy(mb, logits, entropy)
+        self._mean_entropy[mb.index] = mean_h
+        return algo.shape_rows(self.plan.spec, self.plan.prepared.rows(mb.rows), mean_h, check=False)
 
+    @torch.no_grad()
+    def _row_entropy(self, mb: MicroBatch | CPShard, logits: Tensor, entropy: Tensor) -> Tensor:
+        """GTPO's <H>_i [mb] of pi_old from this forward (``entropy``: the completion view): its
+        floored entropy output, or one more no-grad pass at the statistic's own temperature (raw
+        logits), averaged over each whole completion (under CP: over the CP group, the same on every
+        CP rank, so the filter decides alike). Non-finite values are counted (checked before the
+        optimizer step), not raised here."""
+        spec, logprobs = self.plan.spec, self.plan.logprobs
+        temperature = spec.entropy_temperature(logprobs.temperature)
+        if temperature != logprobs.temperature:
+            _, entropy = self.plan.token_stats(mb, logits.detach(), entropy_prob_floor=spec.entropy_prob_floor,
+                                               temperature=temperature)
+        mean_h = self.plan.completion_mean(entropy.detach().float(), mb)
+        self.sums.count_nonfinite("GTPO's <H>_i (mean token entropy of a completion)", mean_h)
+        return mean_h
 
-@dataclass(kw_only=True)
-class StepInputs:
-    """Everything the loss of any micro-batch on this rank needs during one optimizer step."""
-
-    spec: AlgoSpec
-    """The resolved algorithm."""
-    prepared: PreparedBatch
-    """Output of ``algo.prepare_groups`` for the whole global batch (on the device); GTPO rows still
-    ``needs_entropy`` until the step shapes the whole batch after the first update (one pass), or
-    already shaped by ``algo.prepare_batch`` (pre-pass)."""
-    mask: Tensor  # [B, T] bool
-    """Completion mask of the whole global batch (on the device)."""
-    num_tokens: float
-    """Masked (loss) tokens of the whole global batch: the token-mean normaliser."""
-    num_seqs: float
-    """Completions in the whole global batch: the seq-mean normaliser."""
-    local: slice
-    """This DP rank's rows of the global batch: the rows of ``old_logp``/``ref_logp`` below."""
-    old_logp: Tensor | None  # [local B, T]
-    """pi_old log-probs of this rank's rows from the pre-pass when mu > 1; None: one pass (update 0:
-    ratio = exp(logp - logp.detach()); mu > 1: later updates use ``cache.old_logp``)."""
-    ref_logp: Tensor | None  # [local B, T]
-    """Reference-model log-probs of this rank's rows for the KL term, or None."""
-    sampler_logp: Tensor | None  # [B, T]
-    """Rollout engine log-probs: the train-inference mismatch metrics and weights (first update)."""
-    scale: float
-    """Megatron rescale factor from ``megatron_loss_scale``."""
-    metric_weight: float
-    """1 / (micro-batches x DP ranks): summing this over all micro-batches gives 1, so a summed
-    metric (the loss) survives the (sum, count) reduction unchanged."""
-    update: int = 0
-    """Index of the inner update (0 .. mu-1) this loss belongs to."""
-    cache: RowCache = field(default_factory=lambda: RowCache())
-    """Per-micro-batch tensors kept across the mu updates of one step (shared by ``replace`` copies)."""
-
-    def local_rows(self, tensor: Tensor | None, rows: Tensor, width: int) -> Tensor | None:
-        """``tensor[rows - local.start, :width]`` for a tensor that holds only this rank's rows."""
-        return None if tensor is None else tensor[rows - self.local.start, :width]
-
-
-def micro_batch_loss(inputs: StepInputs, settings: LogprobSettings, mb: MicroBatch, logits: Tensor):
-    """Loss of one micro-batch, already rescaled for Megatron, and its metric pairs."""
-    rows, width = mb.rows, mb.width
-    prepared = inputs.prepared.rows(rows)
-    floor = _entropy_floor(inputs, settings, prepared)
-    # The logits (the output layer's fresh output) have no other consumer: their storage can take
-    # the gradient, so backward never holds two logits-sized buffers.
-    logp_seq, ent_seq = settings.token_stats(logits, mb.input_ids, inplace_backward=True, entropy_prob_floor=floor)
-    mask = inputs.mask[rows, :width]
-    if prepared.needs_entropy:  # one pass, GTPO: filter and shift from these rows' own <H>_i
-        prepared = algo.shape_rows(inputs.spec, prepared, _row_entropy(inputs, settings, mb, logits, ent_seq))
-    logp = mb.take(logp_seq)
-    old_logp = _old_logp(inputs, mb, logp)
-    pairs: dict[str, Tensor] = {}
-    tokens = algo.TokenInputs(logp=logp, mask=mask, old_logp=old_logp,
-                              ref_logp=inputs.local_rows(inputs.ref_logp, rows, width),
-                              is_weights=_mismatch_weights(inputs, mb, logp, old_logp, mask, pairs))
-    loss, metrics = algo.compute_loss(inputs.spec, tokens, prepared, num_tokens=inputs.num_tokens,
-                                      num_seqs=inputs.num_seqs)
-    pairs.update(_metric_pairs(metrics, mask))
-    pairs["loss"] = torch.stack([loss.detach().double(), _f64(inputs.metric_weight, loss.device)])
-    if not inputs.spec.needs_mean_entropy:  # GTPO: entropy/mean comes with the whole batch's <H>_i
-        mean_h = algo.completion_mean_entropy(mb.take(ent_seq.detach()), mask)
-        pairs["entropy/mean"] = torch.stack([mean_h.sum().double(), _f64(mask.shape[0], mask.device)])
-    if inputs.update == 0 and inputs.sampler_logp is not None:
-        pairs.update(_mismatch_pairs(tokens.logp.detach(), inputs.sampler_logp[rows, :width], mask))
-    if inputs.update == 0:
-        pairs.update(_surrogate_pairs(inputs, tokens, prepared))
-    elif old_logp is not None:
-        pairs.update(_overshoot_pairs(inputs, mb, tokens, prepared))
-    return loss * inputs.scale, pairs
-
-
-def _entropy_floor(inputs: StepInputs, settings: LogprobSettings, prepared: PreparedBatch) -> float:
-    """The probability floor of the training forward's entropy output: GTPO's <H>_i statistic
-    (``spec.entropy_prob_floor``) when these rows are shaped from this forward and the statistic is
-    at the sampling temperature (the floor changes the entropy output only, never log p or its
-    gradient); 0 (the exact entropy) otherwise."""
-    spec = inputs.spec
-    same = spec.entropy_temperature(settings.temperature) == settings.temperature
-    return spec.entropy_prob_floor if prepared.needs_entropy and inputs.update == 0 and same else 0.0
-
-
-@torch.no_grad()
-def _row_entropy(inputs: StepInputs, settings: LogprobSettings, mb: MicroBatch, logits: Tensor,
-                 ent_seq: Tensor) -> Tensor:
-    """GTPO's <H>_i [mb] of pi_old: computed from this forward at the first update (the floored
-    entropy output, or one more no-grad pass at the statistic's own temperature, as ``forward_stats``
-    does), cached for the later updates. Taken in the global batch's width, like the pre-pass, so
-    the values are the same bit for bit."""
-    cache = inputs.cache.mean_entropy
-    if inputs.update > 0:
-        return cache[id(mb)]
-    spec = inputs.spec
-    temperature = spec.entropy_temperature(settings.temperature)
-    if temperature != settings.temperature:
-        _, ent_seq = settings.token_stats(logits.detach(), mb.input_ids, entropy_prob_floor=spec.entropy_prob_floor,
-                                          temperature=temperature)
-    view = dataclasses.replace(mb, width=inputs.mask.shape[1])
-    cache[id(mb)] = algo.completion_mean_entropy(view.take(ent_seq.detach().float()), inputs.mask[mb.rows])
-    return cache[id(mb)]
-
-
-def _old_logp(inputs: StepInputs, mb: MicroBatch, logp: Tensor) -> Tensor | None:
-    """pi_old of this micro-batch [mb, width]: the pre-pass's rows, or (one pass, mu > 1) None at the
-    first update, whose detached log-probs are kept as pi_old for the later ones."""
-    if inputs.old_logp is not None:
-        return inputs.local_rows(inputs.old_logp, mb.rows, mb.width)
-    if not inputs.spec.needs_old_logp:
+    def _old_logp(self, mb: MicroBatch | CPShard, logp: Tensor) -> Tensor | None:
+        """pi_old's log-probs [mb, width]: known, or (first update) None, the ratio being exactly 1
+        on pi_old's own forward; kept at mu > 1 for the later updates."""
+        if self.pi_old.logp is not None:
+            return self.pi_old.logp[mb.index]
+        if self.plan.spec.needs_old_logp:
+            self._logp[mb.index] = logp.detach()
         return None
-    if inputs.update == 0:
-        inputs.cache.old_logp[id(mb)] = logp.detach()
-        return None
-    return inputs.cache.old_logp[id(mb)]
 
+    @torch.no_grad()
+    def _is_weights(self, mb: MicroBatch | CPShard, train_logp: Tensor, mask: Tensor) -> Tensor | None:
+        """The mismatch weights (None without a correction): known, or computed from pi_old's
+        log-probs ``train_logp`` once, their spread metrics recorded, kept at mu > 1."""
+        spec = self.plan.spec
+        if self.pi_old.is_weights is not None:
+            return self.pi_old.is_weights[mb.index]
+        weights, metrics = algo.mismatch_weights(spec, train_logp, self.plan.sampler_logp[mb.rows, :mb.width], mask,
+                                                 check=False)
+        self.sums.add_token_metrics(metrics, mask.sum().to(F64))
+        if weights is not None and spec.needs_old_logp:
+            self._weights[mb.index] = weights
+        return weights
 
-@torch.no_grad()
-def _mismatch_weights(inputs: StepInputs, mb: MicroBatch, logp: Tensor, old_logp: Tensor | None, mask: Tensor,
-                      pairs: dict[str, Tensor]) -> Tensor | None:
-    """The mismatch weights of this micro-batch (None without a correction); their spread metrics
-    go into ``pairs`` at the first update. pi_old is ``old_logp`` (mu > 1) or this forward (mu = 1)."""
-    spec = inputs.spec
-    if spec.mismatch_correction == "none":
-        return None
-    if inputs.update > 0:
-        return inputs.cache.is_weights[id(mb)]
-    rows, width = mb.rows, mb.width
-    train_logp = old_logp if old_logp is not None else logp.detach()
-    weights, metrics = algo.mismatch_weights(spec, train_logp, inputs.sampler_logp[rows, :width], mask)
-    pairs.update(_metric_pairs(metrics, mask))
-    if spec.mu > 1:
-        inputs.cache.is_weights[id(mb)] = weights
-    return weights
+    def learned(self) -> PiOld:
+        """The step's PiOld completed with what this (first) update learned (last stage; GTPO's
+        shaping gathers every row's <H>_i over DP: a collective of the DP group)."""
+        pi_old, spec, changes = self.pi_old, self.plan.spec, {}
+        if pi_old.prepared is None:
+            host = algo.shape_batch(spec, self.plan.host_prepared, self._gathered_entropy())
+            changes.update(host_prepared=host, prepared=to_device(host, collectives.comm_device()))
+        if pi_old.logp is None and spec.needs_old_logp:
+            changes["logp"] = tuple(self._logp)
+        if pi_old.is_weights is None and spec.needs_old_logp and spec.mismatch_correction != "none":
+            changes["is_weights"] = tuple(self._weights)
+        return dataclasses.replace(pi_old, **changes)
 
-
-@torch.no_grad()
-def _surrogate_pairs(inputs: StepInputs, tokens, prepared: PreparedBatch) -> dict[str, Tensor]:
-    """D2 parts only the loss sees (first update; summed over micro-batches and DP like the loss):
-    the KL part ``kl_beta * aggregate(seq_scale k3)`` and the share of the loss due to the mismatch
-    weights, ``sum_i A_i sum_t omega_{i,t} (1 - w_{i,t})`` (``train/diagnostics.py`` adds them up)."""
-    spec, mask, out = inputs.spec, tokens.mask, {}
-    norms = {"num_tokens": inputs.num_tokens, "num_seqs": inputs.num_seqs}
-    weight = _f64(inputs.metric_weight, mask.device)
-    if tokens.ref_logp is not None and spec.kl_beta > 0:
-        zero = torch.zeros((), dtype=tokens.logp.dtype, device=mask.device)
-        kl = algo.kl_k3(torch.where(mask, tokens.logp.detach(), zero), torch.where(mask, tokens.ref_logp, zero))
-        out["bias/surrogate_kl_term"] = torch.stack([algo.kl_penalty(spec, kl, mask, prepared, **norms), weight])
-    if tokens.is_weights is not None:
-        plain = algo.token_omega(spec, mask, prepared, **norms)
-        weighted = algo.token_omega(spec, mask, prepared, is_weights=tokens.is_weights, **norms)
-        term = ((plain - weighted) * prepared.advantages.double()[:, None]).sum()
-        out["bias/surrogate_is_term"] = torch.stack([term, weight])
-    return out
-
-
-@torch.no_grad()
-def _overshoot_pairs(inputs: StepInputs, mb: MicroBatch, tokens, prepared: PreparedBatch) -> dict[str, Tensor]:
-    """D4 at inner update k >= 1: of the tokens in the advantage-favoured clipped region at update
-    k - 1 (>= 1: at update 0 the ratio is 1), the share whose |log rho| grew by update k."""
-    zero = torch.zeros((), dtype=tokens.logp.dtype, device=tokens.mask.device)
-    log_ratio = torch.where(tokens.mask, tokens.logp.detach() - tokens.old_logp, zero)
-    previous = inputs.cache.log_ratio.pop(id(mb), None)
-    if inputs.update < inputs.spec.mu - 1:
-        inputs.cache.log_ratio[id(mb)] = log_ratio
-    if previous is None:
-        return {}
-    counts = algo.clip_overshoot(inputs.spec, previous, log_ratio, prepared, tokens.mask, is_weights=tokens.is_weights)
-    return {"bias/clip_overshoot_rate": torch.stack([counts.overshoot, counts.favoured]).double()}
-
-
-def _metric_pairs(metrics: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
-    """``compute_loss`` metrics are means over this micro-batch's tokens; weighting by that count
-    makes the reduced value the global-batch mean. ``*_min``/``*_max`` are kept as (value, 1) under
-    a ``min:``/``max:`` prefix for a min/max reduce."""
-    tokens = mask.sum().double()
-    out = {}
-    for name, value in metrics.items():
-        value = value.detach().double()
-        if name.endswith(("_min", "_max")):
-            if tokens > 0:
-                out[f"{name[-3:]}:{name}"] = torch.stack([value, _f64(1.0, value.device)])
-            continue
-        out[name] = torch.stack([value * tokens, tokens])
-    return out
-
-
-def _f64(value: float, device) -> Tensor:
-    return torch.tensor(float(value), dtype=torch.float64, device=device)
-
-
-@torch.no_grad()
-def _mismatch_pairs(logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """Train-inference mismatch on the first update (logp = pi_old): mean and max of
-    |logp_train - logp_engine|, and k3 with r = pi_train / pi_engine, the unbiased estimate of
-    KL(pi_engine || pi_train) for tokens the engine sampled; the means are token-weighted."""
-    tokens = mask.sum().double()
-    abs_diff = torch.where(mask, (logp - sampler_logp).abs(), 0.0)
-    diff = abs_diff.sum().double()
-    k3 = torch.where(mask, algo.kl_k3(sampler_logp, logp), 0.0).sum().double()
-    out = {"mismatch/logprob_abs_mean": torch.stack([diff, tokens]),
-           "mismatch/kl_k3": torch.stack([k3, tokens])}
-    if tokens > 0:  # the max over the global batch: reduced with the other max: entries
-        out["max:mismatch/logprob_abs_max"] = torch.stack([abs_diff.max().double(), _f64(1.0, logp.device)])
-    return out
-
-
-def split_extrema(pairs: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, float], dict[str, float]]:
-    """Separates ``min:``/``max:`` entries (see ``_metric_pairs``) from the (sum, count) pairs."""
-    plain, lows, highs = {}, {}, {}
-    for name, value in pairs.items():
-        if name.startswith("min:"):
-            lows[name[4:]] = min(lows.get(name[4:], float("inf")), float(value[0]))
-        elif name.startswith("max:"):
-            highs[name[4:]] = max(highs.get(name[4:], float("-inf")), float(value[0]))
-        else:
-            plain[name] = value
-    return plain, lows, highs
+    def _gathered_entropy(self) -> Tensor:
+        """Every row's <H>_i [B] (CPU), in row order: packed micro-batches hold rows out of order, so
+        each value is placed by its row index before the DP all-gather."""
+        rows = torch.cat([mb.rows for mb in self.plan.micro_batches])
+        values = torch.cat(self._mean_entropy)
+        local = values.new_empty(values.shape).index_copy_(0, (rows - self.plan.rows.start).to(values.device), values)
+        return collectives.all_gather_rows(local, self.plan.comm.dp).cpu()

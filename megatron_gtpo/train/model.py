@@ -1,8 +1,9 @@
 """Builds Megatron-Core ``GPTModel`` chunks from a Hugging Face ``config.json``.
 
-Supported families (``architectures`` in config.json): Llama 2/3 (incl. SmolLM2, tied
-embeddings), Qwen2/2.5 (bias on q/k/v), Qwen3 (RMSNorm on q and k per head), Mistral. All are
-pre-norm decoders with RMSNorm, SwiGLU, RoPE (rotate-half, non-interleaved) and GQA.
+Supported families (records in ``models/families.py``): Llama 2/3 (incl. SmolLM2, tied
+embeddings), Qwen2/2.5 (bias on q/k/v), Qwen3 (RMSNorm on q and k per head), Mistral, Phi-3 (q/k/v
+and gate/up fused in the HF checkpoint). All are pre-norm decoders with RMSNorm, SwiGLU, RoPE
+(rotate-half, non-interleaved; ``partial_rotary_factor`` rotates the first part of each head) and GQA.
 
 HF -> Megatron names (``i`` = global layer, ``j`` = layer index inside this (virtual) stage,
 ``i = offset(stage) + j``; TE spec names in brackets, same dist-checkpoint keys either way):
@@ -14,14 +15,14 @@ model.embed_tokens.weight                      embedding.word_embeddings.weight 
 model.layers.i.input_layernorm.weight          decoder.layers.j.input_layernorm.weight
                                                [decoder.layers.j.self_attention.linear_qkv.layer_norm_weight]
 model.layers.i.self_attn.{q,k,v}_proj.weight   decoder.layers.j.self_attention.linear_qkv.weight
-  (and .bias for Qwen2)                          rows grouped per KV group g: [q heads of g | k_g | v_g],
-                                                 each head ``head_dim`` rows; TP splits whole groups (dim 0)
+  (and .bias for Qwen2; Phi-3: one qkv_proj     rows grouped per KV group g: [q heads of g | k_g | v_g],
+  = [all q; all k; all v])                       each head ``head_dim`` rows; TP splits whole groups (dim 0)
 model.layers.i.self_attn.o_proj.weight         decoder.layers.j.self_attention.linear_proj.weight (dim 1 split)
 model.layers.i.self_attn.{q,k}_norm.weight     decoder.layers.j.self_attention.{q,k}_layernorm.weight (Qwen3)
 model.layers.i.post_attention_layernorm.weight decoder.layers.j.pre_mlp_layernorm.weight
                                                [decoder.layers.j.mlp.linear_fc1.layer_norm_weight]
 model.layers.i.mlp.{gate,up}_proj.weight       decoder.layers.j.mlp.linear_fc1.weight: each TP rank holds
-                                                 [its gate rows ; its up rows] (dim 0 split of each half)
+  (Phi-3: one gate_up_proj = [gate; up])         [its gate rows ; its up rows] (dim 0 split of each half)
 model.layers.i.mlp.down_proj.weight            decoder.layers.j.mlp.linear_fc2.weight (dim 1 split)
 model.norm.weight                              decoder.final_layernorm.weight
 lm_head.weight                                 output_layer.weight (vocab split, dim 0); absent when tied:
@@ -39,8 +40,9 @@ have ``padded_vocab_size(vocab_size, tp, divisible_by)`` rows (a multiple of
 Rows ``>= vocab_size`` are padding: zero when loaded from HF, excluded from log-probs, entropy and
 greedy argmax (``true_vocab_size`` gives the trainer the real size), stripped on export/conversion.
 
-Not mapped: Mistral's ``sliding_window`` (sequences longer than the window attend further than in
-HF); Llama ``attention_bias``/``mlp_bias`` and RoPE types other than default/llama3 are rejected.
+Not mapped: Mistral's and Phi-3's ``sliding_window`` (sequences longer than the window attend
+further than in HF); ``attention_bias``/``mlp_bias`` where the family has no such bias and RoPE types
+other than default/llama3 (Phi-3's longrope) are rejected (``families.check_supported``).
 """
 
 from __future__ import annotations
@@ -52,12 +54,15 @@ import torch
 import torch.nn.functional as F
 
 from megatron_gtpo.models.config import VOCAB_DIVISIBLE_BY
-from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, architecture_of, head_dim_of, num_kv_heads_of,
-                                            rope_settings, tied_embeddings)
+from megatron_gtpo.models.families import check_supported
+from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, head_dim_of, num_kv_heads_of, rope_settings,
+                                            tied_embeddings)
 from megatron_gtpo.models.shape import shape_from_hf_config
 from megatron_gtpo.parallel import strict
+from megatron_gtpo.parallel.cp_attention import cp_layer_spec
 from megatron_gtpo.parallel.dims import ParallelDims
-from megatron_gtpo.parallel.layout import model_split_problems
+from megatron_gtpo.parallel.cp_index import cp_sequence_multiple
+from megatron_gtpo.parallel.layout import context_parallel_problems, model_split_problems
 from megatron_gtpo.utils.configuration import ConfigError
 
 def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
@@ -73,23 +78,13 @@ def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIV
     return -(-vocab_size // multiple) * multiple
 
 
-def _check_supported(hf_config: dict, family: str) -> None:
-    """Rejects HF options that the Megatron local/TE GPT layers cannot reproduce exactly."""
-    if hf_config.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"config.json field 'hidden_act'={hf_config['hidden_act']!r} is not supported; expected 'silu'")
-    if family in ("llama", "mistral", "qwen3"):
-        for key in ("attention_bias", "mlp_bias"):
-            if hf_config.get(key):
-                raise ConfigError(f"config.json field {key!r}=true is not supported for {family}")
-    if hf_config.get("use_sliding_window"):
-        raise ConfigError("config.json field 'use_sliding_window'=true is not supported; "
-                          "Megatron's local attention has no per-layer sliding window")
-
-
-def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None) -> None:
+def check_layout(hf_config: dict, *, tp: int, pp: int, vpp: int | None, cp: int = 1, cp_comm_type=None) -> None:
     """Raises ConfigError with every reason ``hf_config`` cannot be split into this layout
     (``parallel.layout.model_split_problems``: the rules the dry-run reports too)."""
-    problems = model_split_problems(shape_from_hf_config(hf_config, name="model"), tp=tp, pp=pp, vpp=vpp)
+    shape = shape_from_hf_config(hf_config, name="model")
+    problems = model_split_problems(shape, tp=tp, pp=pp, vpp=vpp)
+    problems += context_parallel_problems(shape, tp=tp, cp=cp, comm_type=cp_comm_type,
+                                          cp_attention=te_available() or not torch.cuda.is_available())
     if problems:
         raise ConfigError("config.json: " + "; ".join(problems))
 
@@ -110,7 +105,9 @@ def validate_overrides(overrides: dict | None) -> dict:
 
 def _cpu_safe_defaults(*, on_gpu: bool) -> dict:
     """Fusion flags: the CUDA-only kernels stay off on CPU (megatron_cpu.md section 4). On GPU the
-    recipes turn on what their stack provides (configs/gpu/*.yaml: TE's RoPE fusion, ...)."""
+    recipes turn on what their stack provides: configs/gpu/*.yaml set ``apply_rope_fusion`` (TE's
+    fused RoPE; Megatron refuses it without TE). ``gradient_accumulation_fusion`` stays off: Megatron's
+    output layer needs apex's ``fused_weight_gradient_mlp_cuda`` for it (plan/preflight.check_fusions)."""
     return {
         "masked_softmax_fusion": False, "persist_layer_norm": False,
         "gradient_accumulation_fusion": False, "apply_rope_fusion": False,
@@ -126,21 +123,21 @@ def init_settings(*, on_gpu: bool, weights_loaded: bool) -> dict:
     return {"use_cpu_initialization": not on_gpu, "perform_initialization": not (on_gpu and weights_loaded)}
 
 
-def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | None,
-                               dtype: torch.dtype, overrides: dict | None = None, weights_loaded: bool = False):
-    """``TransformerConfig`` for an HF Llama/Qwen2/Qwen3/Mistral config at layout (tp, pp, vpp).
+def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | None, dtype: torch.dtype,
+                               overrides: dict | None = None, weights_loaded: bool = False, cp: int = 1):
+    """``TransformerConfig`` for an HF config of a supported family at layout (tp, pp, vpp, cp).
 
-    ``overrides`` are native TransformerConfig fields applied last (e.g. recompute, fp8); an
-    unknown key or a value TransformerConfig rejects raises ConfigError. ``weights_loaded``: real
-    weights are loaded after the build (see ``init_settings``).
+    ``overrides`` are native TransformerConfig fields applied last (e.g. recompute, fp8,
+    ``cp_comm_type``); an unknown key or a value TransformerConfig rejects raises ConfigError.
+    ``weights_loaded``: real weights are loaded after the build (see ``init_settings``). ``cp``:
+    context-parallel size (``context_parallel_size``).
     """
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
-    family = architecture_of(hf_config)
-    _check_supported(hf_config, family)
-    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp)
+    family = check_supported(hf_config)
     overrides = validate_overrides(overrides)
+    check_layout(hf_config, tp=tp, pp=pp, vpp=vpp, cp=cp, cp_comm_type=overrides.get("cp_comm_type"))
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
         num_layers=int(hf_config["num_hidden_layers"]), hidden_size=int(hf_config["hidden_size"]),
@@ -149,10 +146,10 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         ffn_hidden_size=int(hf_config["intermediate_size"]),
         layernorm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)), normalization="RMSNorm",
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=(family == "qwen2"), qk_layernorm=(family == "qwen3"),
+        add_qkv_bias=family.qkv_bias, qk_layernorm=family.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
+        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
         params_dtype=dtype, pipeline_dtype=dtype,
         bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16), sequence_parallel=False,
         **init_settings(on_gpu=on_gpu, weights_loaded=weights_loaded),
@@ -172,14 +169,59 @@ def transformer_config_from_hf(hf_config: dict, *, tp: int, pp: int, vpp: int | 
         raise ConfigError(f"TransformerConfig rejected the settings (overrides {sorted(overrides)}): {err}") from None
 
 
+# Token counts Transformer Engine 2.11 needs per low-precision recipe (Megatron's fp8_recipe names;
+# "nvfp4" is the fp4 recipe): (the whole micro-batch, each sequence-parallel shard).
+#  * the whole micro-batch: the token dimension is a leading dimension of the FP8 weight-gradient
+#    GEMM, which cuBLASLt needs 16-byte aligned (TE common/gemm/cublaslt_gemm.cu "ld % 16 ... Caller
+#    must pad"; Megatron's get_fp8_align_size: 16, 32 for mxfp8) and a whole number of scaling blocks
+#    for the block-scaled recipes;
+#  * each shard: with sequence parallelism TE checks the local input of a column-parallel linear
+#    *before* its all-gather (module/layernorm_linear.py, layernorm_mlp.py, linear.py):
+#    assert_dim_for_fp8_exec wants the product of all but the last dimension divisible by 8, and
+#    assert_dim_for_all_gather wants it quantizable: rows divisible by the scaling block,
+#    MXFP8_BLOCK_SCALING_SIZE = 32, Float8BlockQuantizer.block_len = 128, NVFP4 16.
+# "custom" recipes get the largest TE block (128): their quantizer is not known here.
+LOW_PRECISION_TOKEN_MULTIPLES = {"delayed": (16, 8), "tensorwise": (16, 8), "mxfp8": (32, 32),
+                                 "blockwise": (128, 128), "nvfp4": (32, 16), "custom": (128, 128)}
+
+
+def padding_multiple(*, recipe: str | None, tp: int, sequence_parallel: bool) -> int:
+    """The multiple every micro-batch's token count must be padded to: the one home of the rule.
+    ``recipe``: the FP8 (or FP4) recipe in use, None for bf16/fp32; with sequence parallelism the
+    sequence is split over the ``tp`` ranks and every shard must satisfy the per-shard rule, so
+    ``T % (shard x tp) == 0`` (delayed/tensorwise: 8 x tp, mxfp8: 32 x tp, blockwise: 128 x tp)."""
+    if recipe is None:
+        whole, shard = 1, 1
+    elif recipe in LOW_PRECISION_TOKEN_MULTIPLES:
+        whole, shard = LOW_PRECISION_TOKEN_MULTIPLES[recipe]
+    else:
+        raise ConfigError(f"model.megatron.fp8_recipe={recipe!r}: no padding rule for it; use one of "
+                          f"{', '.join(LOW_PRECISION_TOKEN_MULTIPLES)}")
+    return math.lcm(whole, shard * tp) if sequence_parallel and tp > 1 else whole
+
+
+def low_precision_recipe(settings) -> str | None:
+    """The FP8/FP4 recipe name of a TransformerConfig or of ``model.megatron`` overrides (a dict),
+    None when neither ``fp8`` nor ``fp4`` is set (Megatron's default recipes: delayed, nvfp4)."""
+    get = settings.get if isinstance(settings, dict) else lambda key, default=None: getattr(settings, key, default)
+    if get("fp8"):
+        recipe = get("fp8_recipe") or "delayed"
+    elif get("fp4"):
+        name = str(getattr(get("fp4_recipe"), "value", get("fp4_recipe") or "nvfp4"))
+        return "nvfp4" if name == "nvfp4" else "custom"
+    else:
+        return None
+    return str(getattr(recipe, "value", recipe))
+
+
 def sequence_multiple(config) -> int:
     """The multiple every micro-batch's sequence length must be padded to for this TransformerConfig:
-    16 with FP8 (Transformer Engine's FP8 GEMMs need token counts divisible by 16), times the TP
-    size with sequence parallelism (the sequence is split over the TP ranks); 1 otherwise."""
-    multiple = 16 if getattr(config, "fp8", None) else 1
-    if getattr(config, "sequence_parallel", False):
-        multiple = math.lcm(multiple, int(config.tensor_model_parallel_size))
-    return multiple
+    ``padding_multiple`` of its FP8/FP4 recipe, TP size and sequence parallelism. With context
+    parallelism that rule holds for each rank's 1/cp share, and the sequence itself splits into
+    2 x cp chunks (parallel/cp_index.py)."""
+    per_rank = padding_multiple(recipe=low_precision_recipe(config), tp=int(config.tensor_model_parallel_size),
+                                sequence_parallel=bool(getattr(config, "sequence_parallel", False)))
+    return cp_sequence_multiple(per_rank, int(getattr(config, "context_parallel_size", 1) or 1))
 
 
 def te_available() -> bool:
@@ -191,14 +233,20 @@ def te_available() -> bool:
     return bool(gpt_layer_specs.HAVE_TE)
 
 
-def layer_spec(*, qk_layernorm: bool, use_te: bool):
-    """Megatron layer spec: the TE spec on CUDA with TE, otherwise the pure-PyTorch local spec."""
+def layer_spec(*, qk_layernorm: bool, use_te: bool, cp: int = 1):
+    """Megatron layer spec: the TE spec on CUDA with TE, otherwise the pure-PyTorch local spec
+    (with cp > 1 on CPU: its attention swapped for the exact CP stand-in, parallel/cp_attention.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    try:
+        return cp_layer_spec(spec, cp=cp, on_gpu=torch.cuda.is_available())
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _resolve_use_te(use_te: bool | None) -> bool:
@@ -227,9 +275,9 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
-    config = transformer_config_from_hf(hf_config, tp=dims.tp, pp=dims.pp, vpp=dims.vpp,
-                                        dtype=dtype, overrides=overrides, weights_loaded=weights_loaded)
-    spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=_resolve_use_te(use_te))
+    config = transformer_config_from_hf(hf_config, tp=dims.tp, pp=dims.pp, vpp=dims.vpp, dtype=dtype,
+                                        overrides=overrides, weights_loaded=weights_loaded, cp=dims.cp)
+    spec = layer_spec(qk_layernorm=config.qk_layernorm, use_te=_resolve_use_te(use_te), cp=dims.cp)
     rope = rope_settings(hf_config)
     vocab = int(hf_config["vocab_size"])
     padded = padded_vocab_size(vocab, tp=dims.tp, divisible_by=vocab_divisible_by)
@@ -242,7 +290,7 @@ def build_model(hf_config: dict, *, dims: ParallelDims, dtype: torch.dtype = tor
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=tied_embeddings(hf_config),
-            position_embedding_type="rope", rotary_base=rope["theta"],
+            position_embedding_type="rope", rotary_base=rope["theta"], rotary_percent=rope["partial"],
             rope_scaling=rope["type"] == "llama3", rope_scaling_factor=rope.get("factor", 8.0),
             vp_stage=stage,
         )

@@ -88,7 +88,8 @@ def rope_at_positions(model, positions: Tensor, max_seqlen: int):
     table_of = rope.forward
 
     def at_positions(max_seq_len, *args, **kwargs):
-        table = table_of(max_seqlen, *args, **kwargs)  # [max_seqlen, 1, 1, dim]
+        # packed_seq: the whole table, never Megatron's CP slice of it (the positions say which rows)
+        table = table_of(max_seqlen, *args, **{**kwargs, "packed_seq": True})  # [max_seqlen, 1, 1, dim]
         if not isinstance(table, Tensor):  # YaRN's (table, mscale): build_model refuses YaRN today
             raise NotImplementedError("packed micro-batches support plain RoPE tables only: set "
                                       "train.micro_batch_tokens: 0 for padded micro-batches")

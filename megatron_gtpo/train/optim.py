@@ -30,6 +30,13 @@ from megatron_gtpo.utils.configuration import ConfigError, require
 _DERIVED_SCHEDULER_KEYS = ("optimizer", "init_lr", "max_lr", "min_lr", "start_wd", "end_wd")
 
 
+_NO_DEFERRED_GATHER = (
+    "false (unset): with the distributed optimizer it leaves the all-gather of the updated parameter "
+    "shards to the next forward's hooks, but the weight push follows the optimizer step, so the engines "
+    "would receive the pre-update weights of every shard this rank does not own; the push needs every "
+    "gathered weight right after the step, so there is nothing for the overlap to hide")
+
+
 def _default_optimizer() -> dict[str, Any]:
     return {"optimizer": "adam", "lr": 1e-6, "min_lr": 0.0, "weight_decay": 0.0, "adam_beta1": 0.9,
             "adam_beta2": 0.999, "adam_eps": 1e-8, "clip_grad": 1.0}
@@ -50,8 +57,10 @@ class OptimConfig:
     optimizer: dict[str, Any] = field(default_factory=_default_optimizer)
     """Fields of ``megatron.core.optimizer.OptimizerConfig`` passed through unchanged: ``optimizer``
     (adam|sgd), ``lr``, ``min_lr``, ``weight_decay``, ``adam_beta1/2``, ``adam_eps``, ``clip_grad``
-    (global grad-norm clip; 0 disables), ``use_distributed_optimizer``, ``overlap_param_gather`` ...
-    ``bf16``/``fp16``/``params_dtype`` are taken from the model and must not be set here."""
+    (global grad-norm clip; 0 disables), ``use_distributed_optimizer`` ...
+    ``bf16``/``fp16``/``params_dtype`` are taken from the model and must not be set here;
+    ``overlap_param_gather`` (here or in ``ddp``) is refused: the weight push right after the step
+    needs the gathered parameters it would defer."""
 
     ddp: dict[str, Any] = field(default_factory=_default_ddp)
     """Fields of ``megatron.core.distributed.DistributedDataParallelConfig`` (``grad_reduce_in_fp32``,
@@ -81,6 +90,9 @@ class OptimConfig:
         allowed = set(inspect.signature(OptimizerParamScheduler.__init__).parameters) - {"self"}
         _check_keys("scheduler", self.scheduler, allowed - set(_DERIVED_SCHEDULER_KEYS),
                     "OptimizerParamScheduler (lr/wd values come from `optimizer`)")
+        for section, values in (("optimizer", self.optimizer), ("ddp", self.ddp)):
+            for key in ("overlap_param_gather", "overlap_param_gather_with_optimizer_step"):
+                require(not values.get(key), f"{section}.{key}", values.get(key), _NO_DEFERRED_GATHER)
         lr = self.optimizer.get("lr")
         require(isinstance(lr, (int, float)) and lr >= 0, "optimizer.lr", lr, "a learning rate >= 0")
         warmup = self.scheduler.get("lr_warmup_steps", 0)

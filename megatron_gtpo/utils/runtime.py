@@ -1,35 +1,14 @@
-"""Run-time helpers of the driver: stage timers, preemption signals, logging set-up, this process's
+"""Run-time helpers of the driver: preemption signals, logging set-up, this process's
 host memory (resident set and its peak)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import signal
 import sys
-import time
-
-
-class StageTimer:
-    """Accumulates wall time per named stage; ``metrics()`` gives ``time/<stage>_s`` values."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, stage: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
-
-    def metrics(self) -> dict[str, float]:
-        return {f"time/{name}_s": value for name, value in self.seconds.items()}
-
-    def summary(self) -> str:
-        return " ".join(f"{name} {value:.1f}s" for name, value in self.seconds.items())
 
 
 class PreemptionFlag:
@@ -115,3 +94,22 @@ def host_peak_rss_bytes(pid: int | None = None) -> int:
 def _status_kib(field: str, pid: int | None = None) -> int:
     with open(f"/proc/{'self' if pid is None else pid}/status") as f:
         return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
+
+
+START_TIME_ENV = "MEGATRON_GTPO_START_TIME"
+"""Epoch seconds at which the user's command started: ``megatron-gtpo train`` exports it to its ranks."""
+
+
+def seconds_since_start() -> float:
+    """Since the user's command started (``START_TIME_ENV``), else since this process started."""
+    started = os.environ.get(START_TIME_ENV)
+    if started is None:
+        import psutil
+
+        started = psutil.Process().create_time()
+    return time.time() - float(started)
+
+
+def startup_report() -> str:
+    """What start-up cost: wall time since the command, and this process's peak host memory."""
+    return f"start-up {seconds_since_start():.1f} s, peak host RSS {host_peak_rss_bytes() / 2**30:.2f} GiB"

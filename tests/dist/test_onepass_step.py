@@ -1,9 +1,11 @@
 """Issue 16: the one-pass train step (GTPO's <H>_i and, at mu > 1, pi_old from the first update's
-own forward) equals the former pre-pass step (``StepSettings(pre_pass=True)``) to 1e-6 in loss,
+own forward) equals the former pre-pass step (``tests/prepass.py``) to 1e-6 in loss,
 metrics, gradients and updated weights, in TP=2, PP=2 and DP=2 layouts on 2 gloo ranks
 (tests/dist/scripts/onepass_step.py)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 
@@ -15,9 +17,14 @@ CASES = {"gtpo", "gtpo_raw_mu2", "dapo_mu2_tis"}
 pytestmark = pytest.mark.slow
 
 
+@functools.cache
+def torchrun_records() -> list[dict]:
+    return torchrun(SCRIPT, 2, "2,1", "1,2", "1,1", timeout=900)
+
+
 @pytest.fixture(scope="module")
 def records():
-    return [r for r in torchrun(SCRIPT, 2, "2,1", "1,2", "1,1", timeout=900) if r["check"] == "onepass"]
+    return [r for r in torchrun_records() if r["check"] == "onepass"]
 
 
 def test_every_layout_and_case_ran_both_paths(records):
@@ -45,6 +52,15 @@ def test_the_compared_features_are_active(records):
         assert raw["entropy"] != gtpo["entropy"], (raw, gtpo)
         for r in (raw, dapo):
             assert r["ratio_max"] > 1.0 and r["clip"] > 0, r
+
+
+def test_nonfinite_values_stop_every_rank_before_the_optimizer_step():
+    got = [r for r in torchrun_records() if r["check"] == "nonfinite"]
+    assert sorted((r["layout"], r["rank"]) for r in got) == sorted((lay, rank) for lay in LAYOUTS for rank in range(2))
+    for r in got:
+        assert r["error"].startswith("update 0 of the step: non-finite values in") and r["unchanged"], r
+        # the last stage names what it found; a first pipeline stage learns it from the flag
+        assert ("'loss'" in r["error"] and "<H>_i" in r["error"]) or "another rank" in r["error"], r
 
 
 def test_one_pass_is_bit_identical_on_cpu(records):

@@ -1,7 +1,9 @@
 """Packed micro-batches train exactly like padded ones in every parallel layout.
 
 One 2-rank launch (tests/dist/scripts/packing_equivalence.py) covers TP=2, PP=2, DP=2 and PP2 x VPP2.
-In each, GTPO, GRPO with a KL term and DAPO with mu = 2 run
+In each, GTPO, GRPO with a KL term, DAPO with mu = 2, GTPO with mu = 2 and the entropy filter on
+raw-logit entropies (update 2 reuses update 1's per-row <H>_i, the path where a packed row's
+placement matters) and Dr. GRPO (its constant normaliser) run
 ``train_step`` from the same weights once padded (micro-batches of 2 rows) and once packed (a
 36-token budget: 2-3 rows of different prompt groups per packed row, fewer micro-batches). The packed
 step's loss, grad norm, gradients, updated parameters and every metric must equal the padded
@@ -17,7 +19,7 @@ from tests.helpers import REPO, torchrun
 
 SCRIPT = REPO / "tests/dist/scripts/packing_equivalence.py"
 LAYOUTS = {"tp2_pp1_dp1": 1, "tp1_pp2_dp1": 2, "tp1_pp1_dp2": 1, "tp1_pp2_dp1_vpp2": 2}  # name -> PP
-CASES = ("gtpo", "grpo_kl", "dapo_mu2")
+CASES = ("gtpo", "grpo_kl", "dapo_mu2", "gtpo_raw_mu2", "drgrpo")
 BUDGET = 36
 pytestmark = pytest.mark.slow
 
@@ -29,7 +31,7 @@ def _rel(a: float, b: float) -> float:
 def _check_step(r: dict) -> None:
     # one update: 1e-6; the second update of mu = 2 starts from weights that already differ by the
     # first update's rounding, so its values drift a little further (still 1e-5)
-    tol = 1e-5 if r["case"] == "dapo_mu2" else 1e-6
+    tol = 1e-5 if r["case"].endswith("_mu2") else 1e-6
     # relative to the loss's scale, not its value: GRPO's loss is a near-cancelling sum (~0.002 here)
     assert abs(r["loss"] - r["loss_ref"]) <= tol * max(abs(r["loss_ref"]), 0.01), r
     assert _rel(r["grad_norm"], r["grad_norm_ref"]) <= tol, r
@@ -50,6 +52,17 @@ def _check_packing(r: dict, pp: int) -> None:
         assert pack["lengths"] == pack["tokens"], r  # padding-free
 
 
+def _check_strict(r: dict, layout: str) -> None:
+    """The production train step ran under strict device-group checking (parallel/strict.py): its
+    collectives were counted on classified groups, none on a group the checker could not place
+    (those would go unchecked while every test stays green)."""
+    counts = r["strict"]
+    assert counts and not [k for k in counts if k.endswith("/unclassified")], (layout, counts)
+    assert counts.get("all_reduce/device", 0) > 0, (layout, counts)  # grad norm, metrics, TP reductions
+    if "_dp2" in layout:  # DDP's gradient reduction
+        assert counts.get("reduce_scatter_tensor/device", 0) + counts.get("all_reduce/device", 0) > 2, counts
+
+
 def test_packed_train_step_equals_padded_in_every_layout():
     records = torchrun(SCRIPT, 2, "2,1", "1,2", "1,1", "1,2,2")
     for layout, pp in LAYOUTS.items():
@@ -58,6 +71,10 @@ def test_packed_train_step_equals_padded_in_every_layout():
         for r in steps:
             _check_step(r)
             _check_packing(r, pp)
+            if r["case"] == "gtpo":
+                _check_strict(r, layout)
+            if r["case"] == "gtpo_raw_mu2":  # the filter drops some rows and keeps others; update 2 moved
+                assert 0 < r["filtered_frac"] < 1 and r["ratio_max"] > 1.0, r
         for case in CASES:  # metrics are handed to every rank: identical everywhere
             assert len({(r["loss"], r["grad_norm"]) for r in steps if r["case"] == case}) == 1, steps
         stats = [r for r in records if r["check"] == "forward_stats" and r["layout"] == layout]

@@ -19,17 +19,22 @@ from tests.helpers import free_port
 
 
 class RecordingEngine:
-    """Returns a Completion per sample whose tokens encode (prompt uid, seed + j)."""
+    """An engine of the declared protocol (rollout/protocol.py: ``submit`` -> ``wait``) that returns a
+    Completion per sample whose tokens encode (prompt uid, seed + j); the ticket is the call's result."""
 
     def __init__(self):
         self.calls = []
 
-    def sample(self, prompts, *, seeds, n, **sampling):
+    def submit(self, prompts, *, seeds, sampling):
         from megatron_gtpo.types import Completion
 
         self.calls.append(([p.uid for p in prompts], list(seeds)))
         return [Completion(prompt_index=i, prompt_token_ids=list(p.token_ids), token_ids=[int(p.uid), s + j],
-                           logprobs=[0.0, 0.0]) for i, (p, s) in enumerate(zip(prompts, seeds)) for j in range(n)]
+                           logprobs=[0.0, 0.0])
+                for i, (p, s) in enumerate(zip(prompts, seeds)) for j in range(sampling.n)]
+
+    def wait(self, ticket):
+        return ticket
 
 
 MODES = ("tp1", "tp2", "separate")
@@ -41,6 +46,7 @@ def _worker(rank: int, port: int, queue) -> None:
     if os.environ.get(strict.ENV, "1") == "1":  # as under tests/helpers.py::torchrun
         strict.install()
     control.init(timeout=datetime.timedelta(seconds=120))
+    from megatron_gtpo.rollout.config import Sampling
     from megatron_gtpo.rollout.engine import prompt_seeds
     from megatron_gtpo.rollout.group import RolloutGroup
     from megatron_gtpo.types import Prompt
@@ -50,7 +56,7 @@ def _worker(rank: int, port: int, queue) -> None:
         group = RolloutGroup(engine, shard=mode != "separate", model_dir="/unused", seed=3,
                              ranks_per_engine=2 if mode == "tp2" else 1)
         prompts = [Prompt(uid=str(i), token_ids=[i + 10]) for i in range(5)]
-        out = group.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=9)
+        out = group.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=4), seed=9)
         queue.put({"mode": mode, "rank": rank, "calls": engine.calls if engine else None,
                    "out": [(c.prompt_index, c.token_ids, c.prompt_token_ids is prompts[c.prompt_index].token_ids)
                            for c in out],

@@ -2,7 +2,7 @@
 
 Three launches (tests/dist/scripts/trainstep_equivalence.py) cover (TP, PP, DP) = (1,1,1); (2,1,1),
 (1,2,1), (1,1,2) and PP2 x VPP2; (2,2,1) and (2,1,2) with tied embeddings. In each layout GTPO,
-GRPO (with a KL term), DAPO and DAPO with mu = 2 and an active clip run ``train_on_batch`` on a
+GRPO (with a KL term), DAPO, DAPO with mu = 2 and an active clip, and Dr. GRPO run ``train_on_batch`` on a
 global batch of 3 prompt groups x 4 completions, split into DP slices and micro-batches of 2 rows
 (groups straddle both). Checked against plain autograd on the whole batch with a TP1/PP1 copy of
 the weights: loss, every parameter gradient, the SGD update, the grad norm; plus no-grad
@@ -19,7 +19,7 @@ import pytest
 from tests.helpers import REPO, torchrun
 
 SCRIPT = REPO / "tests/dist/scripts/trainstep_equivalence.py"
-CASES = ("gtpo", "grpo_kl", "dapo", "dapo_mu2_clip")
+CASES = ("gtpo", "grpo_kl", "dapo", "dapo_mu2_clip", "drgrpo")
 pytestmark = pytest.mark.slow
 
 

@@ -17,7 +17,7 @@ import torch
 from megatron_gtpo.convert.hf_io import HFReader
 from tests.helpers import REPO, torchrun, run_group
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # 513 MB conversions, 6 ranks on 2 cores
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def smollm2():
 
 def _cli(*args):
     env = {**os.environ, "MEGATRON_GTPO_PYTHON": sys.executable}
-    proc = run_group([str(REPO / "tools" / "convert_hf_checkpoint"), *map(str, args)], env=env, timeout=900)
+    proc = run_group([str(REPO / "tools" / "convert_hf_checkpoint"), *map(str, args)], env=env, timeout=840)
     stats = None
     if proc.returncode == 0:
         stats = json.loads(proc.stdout.split("stats: ")[1])
@@ -73,7 +73,7 @@ def test_cli_roundtrip_bit_exact_and_streaming(smollm2, converted, tmp_path):
 def test_live_model_tp3_pp2(smollm2, converted):
     out, _ = converted
     results = torchrun(REPO / "tests/dist/scripts/smollm2_live.py", 6, str(smollm2), str(out), "3", "2",
-                       timeout=1200)
+                       timeout=840)
     assert len(results) == 6
     last = [r for r in results if r["rank"] == 5][0]
     # 30 layers with TP all-reduces and pipeline hops in fp32: rounding grows with depth and logit

@@ -20,7 +20,7 @@ from tests.helpers import REPO, run_group
 pytestmark = pytest.mark.slow
 
 
-def run_eval(tmp_path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def run_eval(tmp_path, *args: str, timeout: float = 540) -> subprocess.CompletedProcess:
     # The benchmarks shipped in this checkout (no MEGATRON_GTPO_DATA override).
     env = {**{k: v for k, v in os.environ.items() if k != "MEGATRON_GTPO_DATA"}, "PYTHONPATH": str(REPO)}
     # cwd = tmp_path: MLflow's sqlite store puts artifacts under ./mlruns of the working directory

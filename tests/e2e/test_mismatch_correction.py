@@ -1,44 +1,47 @@
-"""Train-inference mismatch correction end to end: configs/tiny.yaml with a bf16 vLLM engine against
-the fp32 Megatron trainer (real engines, 2 gloo ranks). The engine's bf16 log-probs differ from the
-trainer's by ~1e-3 per token, so with a tight cap (C = 1.002) truncated importance sampling is active
-on some tokens and every weight stays <= C; the first update's loss still equals the D2
-decomposition once the weights' part is counted. ``model.lm_head_fp32`` reaches the engines as vLLM's
-``hf_overrides: {head_dtype: float32}`` (on this tiny bf16 model it shrinks the gap by only ~5%: the
-bf16 layers dominate).
+"""Train-inference mismatch correction end to end (run_dapo_bf16: DAPO on configs/tiny.yaml with a
+bf16 vLLM engine against the fp32 Megatron trainer, real engines, 2 gloo ranks, packed micro-batches).
+
+The engine's bf16 log-probs differ from the trainer's by ~1e-3 per token, so with a tight cap
+(C = 1.002) truncated importance sampling is active on some tokens and every weight is min(r, C);
+the first update's loss still equals the D2 decomposition once the weights' part is counted.
+``model.lm_head_fp32`` reaches the engines as vLLM's ``hf_overrides: {head_dtype: float32}``
+(whether vLLM honours it is checked on a real engine in test_rollout_engine.py).
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from tests.e2e.test_train import history, train
+from tests.e2e.runs import per_step
 
-pytestmark = pytest.mark.slow
 CAP = 1.002
+STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mismatch") / "tis"
-    proc = train(out, "rollout.vllm.dtype=bfloat16", "model.lm_head_fp32=true", "algo.mismatch_correction=tis",
-                 f"algo.mismatch_cap={CAP}", steps=2)
-    return out, proc.stdout + proc.stderr
+def test_bf16_engine_gap_is_measured_and_bounded(run_dapo_bf16):
+    """A real bf16-vs-fp32 gap, but no larger than bf16 rounding: a broken bf16 push (garbage or
+    stale weights) gives a far larger gap and fails the upper bound."""
+    gap = per_step(run_dapo_bf16.out, "mismatch/logprob_abs_mean", STEPS)
+    assert all(1e-4 < g <= 2e-2 for g in gap), gap
 
 
-def test_bf16_engine_gap_is_measured(run):
-    out, _ = run
-    assert all(v > 1e-4 for _, v in history(out, "mismatch/logprob_abs_mean"))   # a real bf16 vs fp32 gap
+def test_correction_is_active_and_exact(run_dapo_bf16):
+    """Bugs caught: weights computed from other log-probs than the measured gap (the wrong step's
+    sampler, pi_old against pi_theta), a cap applied as another value, cut tokens left uncut."""
+    out = run_dapo_bf16.out
+    cut, w_max = per_step(out, "mismatch/is_cut_frac", STEPS), per_step(out, "mismatch/is_weight_max", STEPS)
+    r_max, r_min = per_step(out, "mismatch/is_ratio_max", STEPS), per_step(out, "mismatch/is_ratio_min", STEPS)
+    gap_max = per_step(out, "mismatch/logprob_abs_max", STEPS)
+    assert all(c > 0 for c in cut) and all(r > CAP for r in r_max), (cut, r_max)  # some ratios exceed C ...
+    for step in range(STEPS):
+        assert w_max[step] == pytest.approx(min(r_max[step], CAP), abs=1e-6), (step, w_max, r_max)  # ... cut to C
+        # r and the gap come from the same token pairs: the largest |log r| is the largest |gap|
+        assert max(math.log(r_max[step]), -math.log(r_min[step])) == pytest.approx(gap_max[step], abs=1e-6), step
+    assert all(abs(v) > 0 for v in per_step(out, "bias/surrogate_is_term", STEPS))
+    assert all(abs(v) < 1e-7 for v in per_step(out, "bias/surrogate_loss_gap", STEPS))
 
 
-def test_correction_is_active_and_bounded(run):
-    out, _ = run
-    assert all(v > 0 for _, v in history(out, "mismatch/is_cut_frac"))          # some ratios exceed C
-    assert all(v <= CAP + 1e-6 for _, v in history(out, "mismatch/is_weight_max"))
-    assert any(v > CAP for _, v in history(out, "mismatch/is_ratio_max"))       # ... and were truncated
-    assert all(abs(v) > 0 for _, v in history(out, "bias/surrogate_is_term"))
-    assert all(abs(v) < 1e-7 for _, v in history(out, "bias/surrogate_loss_gap"))
-
-
-def test_fp32_head_reaches_the_engines(run):
-    _, log = run
-    assert "'hf_overrides': {'head_dtype': 'float32'}" in log
+def test_fp32_head_reaches_the_engines(run_dapo_bf16):
+    assert "'hf_overrides': {'head_dtype': 'float32'}" in run_dapo_bf16.log

@@ -1,5 +1,6 @@
 """Stored reference values: configs/tiny.yaml for 4 steps must reproduce tests/assets/tiny_reference.json
 bit for bit (fp32 on CPU is deterministic here: same seeds, same vLLM samples, same Megatron sums).
+The runs are the session's run_ref_gtpo and run_ref_grpo_kl (tests/e2e/conftest.py).
 
 The values were recorded before the driver was restructured (issue 11); any change to them has to be
 explained by a deliberate numerical change, never by a refactor.
@@ -7,33 +8,14 @@ explained by a deliberate numerical change, never by a refactor.
 
 from __future__ import annotations
 
-import json
-import sys
-
 import pytest
 
-from tests.helpers import REPO, child_env, run_group
-
-pytestmark = pytest.mark.slow
-
-REFERENCE = json.loads((REPO / "tests" / "assets" / "tiny_reference.json").read_text())
-
-
-def _history(out, key: str) -> list[float]:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
-    run_id = (out / "run_id").read_text().strip()
-    return [v for _, v in sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))]
+from tests.e2e.conftest import REFERENCE
+from tests.e2e.runs import per_step
 
 
 @pytest.mark.parametrize("case", sorted(REFERENCE["cases"]))
-def test_tiny_recipe_reproduces_reference_values(tmp_path, case):
-    spec = REFERENCE["cases"][case]
-    out = tmp_path / case
-    cmd = [sys.executable, "-m", "megatron_gtpo.cli", "train", str(REPO / "configs" / "tiny.yaml"),
-           "--output-dir", str(out), "--steps", "4", *spec["overrides"]]
-    proc = run_group(cmd, timeout=1200, cwd=REPO, env=child_env())
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    for key, expected in spec["metrics"].items():
-        assert _history(out, key) == expected, f"{case}: {key} differs from the stored reference"
+def test_tiny_recipe_reproduces_reference_values(request, case):
+    run = request.getfixturevalue(f"run_ref_{case}")
+    for key, expected in REFERENCE["cases"][case]["metrics"].items():
+        assert per_step(run.out, key, 4) == expected, f"{case}: {key} differs from the stored reference"

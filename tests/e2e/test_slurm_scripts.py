@@ -21,6 +21,7 @@ import pytest
 from tests.e2e.slurm_harness import (SLURM_DIR, LocalSlurm, batch_log, cluster, new_job_dir,  # noqa: F401
                                      requires_slurm, submit)
 from tests.helpers import REPO, free_port
+from tests.slurm_env import fake_gpu_node
 
 pytestmark = [requires_slurm, pytest.mark.slow]
 
@@ -78,7 +79,7 @@ def test_train_two_nodes_rendezvous_and_pass_through(cluster, job_dir):
     out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
     [prep] = records(job_dir, "prepare")
     assert prep["argv"] == ["train", "configs/tiny.yaml", "train.seed=7", "--output-dir", str(out_dir),
-                            "--prepare-only", "--steps", "3"]
+                            "--world-size", "2", "--prepare-only", "--steps", "3"]  # 2 nodes x 1 rank
     starts = sorted(records(job_dir, "start"), key=lambda r: r["env"]["RANK"])
     # c10d numbers the nodes in the order their agents join, so rank 0 may be on either node.
     assert [(r["env"]["RANK"], r["env"]["WORLD_SIZE"]) for r in starts] == [("0", "2"), ("1", "2")]
@@ -168,6 +169,21 @@ def test_train_refuses_inconsistent_settings(cluster, job_dir, extra, message):
     info = cluster.wait(job, timeout=120)
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0")
     assert message in batch_log(job_dir, job)
+    assert records(job_dir) == []  # nothing was launched
+
+
+def test_train_refuses_a_cpu_torch_on_a_gpu_node(cluster, job_dir):
+    """A GPU job on a node whose nvidia-smi lists GPUs, with a CPU-only torch as MGTPO_PYTHON (the
+    CPU environment of `make setup`, as a job that followed the GPU install but missed .venv-gpu would
+    get): the batch script refuses before anything starts, naming the variable and the fix."""
+    gpu_node = fake_gpu_node(job_dir / "gpu-bin")
+    env = standin_env(job_dir, GPUS_PER_NODE="8", NPROC_PER_NODE="1", PATH=f"{gpu_node}:{os.environ['PATH']}")
+    job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml", options=CPU, env=env)
+    info = cluster.wait(job, timeout=120)
+    text = batch_log(job_dir, job)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), text
+    assert f"MGTPO_PYTHON={sys.executable} has a CPU-only torch (2.13.0+cpu), but this node has 8 GPU(s)" in text
+    assert "Run scripts/setup_gpu.sh" in text
     assert records(job_dir) == []  # nothing was launched
 
 

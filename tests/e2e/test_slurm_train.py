@@ -1,6 +1,8 @@
 """The real training command under slurm/train.sbatch on a real local SLURM, preempted and resumed.
 
-One job of ``configs/tiny.yaml`` (2 gloo ranks on one CPU node, GPUS_PER_NODE=0, NPROC_PER_NODE=2):
+One job of ``configs/tiny.yaml`` with Dr. GRPO (``algo.name=drgrpo``: the algorithm's CLI run end to end;
+its loss is checked against one process in tests/dist) on 2 gloo ranks on one CPU node (GPUS_PER_NODE=0,
+NPROC_PER_NODE=2):
 once its first periodic checkpoint (step 2) is saved, the test sends SIGUSR1 to the batch shell (what
 ``--signal=B:USR1@600`` does before the time limit); the ranks checkpoint and exit, the script
 requeues the job, and the requeued run resumes from that checkpoint with ``--resume`` and trains to
@@ -28,7 +30,7 @@ import pytest
 from tests.e2e.slurm_harness import batch_log, cluster, new_job_dir, requires_slurm, submit  # noqa: F401
 from tests.helpers import REPO, free_port
 
-pytestmark = [requires_slurm, pytest.mark.slow]
+pytestmark = [requires_slurm, pytest.mark.slow, pytest.mark.timeout(900)]  # real training jobs under SLURM
 
 STEPS = 6  # configs/tiny.yaml checkpoints every 2 steps and keeps the last 2
 
@@ -55,7 +57,7 @@ def run(cluster) -> PreemptedRun:
     env = {"MGTPO_REPO": str(REPO), "RUNS_DIR": str(job_dir / "runs"), "GPUS_PER_NODE": "0", "NPROC_PER_NODE": "2",
            "STEPS": str(STEPS), "MASTER_PORT": str(free_port()), "MLFLOW_TRACKING_URI": uri,
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    job = submit(cluster, job_dir, "train.sbatch", str(REPO / "configs" / "tiny.yaml"),
+    job = submit(cluster, job_dir, "train.sbatch", str(REPO / "configs" / "tiny.yaml"), "algo.name=drgrpo",
                  options=("--nodes=1", "--gpus-per-node=0", "--time=00:30:00"), env=env)
     out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
     logs = out_dir / "logs"
@@ -67,7 +69,7 @@ def run(cluster) -> PreemptedRun:
             f"no checkpoint of step 2 before the signal (job {state}):\n{batch_log(job_dir, job)}\n{rank_log}"
         time.sleep(1)
     cluster.run("scancel", "--signal=USR1", "--batch", str(job))
-    info = cluster.wait(job, timeout=900, restarts=1)
+    info = cluster.wait(job, timeout=840, restarts=1)
     return PreemptedRun(job=job, info=info, out_dir=out_dir, batch=batch_log(job_dir, job),
                         first=_read(logs / "train-r0-node0.log"), second=_read(logs / "train-r1-node0.log"),
                         mlflow_uri=uri)
@@ -94,8 +96,10 @@ def test_real_training_on_slurm_finishes_with_checkpoint_logs_and_mlflow_run(run
     runs = [r for exp in client.search_experiments() for r in client.search_runs([exp.experiment_id])]
     assert len(runs) == 1, [r.info.run_id for r in runs]  # the requeued run continued the same MLflow run
     assert runs[0].info.status == "FINISHED"
-    steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "time/step_s"))
-    assert steps == list(range(1, STEPS + 1))  # every step logged once: nothing redone, nothing skipped
+    assert runs[0].data.params["algo.name"] == "drgrpo"  # the override reached the ranks: Dr. GRPO end to end
+    for key in ("time/step_s", "loss", "reward/mean"):  # every step logged once: nothing redone, nothing skipped
+        steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, key))
+        assert steps == list(range(1, STEPS + 1)), (key, steps)
 
 
 def test_preempted_training_resumes_from_its_checkpoint(run):
@@ -124,7 +128,7 @@ def test_rollout_nodes_real_training_with_a_rollout_server_on_its_own_node(clust
            "TRANSFORMERS_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "VLLM_NO_USAGE_STATS": "1"}
     job = submit(cluster, job_dir, "train.sbatch", str(REPO / "configs" / "tiny.yaml"),
                  options=("--nodes=2", "--gpus-per-node=0", "--time=00:30:00"), env=env)
-    info = cluster.wait(job, timeout=1500)
+    info = cluster.wait(job, timeout=840)
     logs = job_dir / "runs" / f"mgtpo-train-{job}" / "logs"
     batch, trainer, server = batch_log(job_dir, job), _read(logs / "train-r0-node0.log"), _read(logs / "rollout-r0-node0.log")
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), f"{batch}\n{trainer[-4000:]}\n{server[-3000:]}"

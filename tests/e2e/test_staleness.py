@@ -23,9 +23,8 @@ import time
 
 import pytest
 
-from megatron_gtpo.rollout.staleness import expected_versions
-from tests.e2e.test_train import CLI, history, train
-from tests.helpers import REPO, child_env, kill_tree
+from tests.e2e.runs import CLI, history, train
+from tests.helpers import REPO, child_env, expected_versions, kill_tree
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +80,7 @@ def test_preempted_then_resumed_regenerates_the_batch_in_flight(colocated, tmp_p
                 assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-6000:]
                 time.sleep(0.5)
             proc.send_signal(signal.SIGUSR1)  # what SLURM sends before a preemption: checkpoint and exit
-            assert proc.wait(timeout=900) == 0, log_path.read_text()[-6000:]
+            assert proc.wait(timeout=540) == 0, log_path.read_text()[-6000:]
         finally:
             if proc.poll() is None:
                 kill_tree(proc.pid)

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from megatron_gtpo.tracking import Tracker, TrackingConfig
-from tests.e2e.mlflow_server import MlflowServer, metric_rows
-from tests.helpers import REPO
+from tests.e2e.mlflow_server import metric_rows
+from tests.helpers import REPO, run_group
 
 KEYS = ["loss", "reward/mean", "time/step_s"]
 DRIVER = REPO / "tests" / "e2e" / "scripts" / "tracking_driver.py"
@@ -23,21 +23,14 @@ def value(step: int, run: int, i: int) -> float:
     return 100.0 * run + step + i / 10
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = MlflowServer(tmp_path_factory.mktemp("mlflow_server")).start()
-    yield srv
-    srv.kill()
-
-
 @pytest.fixture
-def live_server(server):
-    """The module's server, started again if a test left it down or paused."""
-    if server.proc is None:
-        server.start()
-    yield server
-    if server.proc is not None:
-        server.resume()
+def live_server(mlflow_server):
+    """The session's server (tests/e2e/conftest.py), started again if a test left it down or paused."""
+    if mlflow_server.proc is None:
+        mlflow_server.start()
+    yield mlflow_server
+    if mlflow_server.proc is not None:
+        mlflow_server.resume()
 
 
 def log_steps(tracker: Tracker, steps: range, run: int = 0, every: int = 2) -> list[float]:
@@ -100,8 +93,7 @@ def test_hung_server_costs_neither_steps_nor_exit(live_server, tmp_path):
 
 def drive(run_dir, uri, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, str(DRIVER), str(run_dir), uri, *args], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=REPO)
+    return run_group([sys.executable, str(DRIVER), str(run_dir), uri, *args], timeout=300, env=env, cwd=REPO)
 
 
 def test_killed_and_crashed_three_times_each_step_once(live_server, tmp_path):

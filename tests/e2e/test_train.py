@@ -1,163 +1,147 @@
-"""The training loop end to end: real torchrun ranks (TP=2, gloo), real vLLM, Megatron and MLflow.
+"""The training loop end to end, read from the session's shared runs (tests/e2e/conftest.py): real
+torchrun ranks (TP=2, gloo), real vLLM, Megatron and MLflow.
 
-One module-scoped GTPO run serves several checks (metrics in the MLflow store, artifacts, the
-learning margin, plots); GRPO learns on the same toy task; Dr. GRPO and DAPO run 2 steps; a run
-killed with SIGKILL mid-step resumes and reproduces the uninterrupted run's losses.
+configs/tiny.yaml as it is (run_ref_gtpo): run dir, MLflow, artifacts, every documented metric at
+every step, the engines serving the pushed weights, plots. GTPO and GRPO learn the toy task
+(run_learn_gtpo, run_learn_grpo); GRPO reports its KL. Packed micro-batches mixing rows reproduce
+the padded step (run_packed_grpo_kl), and every collective of the production step went through
+strict device-group checking. DAPO's dynamic sampling refills (run_dapo_bf16). The kill -9 resume
+checks are in test_resume.py (run_killed), the tracking outage in test_tracking_train.py.
 """
 
 from __future__ import annotations
 
-import subprocess
+import re
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, child_env, kill_tree, run_group
-
-pytestmark = pytest.mark.slow
-
-CLI = [sys.executable, "-m", "megatron_gtpo.cli", "train", str(REPO / "configs" / "tiny.yaml")]
-# The toy task (a..m letter share, megatron_gtpo/reward/toy.py) with enough completions per step
-# and a learning rate at which a random 2-layer policy moves visibly within a dozen steps.
-LEARN = ["train.prompts_per_step=4", "rollout.n=8", "train.micro_batch_size=8", "optim.optimizer.lr=5e-3",
-         "train.checkpoint_every=4"]
-LEARN_STEPS = 12
+from megatron_gtpo.metrics import unknown
+from tests.e2e.runs import LEARN_STEPS, PACKED_TOKENS, history, per_step
+from tests.helpers import REPO, run_group
 
 DOCUMENTED = ["reward/mean", "reward/std", "reward/accuracy", "completion/length_mean", "completion/truncated_frac",
               "entropy/mean", "gtpo/filtered_frac", "gtpo/conflict_tokens_per_completion", "gtpo/lambda_zero_share",
               "gtpo/lambda_ge2_share", "clip/low_frac", "clip/high_frac", "optim/grad_norm", "optim/lr",
               "mismatch/logprob_abs_mean", "mismatch/logprob_abs_max", "time/rollout_s", "time/reward_s",
               "time/train_s", "time/sync_s", "time/step_s", "throughput/tokens_per_s", "loss"]
+STEPS = 4  # run_ref_gtpo
 
 
-def train(out: Path, *args: str, steps: int, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = child_env()
-    proc = run_group([*CLI, "--output-dir", str(out), "--steps", str(steps), *args], timeout=timeout, env=env,
-                     cwd=REPO)
-    (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"training failed rc={proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    return proc
-
-
-def history(out: Path, key: str) -> list[tuple[int, float]]:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
-    run_id = (out / "run_id").read_text().strip()
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
-
-
-@pytest.fixture(scope="module")
-def gtpo_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("train") / "gtpo"
-    train(out, *LEARN, steps=LEARN_STEPS)
-    return out
-
-
-def test_run_dir_holds_config_checkpoint_and_mlflow(gtpo_run):
+def test_run_dir_holds_config_checkpoint_and_mlflow(run_ref_gtpo):
     import yaml
     from mlflow.tracking import MlflowClient
 
-    resolved = yaml.safe_load((gtpo_run / "config.yaml").read_text())
-    assert resolved["algo"]["name"] == "gtpo" and resolved["train"]["steps"] == LEARN_STEPS
-    assert (gtpo_run / "checkpoints" / f"step_{LEARN_STEPS:08d}").is_dir()
-    assert not list((gtpo_run / "checkpoints").glob(".tmp*")), "a temporary checkpoint dir was left behind"
-    client = MlflowClient(f"sqlite:///{gtpo_run / 'mlflow.db'}")
-    run = client.get_run((gtpo_run / "run_id").read_text().strip())
+    out = run_ref_gtpo.out
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["algo"]["name"] == "gtpo" and resolved["train"]["steps"] == STEPS
+    assert (out / "checkpoints" / f"step_{STEPS:08d}").is_dir()
+    assert not list((out / "checkpoints").glob(".tmp*")), "a temporary checkpoint dir was left behind"
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    run = client.get_run((out / "run_id").read_text().strip())
     assert run.info.status == "FINISHED"
     assert run.data.params["algo.name"] == "gtpo"
-    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "samples"} <= artifacts
-    from megatron_gtpo.metrics import unknown
-
+    assert {"config.yaml", "samples"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
     assert unknown(run.data.metrics) == [], "logged metrics missing from megatron_gtpo/metrics.py"
 
 
 @pytest.mark.parametrize("key", DOCUMENTED)
-def test_documented_metric_logged_every_step(gtpo_run, key):
-    points = history(gtpo_run, key)
-    assert [step for step, _ in points] == list(range(1, LEARN_STEPS + 1)), key
+def test_documented_metric_logged_every_step(run_ref_gtpo, key):
+    per_step(run_ref_gtpo.out, key, STEPS)
 
 
-def test_gtpo_raises_reward_on_toy_task(gtpo_run):
-    rewards = [v for _, v in history(gtpo_run, "reward/mean")]
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.2, f"GTPO did not learn: reward {rewards}"
+def test_startup_line_reports_time_and_peak_memory(run_ref_gtpo):
+    """The start-up log line tells the user how long start-up took and how much host memory it used."""
+    match = re.search(r"ready: .*\(start-up ([0-9.]+) s, peak host RSS ([0-9.]+) GiB\)", run_ref_gtpo.log)
+    assert match, run_ref_gtpo.log[-3000:]
+    seconds, gib = float(match.group(1)), float(match.group(2))
+    assert 1 < seconds < 600 and 0.2 < gib < 20, match.group(0)
 
 
-def test_weights_reach_the_engine(gtpo_run):
-    # The engine samples from the pushed weights: trainer and engine log-probs of the sampled
-    # tokens agree (fp32), step after step, while the policy moves.
-    mismatch = [v for _, v in history(gtpo_run, "mismatch/logprob_abs_mean")]
-    assert max(mismatch) < 1e-3, mismatch
-    assert history(gtpo_run, "sync/version")[-1][1] == LEARN_STEPS
+def test_weights_reach_the_engine(run_ref_gtpo):
+    """The engines sample from the pushed weights: trainer and engine log-probs of the sampled tokens
+    agree at every step (fp32 both sides, ~1e-6), while the policy moves. Bug caught: a push that
+    leaves one tensor stale (a gap of 1e-4 to 1e-3 on some tokens)."""
+    out = run_ref_gtpo.out
+    assert max(per_step(out, "mismatch/logprob_abs_max", STEPS)) < 1e-4
+    assert max(per_step(out, "mismatch/logprob_abs_mean", STEPS)) < 1e-5
+    assert per_step(out, "sync/version", STEPS) == list(range(1, STEPS + 1))
+    assert len(set(per_step(out, "entropy/mean", STEPS))) == STEPS  # the policy moved between the pushes
 
 
-def test_plot_run_renders_png(gtpo_run, tmp_path):
+def test_plot_run_renders_png(run_ref_gtpo, tmp_path):
     out = tmp_path / "curves.png"
-    subprocess.run([sys.executable, str(REPO / "tools" / "plot_run.py"), str(gtpo_run), "-o", str(out)],
-                   check=True, timeout=300, cwd=REPO)
+    proc = run_group([sys.executable, str(REPO / "tools" / "plot_run.py"), str(run_ref_gtpo.out), "-o", str(out)],
+                     timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert out.stat().st_size > 10_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_grpo_with_kl_learns_and_reports_its_kl(tmp_path, gtpo_run):
-    out = tmp_path / "grpo"
-    proc = train(out, *LEARN, "algo.name=grpo", "algo.kl_beta=0.04", steps=LEARN_STEPS)
-    rewards = [v for _, v in history(out, "reward/mean")]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, f"GRPO did not learn: reward {rewards}"
-    kl = history(out, "train/kl_mean")
-    assert [s for s, _ in kl] == list(range(1, LEARN_STEPS + 1)), kl
-    assert kl[0][1] == 0.0 and all(v > 0 for _, v in kl[1:]), kl  # the policy leaves the reference after step 1
-    assert "building the frozen reference model for the KL term (kl_beta=0.04)" in proc.stdout + proc.stderr
-    # GTPO has no KL term: no reference model is built, and no KL is reported
-    assert "reference model" not in (gtpo_run.parent / "gtpo.log").read_text()
-    assert history(gtpo_run, "train/kl_mean") == []
+def test_gtpo_builds_no_reference_model(run_ref_gtpo, run_ref_grpo_kl):
+    """GTPO has no KL term: no reference model is built and no KL is reported; GRPO with beta 0.04
+    builds one, its KL is 0 at step 1 (the policy is the reference) and positive after."""
+    assert "reference model" not in run_ref_gtpo.log and history(run_ref_gtpo.out, "train/kl_mean") == []
+    assert "building the frozen reference model for the KL term (kl_beta=0.04)" in run_ref_grpo_kl.log
+    kl = per_step(run_ref_grpo_kl.out, "train/kl_mean", STEPS)
+    assert kl[0] == 0.0 and all(v > 0 for v in kl[1:]), kl
 
 
-def test_drgrpo_two_steps(tmp_path):
-    out = tmp_path / "drgrpo"
-    train(out, "algo.name=drgrpo", steps=2)
-    assert [s for s, _ in history(out, "reward/mean")] == [1, 2]
-    assert [s for s, _ in history(out, "loss")] == [1, 2]
+def _learned(rewards: list[float]) -> bool:
+    return sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2
 
 
-def test_dapo_dynamic_sampling_refills_all_equal_groups(tmp_path):
+def test_gtpo_raises_reward_on_toy_task(run_learn_gtpo):
+    out, server = run_learn_gtpo.run.out, run_learn_gtpo.server
+    rewards = per_step(out, "reward/mean", LEARN_STEPS, uri=server.uri)  # replayed into the server
+    assert _learned(rewards), f"GTPO did not learn: reward {rewards}"
+
+
+def test_grpo_with_kl_learns_and_reports_its_kl(run_learn_grpo):
+    rewards = per_step(run_learn_grpo.out, "reward/mean", LEARN_STEPS)
+    assert _learned(rewards), f"GRPO did not learn: reward {rewards}"
+    kl = per_step(run_learn_grpo.out, "train/kl_mean", LEARN_STEPS)
+    assert kl[0] == 0.0 and all(v > 0 for v in kl[1:]), kl
+
+
+def test_packed_micro_batches_reproduce_the_padded_step(run_packed_grpo_kl, run_ref_grpo_kl):
+    """Packing (the product default) through the CLI: step 1 trains the same samples as the padded
+    reference run, so every metric agrees to float rounding; the bits differ, because the rows were
+    regrouped. Bugs caught: a budget that is not wired from the config (a silent fallback to the
+    padded path is bit-identical), or packed rows whose loss or gradient differ."""
+    packed, padded = run_packed_grpo_kl.out, run_ref_grpo_kl.out
+    assert f"packed into micro-batches of <= {PACKED_TOKENS} tokens" in run_packed_grpo_kl.log
+    for key in ("reward/mean", "completion/length_mean"):  # same weights, same seeds: same samples
+        assert history(packed, key)[0] == history(padded, key)[0], key
+    moved = []
+    for key in ("loss", "optim/grad_norm", "entropy/mean", "train/kl_mean", "mismatch/logprob_abs_mean"):
+        (step, got), want = history(packed, key)[0], history(padded, key)[0][1]
+        # abs: the GRPO loss at step 1 is a near-cancelling sum (~1e-8 of float noise around 0)
+        assert step == 1 and got == pytest.approx(want, rel=1e-5, abs=1e-7), (key, got, want)
+        moved.append(got != want)
+    assert any(moved), "bit-identical to the padded run: the rows were not packed"
+
+
+def test_production_step_goes_through_strict_device_groups(run_packed_grpo_kl):
+    """Strict device-group mode (parallel/strict.py; child_env turns it on for every test run)
+    checked the collectives of the real run: the TP all-reduces and broadcasts of the training steps
+    on device groups, the control plane's on host groups. (vLLM's own groups are left unclassified
+    on purpose; that no collective of the train step itself is unclassified is checked per step in
+    tests/dist/test_packing.py.) Bug caught: strict mode silently not checking a production run (a
+    Megatron upgrade that builds its groups another way, a collective bound before install())."""
+    match = re.search(r"strict device groups: (\d+) collective\(s\) checked: (.*)", run_packed_grpo_kl.log)
+    assert match, run_packed_grpo_kl.log[-3000:]
+    counts = {k: int(v) for k, v in re.findall(r"(\w+/\w+)=(\d+)", match.group(2))}
+    assert counts.get("all_reduce/device", 0) > 100, counts  # 2 per layer, micro-batch and step at TP=2, and more
+    assert counts.get("broadcast/device", 0) > 0 and counts.get("all_gather_object/host", 0) > 0, counts
+
+
+def test_dapo_dynamic_sampling_refills_all_equal_groups(run_dapo_bf16):
     """A scripted reward makes every completion of some prompts wrong: DAPO drops those groups (its
     accuracy filter, Eq. 11) and draws new prompts until the batch is full again (the refill loop
     runs), with the overlong punishment on."""
-    out = tmp_path / "dapo"
-    train(out, "algo.name=dapo", "algo.overlong_buffer_len=8", "algo.dynamic_sampling_max_tries=6",
-          "algo.dynamic_sampling_metric=accuracy", "reward.fn=tests.e2e.dapo_reward.half_constant_reward", steps=3)
-    tries = [v for _, v in history(out, "rollout/tries")]
-    dropped = [v for _, v in history(out, "rollout/dropped_groups")]
-    assert [v for _, v in history(out, "rollout/groups")] == [2.0, 2.0, 2.0]  # always refilled to full
+    out = run_dapo_bf16.out
+    tries = per_step(out, "rollout/tries", 3)
+    dropped = per_step(out, "rollout/dropped_groups", 3)
+    assert per_step(out, "rollout/groups", 3) == [2.0, 2.0, 2.0]  # always refilled to full
     assert sum(tries) > 3 and sum(dropped) > 0, (tries, dropped)
     assert history(out, "reward/overlong"), "DAPO's overlong punishment counter is logged"
-
-
-def test_kill9_then_resume_matches_uninterrupted(gtpo_run, tmp_path):
-    """SIGKILL in the middle of step 3 (checkpoint after step 2), then --resume: the run finishes,
-    keeps its MLflow run, and steps 3-4 have the uninterrupted run's losses (fp32, same seeds)."""
-    out = tmp_path / "killed"
-    env = child_env()
-    args = [*CLI, "--output-dir", str(out), "--steps", "4", *LEARN[:-1], "train.checkpoint_every=2"]
-    log = open(tmp_path / "killed.log", "w")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-    deadline = time.time() + 900
-    while time.time() < deadline and "step 3/4 |" not in (tmp_path / "killed.log").read_text():
-        if (out / "checkpoints" / "step_00000002").is_dir() and "step 2/4 |" in (tmp_path / "killed.log").read_text():
-            time.sleep(2.0)  # inside step 3: rollout and training are under way
-            break
-        time.sleep(0.5)
-    kill_tree(proc.pid)  # killpg alone misses the ranks: torchrun starts them in sessions of their own
-    proc.wait()
-    run_id = (out / "run_id").read_text().strip()
-    assert (out / "checkpoints" / "step_00000002").is_dir()
-    train(out, "--resume", *LEARN[:-1], "train.checkpoint_every=2", steps=4)
-    assert (out / "run_id").read_text().strip() == run_id, "resume must continue the same MLflow run"
-    losses = dict(history(out, "loss"))
-    reference = dict(history(gtpo_run, "loss"))
-    for step in (3, 4):
-        assert losses[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-7), (step, losses, reference)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gtpo.algo import (AGG_MODES, LOSSES, TokenInputs, aggregate, aggregation_weights, compute_loss,
+from megatron_gtpo.algo import (AGG_MODES, ALGO_NAMES, TokenInputs, aggregate, aggregation_weights, compute_loss,
                                 prepare_batch)
 from tests.algo_helpers import spec_of
 
@@ -39,7 +39,7 @@ def make_batch(seed=0, groups=(6, 3, 8, 4), width=16, vocab=3):
     return ids, mask, rewards, gids, old, logp, ref, entropy
 
 
-CASES = [(algo, None) for algo in sorted(LOSSES)] + [("grpo", mode) for mode in AGG_MODES]
+CASES = [(algo, None) for algo in sorted(ALGO_NAMES)] + [("grpo", mode) for mode in AGG_MODES]
 
 
 @pytest.mark.parametrize("algo, agg_mode", CASES)

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from megatron_gtpo.algo import LOSSES, AlgoConfig, AlgoSpec
+from megatron_gtpo.algo import ALGO_NAMES, DEFAULTS, AlgoConfig, AlgoSpec
 from megatron_gtpo.utils.configuration import ConfigError, build, field_docs
 
 
@@ -25,10 +25,10 @@ def test_defaults_follow_the_spec():
     assert (cfg.name, cfg.conflict_weight, cfg.entropy_gamma, cfg.conflict_overlap, cfg.mu) == ("gtpo", 2.0, 0.1,
                                                                                                  "product", 1)
     dapo = AlgoConfig(name="dapo").resolve(max_completion_tokens=20480)
-    assert (dapo.clip_high, dapo.agg_mode, dapo.dynamic_sampling, dapo.overlong_buffer_len, dapo.kl_beta,
-            dapo.std_scale, dapo.overlong_max_tokens) == (0.28, "token-mean", True, 4096, 0.0, True, 20480)
+    assert (dapo.clip_eps_high, dapo.agg_mode, dapo.dynamic_sampling, dapo.overlong_buffer_len, dapo.kl_beta,
+            dapo.adv_std_scale, dapo.overlong_max_tokens) == (0.28, "token-mean", True, 4096, 0.0, True, 20480)
     grpo = AlgoConfig(name="grpo").resolve(max_completion_tokens=8)
-    assert (grpo.kl_beta, grpo.clip_high, grpo.agg_mode, grpo.constant) == (0.04, 0.2, "seq-mean-token-mean", None)
+    assert (grpo.kl_beta, grpo.clip_eps_high, grpo.agg_mode, grpo.constant) == (0.04, 0.2, "seq-mean-token-mean", None)
     assert AlgoConfig(name="drgrpo").resolve(max_completion_tokens=3000).constant == 3000
     assert AlgoConfig(name="drgrpo", drgrpo_constant=1500).resolve(max_completion_tokens=3000).constant == 1500
     assert AlgoConfig(name="grpo", kl_beta=0.0).resolve(max_completion_tokens=8).kl_beta == 0.0
@@ -42,11 +42,12 @@ def test_defaults_follow_the_spec():
     assert (gtpo.overlong_buffer_len, gtpo.overlong_max_tokens) == (0, 0)
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("name", sorted(ALGO_NAMES))
 def test_resolve_fills_every_spec_field_from_config_or_registry(name):
     spec = AlgoConfig(name=name).resolve(max_completion_tokens=8)
     assert isinstance(spec, AlgoSpec) and spec.name == name
-    assert spec.conflict_aware == LOSSES[name].conflict_aware and spec.std_scale == LOSSES[name].std_scale
+    assert spec.conflict_aware == DEFAULTS[name]["conflict_aware"]
+    assert spec.adv_std_scale == DEFAULTS[name]["adv_std_scale"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.kl_beta = 1.0  # type: ignore[misc]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_gtpo import algo
-from megatron_gtpo.algo import LOSSES, AlgoConfig, TokenInputs, compute_loss, mismatch_weights
+from megatron_gtpo.algo import ALGO_NAMES, AlgoConfig, TokenInputs, compute_loss, mismatch_weights
 from megatron_gtpo.utils.configuration import ConfigError
 from tests.algo_helpers import spec_of
 from tests.unit.test_algo_diagnostics import random_batch
@@ -79,7 +79,7 @@ def _loss_and_grad(spec, prep, mask, logp, old, ref, is_weights=None):
     return loss.detach(), x.grad, metrics
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("name", sorted(ALGO_NAMES))
 @pytest.mark.parametrize("mu_gt_1", [False, True])
 def test_default_none_is_bit_identical_and_weights_scale_each_token(name, mu_gt_1):
     """mode none (is_weights None) and all-ones weights leave loss and gradient bit-identical; weights w

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gtpo.algo import LOSSES, TokenInputs, aggregate, compute_loss, conflict_weights, prepare_batch, \
+from megatron_gtpo.algo import ALGO_NAMES, TokenInputs, aggregate, compute_loss, conflict_weights, prepare_batch, \
     validate_loss_inputs
 from tests.algo_helpers import policy_loss, prepared_of, spec_of
 from tests.unit.test_algo_conflict import EXAMPLE1, padded
@@ -201,7 +201,7 @@ def test_k3_kl_value_and_gradient():
     assert logp.grad[0, 2] == 0.0 and m["train/kl_mean"].item() == pytest.approx(k3.mean().item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("algo", sorted(LOSSES))
+@pytest.mark.parametrize("algo", sorted(ALGO_NAMES))
 def test_every_loss_returns_required_metrics_and_is_finite(algo):
     ids, mask, rewards, gids, mean_h = random_batch(seed=7)
     logp = torch.randn(ids.shape).masked_fill(~mask, float("-inf")).requires_grad_()

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 from megatron_gtpo.data.dataset import PromptDataset
 from megatron_gtpo.reward import RewardConfig, RewardOutput, RewardScorer
-from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, RolloutCollector, Sampling, rollout_metrics
+from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, RolloutCollector, rollout_metrics
+from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.types import Completion, Prompt
 
 
@@ -19,11 +20,12 @@ class ScriptedEngines:
     def __init__(self, script: dict[int, list[str]]):
         self.script, self.seeds, self.version = script, [], 0
 
-    def submit(self, prompts, **kwargs):
-        done = self.generate(prompts, **kwargs)  # like engines in the trainer processes: generated now
+    def submit(self, prompts, sampling, *, seed):
+        done = self.generate(prompts, sampling, seed=seed)  # like engines in the trainer processes: generated now
         return SimpleNamespace(wait=lambda: done)
 
-    def generate(self, prompts, *, n, temperature, top_p, max_tokens, stop, seed):
+    def generate(self, prompts, sampling, *, seed):
+        n = sampling.n
         self.seeds.append(seed)
         out = []
         for i, prompt in enumerate(prompts):

@@ -25,19 +25,19 @@ def test_every_recipe_loads(name):
 
 def spec_of_recipe(name: str):
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
-    return cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
+    return cfg.algorithm
 
 
 def test_recipes_carry_the_spec_defaults():
     gtpo = spec_of_recipe("gtpo")
     assert (gtpo.conflict_weight, gtpo.entropy_threshold, gtpo.entropy_gamma, gtpo.kl_beta, gtpo.mu) == (2.0, 0.7, 0.1, 0.0, 1)
-    assert gtpo.std_scale is False and gtpo.conflict_overlap == "product"
+    assert gtpo.adv_std_scale is False and gtpo.conflict_overlap == "product"
     grpo = spec_of_recipe("grpo")
-    assert (grpo.std_scale, grpo.kl_beta, grpo.agg_mode) == (True, 0.04, "seq-mean-token-mean")
+    assert (grpo.adv_std_scale, grpo.kl_beta, grpo.agg_mode) == (True, 0.04, "seq-mean-token-mean")
     dapo = spec_of_recipe("dapo")
-    assert (dapo.clip_low, dapo.clip_high, dapo.agg_mode, dapo.dynamic_sampling) == (0.2, 0.28, "token-mean", True)
+    assert (dapo.clip_eps_low, dapo.clip_eps_high, dapo.agg_mode, dapo.dynamic_sampling) == (0.2, 0.28, "token-mean", True)
     drgrpo = spec_of_recipe("drgrpo")
-    assert (drgrpo.std_scale, drgrpo.agg_mode, drgrpo.constant) == (False, "seq-mean-token-sum-norm", 1500.0)
+    assert (drgrpo.adv_std_scale, drgrpo.agg_mode, drgrpo.constant) == (False, "seq-mean-token-sum-norm", 1500.0)
     # the code-exact GTPO choices (spec 5.5, 5.8); tiny.yaml keeps the averaged prompts of its stored values
     assert (gtpo.gtpo_prompt_reduction, gtpo.entropy_logits, gtpo.mismatch_correction) == ("sum", "raw", "none")
     assert spec_of_recipe("tiny").gtpo_prompt_reduction == "mean"
@@ -46,8 +46,8 @@ def test_recipes_carry_the_spec_defaults():
 def test_gtpo_paper_grpo_recipe():
     """configs/grpo_gtpo_paper.yaml: the GRPO baseline of the GTPO paper (spec 2, 5.10), not DeepSeekMath's."""
     cfg = load_config(REPO / "configs" / "grpo_gtpo_paper.yaml")
-    spec = cfg.algo.resolve(max_completion_tokens=cfg.rollout.max_tokens)
-    assert (spec.name, spec.std_scale, spec.adv_eps, spec.agg_mode, spec.mu) == ("grpo", True, 1e-4,
+    spec = cfg.algorithm
+    assert (spec.name, spec.adv_std_scale, spec.adv_eps, spec.agg_mode, spec.mu) == ("grpo", True, 1e-4,
                                                                                  "seq-mean-token-mean", 1)
     assert spec.kl_beta in (0.0, 1e-6) and not spec.needs_reference
     assert (cfg.rollout.n, cfg.rollout.max_tokens, cfg.rollout.temperature) == (8, 1500, 0.9)

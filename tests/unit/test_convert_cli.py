@@ -13,15 +13,20 @@ import torch
 from megatron_gtpo.convert import hf_io
 from megatron_gtpo.convert import mapping as mp
 from megatron_gtpo.cli.convert import main
+from megatron_gtpo.models.families import FAMILIES as RECORDS
 from tests.helpers import REPO
 from tests.tiny_hf import FAMILIES, save_tiny_hf_model, tiny_hf_config
 
 
 # ----------------------------------------------------------------------------- mapping algebra
 
+def layer(family: str) -> dict[str, mp.ParamMap]:
+    return {p.local: p for p in mp.layer_maps(RECORDS[family])}
+
+
 @pytest.mark.parametrize("heads,groups,head_dim", [(4, 2, 16), (8, 8, 4), (9, 3, 8), (6, 1, 2)])
 def test_qkv_fuse_split_and_tp_slicing(heads, groups, head_dim):
-    pm = next(p for p in mp.layer_maps("qwen2") if p.local.endswith("linear_qkv.weight"))
+    pm = layer("qwen2")["self_attention.linear_qkv.weight"]
     shapes = mp.Shapes(heads=heads, groups=groups, head_dim=head_dim)
     q, k, v = (torch.randn(n * head_dim, 7) for n in (heads, groups, groups))
     fused = mp.fuse(pm, [q, k, v], shapes)
@@ -40,8 +45,7 @@ def test_qkv_fuse_split_and_tp_slicing(heads, groups, head_dim):
 
 
 def test_fc1_and_parallel_linear_slicing():
-    layer = {p.local: p for p in mp.layer_maps("llama")}
-    fc1, fc2 = layer["mlp.linear_fc1.weight"], layer["mlp.linear_fc2.weight"]
+    fc1, fc2 = layer("llama")["mlp.linear_fc1.weight"], layer("llama")["mlp.linear_fc2.weight"]
     gate, up = torch.randn(12, 5), torch.randn(12, 5)
     fused = mp.fuse(fc1, [gate, up], None)
     shard1 = mp.tp_shard(fc1, fused, tp=2, rank=1)
@@ -49,9 +53,30 @@ def test_fc1_and_parallel_linear_slicing():
     assert torch.equal(mp.tp_unshard(fc1, [mp.tp_shard(fc1, fused, tp=2, rank=r) for r in (0, 1)]), fused)
     down = torch.randn(5, 12)
     assert torch.equal(mp.tp_shard(fc2, down, tp=3, rank=2), down[:, 8:])
-    assert {p.local for p in mp.layer_maps("qwen3")} - {p.local for p in mp.layer_maps("llama")} == {
+    assert set(layer("qwen3")) - set(layer("llama")) == {
         "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}
-    assert mp.all_hf_names("llama", num_layers=1, tied=True)[-1] == "model.norm.weight"
+    assert [n for pm in mp.post_maps(tied=True) for n in mp.hf_names(pm, None)] == ["model.norm.weight"]
+
+
+def test_phi3_fused_tensors_are_the_pieces_concatenated():
+    """Phi-3 stores q/k/v as one qkv_proj = [all q; all k; all v] and gate/up as one gate_up_proj =
+    [gate; up]: fusing either layout gives the same Megatron tensor, and split gives each back."""
+    shapes = mp.Shapes(heads=4, groups=2, head_dim=16)
+    phi3, llama = layer("phi3"), layer("llama")
+    assert phi3["self_attention.linear_qkv.weight"].hf == ("self_attn.qkv_proj.weight",)
+    assert phi3["mlp.linear_fc1.weight"].hf == ("mlp.gate_up_proj.weight",)
+    q, k, v = (torch.randn(n * 16, 7) for n in (4, 2, 2))
+    separate = mp.fuse(llama["self_attention.linear_qkv.weight"], [q, k, v], shapes)
+    fused = mp.fuse(phi3["self_attention.linear_qkv.weight"], [torch.cat([q, k, v])], shapes)
+    assert torch.equal(fused, separate) and not torch.equal(fused, torch.cat([q, k, v]))  # regrouped per KV group
+    (back,) = mp.split(phi3["self_attention.linear_qkv.weight"], fused, shapes)
+    assert torch.equal(back, torch.cat([q, k, v]))
+    gate_up = torch.randn(24, 7)
+    assert torch.equal(mp.fuse(phi3["mlp.linear_fc1.weight"], [gate_up], shapes),
+                       mp.fuse(llama["mlp.linear_fc1.weight"], list(gate_up.chunk(2)), shapes))
+    assert mp.hf_shapes(phi3["self_attention.linear_qkv.weight"], (128, 64), shapes) == [(128, 64)]
+    assert mp.hf_shapes(llama["self_attention.linear_qkv.weight"], (128, 64), shapes) == [(64, 64), (32, 64),
+                                                                                          (32, 64)]
 
 
 def test_vocab_padding_and_stripping():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_gtpo.cli import dry_run as dryrun
+from megatron_gtpo.utils.configuration import ConfigError
 
 MODELS = "configs/models"
 # Overrides shared by the GPU examples: bf16 everywhere, 64 prompts x 8 completions of up to 1024 tokens
@@ -92,6 +93,32 @@ def test_engine_tp4_qwen25_32b_on_4_nodes_of_8_is_valid_and_plans_the_vllm_share
                  "= rollout phase (trainer resident + vLLM)", "reserve (CUDA context, NCCL, fragmentation)"]:
         assert term in out, term
     assert "warning" not in out
+
+
+def test_packed_layout_ignores_micro_batch_size_in_the_dry_run_and_the_config(capsys):
+    """The README's Qwen2.5-32B layout on 4 x 8 (DP=4) with one prompt per step: 8 sequences, 2 per
+    DP rank. Packing (the default) ignores train.micro_batch_size (8 here, its default), so training
+    accepts it; the dry-run must too: one rule (parallel.layout.batch_split_problem), one input
+    (train.rows_per_micro_batch)."""
+    from megatron_gtpo.config import load_config
+
+    layout = ["parallel.tp=4", "parallel.pp=2", "parallel.vpp=2", "parallel.dp=4", "train.prompts_per_step=1",
+              "rollout.vllm.tensor_parallel_size=4"]
+    overrides = [a for a in PLANNED if "prompts_per_step" not in a] + layout
+    cfg = load_config("configs/gtpo.yaml", overrides)
+    assert cfg.train.micro_batch_size == 8 and cfg.train.rows_per_micro_batch == 1
+    code, out = run(capsys, "configs/gtpo.yaml", "--nodes", "4", "--gpus-per-node", "8",
+                    "--hf-config", f"{MODELS}/qwen2.5-32b.json", *overrides)
+    assert code == 0, out
+    assert "batch    8 sequences per step; 2 per DP rank packed into micro-batches of <= 2048 tokens" in out
+    # padded micro-batches do use micro_batch_size: 8 sequences do not fill 4 x 8 rows, and the recipe is
+    # refused with the rule's one message (the dry-run reads it through the config loader: bad input)
+    code, out = run(capsys, "configs/gtpo.yaml", "--nodes", "4", "--gpus-per-node", "8",
+                    "--hf-config", f"{MODELS}/qwen2.5-32b.json", *overrides, "train.micro_batch_tokens=0")
+    message = "not divisible by parallel.dp x train.micro_batch_size = 4 x 8 = 32"
+    assert code == dryrun.EXIT_BAD_INPUT and message in out
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config("configs/gtpo.yaml", overrides + ["train.micro_batch_tokens=0"])
 
 
 def test_rollout_nodes_separate_pool_for_qwen25_32b(capsys):

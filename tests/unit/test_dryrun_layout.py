@@ -17,7 +17,7 @@ QWEN = load_model_shape(REPO / "configs" / "models" / "qwen2.5-32b.json")
 
 # A layout that passes every rule for Llama-3-8B on 2 x 8 GPUs; tests change one thing at a time.
 LLAMA_2X8 = dict(shape=LLAMA, nodes=2, gpus_per_node=8, tp=2, pp=1, vpp=None, dp=8, placement="colocated",
-                 rollout_tp=1, engines=None, prompts_per_step=64, group_size=8, micro_batch_size=4,
+                 rollout_tp=1, engines=None, prompts_per_step=64, group_size=8, rows_per_micro_batch=4,
                  max_prompt_tokens=1024, max_completion_tokens=1024)
 
 
@@ -32,7 +32,7 @@ def test_parameter_counts_match_the_published_checkpoints():
     assert (QWEN.kv_heads, QWEN.head_dim, QWEN.qkv_bias, QWEN.tied_embeddings) == (8, 128, True, False)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3"])
 def test_parameter_count_equals_transformers_model(family):
     """The formula per family (biases, q/k norms, head_dim != hidden/heads, tied embeddings) against
     the real HF module of a tiny random model."""
@@ -46,7 +46,7 @@ def test_parameter_count_equals_transformers_model(family):
 
 
 def test_unsupported_configs_are_rejected_with_the_key():
-    with pytest.raises(ConfigError, match="model_type='gpt2' is not supported"):
+    with pytest.raises(ConfigError, match=r"model_type='gpt2' \(and no 'architectures'\) is not supported"):
         shape_from_hf_config({"model_type": "gpt2"}, name="x")
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         shape_from_hf_config({"model_type": "qwen2", "num_experts": 8}, name="x")
@@ -64,7 +64,7 @@ def test_llama3_8b_on_2x8_gpus():
 
 def test_qwen25_32b_on_4x8_gpus_with_interleaved_pipeline():
     lay = plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 4, "pp": 2, "vpp": 2, "dp": 4,
-                         "rollout_tp": 4, "micro_batch_size": 2})
+                         "rollout_tp": 4, "rows_per_micro_batch": 2})
     assert (lay.dp, lay.layers_per_stage, lay.engines, lay.sequences_per_engine) == (4, 32, 8, 64)
     assert lay.microbatches == 64  # 512 / (4 DP * 2): a multiple of PP, as the interleaved schedule needs
 
@@ -72,7 +72,7 @@ def test_qwen25_32b_on_4x8_gpus_with_interleaved_pipeline():
 def test_every_violated_rule_is_reported_with_its_key():
     with pytest.raises(LayoutError) as err:
         plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 16, "pp": 3, "dp": None, "rollout_tp": 3,
-                       "prompts_per_step": 60, "micro_batch_size": 7, "max_completion_tokens": 200_000})
+                       "prompts_per_step": 60, "rows_per_micro_batch": 7, "max_completion_tokens": 200_000})
     text = "\n".join(err.value.problems)
     for expected in ["num_attention_heads=40 is not divisible by TP=16",
                      "num_key_value_heads=8 is not divisible by TP=16",
@@ -85,12 +85,12 @@ def test_every_violated_rule_is_reported_with_its_key():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"micro_batch_size": 3}, "global batch of 512 sequences (train.prompts_per_step x rollout.n) is not divisible "
+    ({"rows_per_micro_batch": 3}, "global batch of 512 sequences (train.prompts_per_step x rollout.n) is not divisible "
                               "by parallel.dp x train.micro_batch_size = 8 x 3 = 24"),
     ({"dp": 1}, "parallel.dp=1, but 16 trainer GPUs / (TP*PP = 2) give 8 data-parallel ranks: set parallel.dp=8"),
     ({"vpp": 2}, "VPP=2 needs PP >= 2"),
     ({"pp": 2, "vpp": 3, "dp": 4}, "16 layers per PP stage (num_hidden_layers=32 / PP=2) are not divisible by VPP=3"),
-    ({"pp": 2, "vpp": 2, "dp": 4, "prompts_per_step": 3, "micro_batch_size": 2},
+    ({"pp": 2, "vpp": 2, "dp": 4, "prompts_per_step": 3, "rows_per_micro_batch": 2},
      "micro-batches per DP rank (3) to be a multiple of PP=2"),
     ({"placement": "separate", "engines": 2, "rollout_tp": 8}, "leaving none of the 2 for the trainer"),
     ({"rollout_tp": 16}, "an engine spanning nodes needs a Ray cluster"),
@@ -169,7 +169,7 @@ def test_engine_start_is_refused_with_the_numbers_when_the_share_is_not_free():
 
 
 def test_memory_that_cannot_fit_is_rejected_phase_by_phase():
-    lay = plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 1, "dp": 32, "micro_batch_size": 2})
+    lay = plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 1, "dp": 32, "rows_per_micro_batch": 2})
     mem = estimate_memory(QWEN, lay, MemorySizes())
     problems, _ = check_memory(mem, lay)
     # Unsharded: 2 + 4 + 12 bytes per parameter plus one micro-batch of logits (2 bf16 copies) and activations.
@@ -177,7 +177,7 @@ def test_memory_that_cannot_fit_is_rejected_phase_by_phase():
     assert any(f"trainer needs {mem.trainer_total / GIB:.1f} GiB per GPU" in p for p in problems)
     assert any(p.startswith("weight push: trainer") for p in problems)
     # The engine alone: 61 GiB of bf16 weights fits 0.9 x 80 GiB, not 0.5 x 80 GiB.
-    sep = plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 1, "dp": 24, "micro_batch_size": 2,
+    sep = plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 1, "dp": 24, "rows_per_micro_batch": 2,
                          "prompts_per_step": 48, "placement": "separate"})
     assert any("raise rollout.vllm.tensor_parallel_size" in p for p in check_memory(
         estimate_memory(QWEN, sep, MemorySizes(gpu_memory_utilization=0.5)), sep)[0])
@@ -186,7 +186,7 @@ def test_memory_that_cannot_fit_is_rejected_phase_by_phase():
 
 def test_qwen25_32b_engine_tp4_layout_fits_4x8():
     lay = plan_layout(**{**LLAMA_2X8, "shape": QWEN, "nodes": 4, "tp": 4, "pp": 2, "vpp": 2, "dp": 4,
-                         "rollout_tp": 4, "micro_batch_size": 2})
+                         "rollout_tp": 4, "rows_per_micro_batch": 2})
     mem = estimate_memory(QWEN, lay, MemorySizes(distributed_optimizer=True))
     assert check_memory(mem, lay)[0] == [] and 0.5 <= mem.gpu_memory_utilization <= 0.6
 

@@ -17,9 +17,9 @@ def _wrong(answer: str) -> str:
     return "ABCD"[("ABCD".index(answer) + 1) % 4] if answer in "ABCD" else str(int(answer) + 1)
 
 
-def scripted_generate(prompts, *, n, temperature, top_p, max_tokens, stop=None, seed=None):
+def scripted_generate(prompts, sampling, *, seed=None):
     """Even-numbered samples answer right, odd ones wrong (so c = ceil(n/2) for every problem)."""
-    out = []
+    out, n = [], sampling.n
     for i, prompt in enumerate(prompts):
         answer = gold_answer(prompt.gold, prompt.task)
         for j in range(n):
@@ -113,11 +113,11 @@ def test_cli_bad_input_exits_2_naming_the_flag(argv, message, capsys):
 def test_a_failed_run_leaves_no_report_and_no_partial_samples(tmp_path):
     calls = []
 
-    def failing_generate(prompts, **kwargs):
+    def failing_generate(prompts, sampling, **kwargs):
         calls.append(len(prompts))
         if len(calls) == 2:
             raise RuntimeError("engine died")
-        return scripted_generate(prompts, **kwargs)
+        return scripted_generate(prompts, sampling, **kwargs)
 
     output = tmp_path / "report.json"
     config = EvalConfig(model="scripted", benchmarks=["gsm8k"], n=2, k=[1], limit=4, workers=0, chunk_samples=4,

@@ -32,3 +32,39 @@ def test_gpu_recipe_passes_its_dry_run(recipe, capsys):
     out = capsys.readouterr()
     assert status == 0, out.out + out.err
     assert "OK       launch:" in out.out and "bfloat16" in recipe.read_text()
+
+
+def test_pool_recipe_stages_one_copy_of_the_model_per_rollout_node(capsys):
+    """The 32B pool recipe's dry-run prints the host memory a rollout node stages a push in: one copy
+    of the push per server (node), however many engine workers share it (TP=8 here), not one per worker."""
+    import re
+
+    from megatron_gtpo.models.shape import load_model_shape
+    from megatron_gtpo.plan.memory import GIB
+
+    recipe = REPO / "configs" / "gpu" / "gtpo_qwen2.5-32b_4x8_pool.yaml"
+    assert dry_run.main(_dry_run_line(recipe)) == 0
+    out = capsys.readouterr().out
+    [host] = [line for line in out.splitlines() if line.startswith("host ")]
+    staged = float(re.match(r"host\s+([\d.]+) GiB staged per rollout node per push", host).group(1))
+    push = float(re.search(r"push\s+([\d.]+) GiB per step to each of 2 rollout server", out).group(1))
+    one_copy = load_model_shape(REPO / "configs" / "models" / "qwen2.5-32b.json").params_total() * 2 / GIB
+    assert staged == push == round(one_copy, 1) == 61.0, host
+    assert "each of its engine's 8 worker(s) takes only its own shards" in host
+
+
+def test_host_staging_does_not_grow_with_the_engine_tp():
+    from megatron_gtpo.models.shape import load_model_shape
+    from megatron_gtpo.plan.layout import LayoutRequest, plan_layout
+    from megatron_gtpo.plan.memory import MemorySizes, estimate_memory, push_bytes
+
+    shape, sizes = load_model_shape(REPO / "configs" / "models" / "qwen2.5-32b.json"), MemorySizes()
+    staged = {}
+    for placement, rollout_tp in (("separate", 8), ("separate", 4), ("colocated", 4)):
+        request = LayoutRequest(shape=shape, nodes=6 if placement == "separate" else 4, gpus_per_node=8, tp=8, pp=2,
+                                placement=placement,
+                                rollout_tp=rollout_tp, engines=2 if placement == "separate" else None,
+                                prompts_per_step=32)
+        staged[placement, rollout_tp] = estimate_memory(shape, plan_layout(request), sizes).host_staging
+    assert staged["separate", 8] == staged["separate", 4] == push_bytes(shape, sizes)
+    assert staged["colocated", 4] == 0  # colocated pushes stream into vLLM's reload: nothing staged on the host

@@ -18,7 +18,7 @@ LLAMA = load_model_shape(REPO / "configs" / "models" / "llama3-8b.json")
 
 def layout_of(shape, *, micro_batch_size: int, seq_len: int, tp: int = 1, pp: int = 1, vpp=None, prompts: int = 4):
     request = LayoutRequest(shape=shape, nodes=1, gpus_per_node=tp * pp, tp=tp, pp=pp, vpp=vpp,
-                            micro_batch_size=micro_batch_size, prompts_per_step=prompts, group_size=micro_batch_size,
+                            rows_per_micro_batch=micro_batch_size, prompts_per_step=prompts, group_size=micro_batch_size,
                             max_prompt_tokens=seq_len - 8, max_completion_tokens=8)
     return plan_layout(request)
 

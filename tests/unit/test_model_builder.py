@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_gtpo.models.families import FAMILIES as RECORDS
+from megatron_gtpo.models.families import family_of
 from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.train import model as M
 from megatron_gtpo.utils.configuration import ConfigError
@@ -18,8 +20,8 @@ def test_config_mapping(family):
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (4, 64, 96)
     assert (cfg.num_attention_heads, cfg.num_query_groups) == (4, 2)
     assert cfg.kv_channels == (32 if family == "qwen3" else 16)
-    assert cfg.add_qkv_bias == (family == "qwen2")
-    assert cfg.qk_layernorm == (family == "qwen3")
+    assert cfg.add_qkv_bias == (family == "qwen2") == RECORDS[family].qkv_bias
+    assert cfg.qk_layernorm == (family == "qwen3") == RECORDS[family].qk_norm
     assert cfg.normalization == "RMSNorm" and cfg.gated_linear_unit and not cfg.add_bias_linear
     assert cfg.layernorm_epsilon == 1e-5
     assert cfg.tensor_model_parallel_size == 2 and cfg.pipeline_model_parallel_size == 2
@@ -33,11 +35,15 @@ def test_rope_and_tied_settings():
     rope = M.rope_settings(llama)
     assert rope["type"] == "llama3" and rope["original_max_position_embeddings"] == 64.0
     legacy = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 32.0}}
-    assert M.rope_settings(legacy) == {"theta": 500000.0, "type": "llama3", "factor": 32.0,
+    assert M.rope_settings(legacy) == {"theta": 500000.0, "type": "llama3", "partial": 1.0, "factor": 32.0,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                        "original_max_position_embeddings": 8192.0}
     with pytest.raises(ConfigError, match="yarn"):
         M.rope_settings({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}})
+    assert M.rope_settings(tiny_hf_config("phi3"))["partial"] == 0.5  # transformers 5: inside rope_parameters
+    assert M.rope_settings({"partial_rotary_factor": 0.75})["partial"] == 0.75  # older config.json: top level
+    with pytest.raises(ConfigError, match="partial_rotary_factor=0 must be in"):
+        M.rope_settings({"partial_rotary_factor": 0})
 
 
 def test_llama3_rope_matches_transformers():
@@ -74,7 +80,7 @@ def test_bf16_and_overrides():
 def test_bad_configs_name_the_field(tmp_path):
     hf = tiny_hf_config("llama")
     with pytest.raises(ConfigError, match="'architectures'"):
-        M.architecture_of({**hf, "architectures": ["GPT2LMHeadModel"]})
+        family_of({**hf, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible by TP=3"):
         M.transformer_config_from_hf(hf, tp=3, pp=1, vpp=None, dtype=torch.float32)
     with pytest.raises(ConfigError, match="not divisible by VPP=4"):

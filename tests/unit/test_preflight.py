@@ -5,12 +5,15 @@ naming the key and the fix, before any rank or engine starts."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
 import os
 import subprocess
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -148,11 +151,35 @@ def test_output_dir_that_is_not_writable_is_rejected():
         check_output_dir("/sys/gtpo-run")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_output_dir_without_write_permission_is_rejected(tmp_path):
-    (tmp_path / "ro").mkdir(mode=0o500)
-    with pytest.raises(ConfigError, match="is not writable"):
-        check_output_dir(str(tmp_path / "ro"))
+    """A directory without the write bit is refused. Root writes anywhere, so as root (CI runs as
+    root) the check runs with the effective uid of ``nobody``, in a directory nobody may traverse;
+    a writable sibling passes as the control."""
+    root = Path(tempfile.mkdtemp(prefix="mgtpo-ro-")) if os.geteuid() == 0 else tmp_path
+    try:
+        root.chmod(0o755)
+        for name, mode in (("ro", 0o555), ("rw", 0o777)):
+            (root / name).mkdir()
+            (root / name).chmod(mode)  # not mkdir's mode: the umask would mask it
+        with _as_nobody():
+            check_output_dir(str(root / "rw"))  # the control: the same check passes where writing works
+            with pytest.raises(ConfigError, match="is not writable"):
+                check_output_dir(str(root / "ro"))
+    finally:
+        if root != tmp_path:
+            shutil.rmtree(root)
+
+
+@contextlib.contextmanager
+def _as_nobody():
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
 
 
 # ----------------------------------------------------------------------------- the CLI, end to end

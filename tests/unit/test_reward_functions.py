@@ -48,7 +48,7 @@ def test_correctness_format_and_dapo():
 
 
 def test_overlong_penalty_matches_spec_invariants():
-    # spec algorithms.md section 10, item 7: 0, -0.5, -1 at L_max - L_cache, L_max - L_cache/2, L_max + 1
+    # docs/algorithms.md section 10, item 7: 0, -0.5, -1 at L_max - L_cache, L_max - L_cache/2, L_max + 1
     L_max, L_cache = 20480, 4096
     assert overlong_penalty(L_max - L_cache, max_tokens=L_max, cache_tokens=L_cache) == 0.0
     assert overlong_penalty(L_max - L_cache // 2, max_tokens=L_max, cache_tokens=L_cache) == -0.5

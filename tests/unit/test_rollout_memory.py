@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.rollout.engine import RolloutEngine
 from megatron_gtpo.rollout.memory import Choreography, TrainerOffload
 from megatron_gtpo.utils.memory import PeakMemory
@@ -59,7 +60,7 @@ def engine():
 
 
 def generate(engine):
-    engine.sample([Prompt(uid="0", token_ids=[1, 2])], seeds=[0], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+    engine.sample([Prompt(uid="0", token_ids=[1, 2])], seeds=[0], sampling=Sampling(n=1, temperature=1.0, max_tokens=4))
 
 
 def test_driver_order_sleep_after_generate_weights_before_push_kv_before_generate(engine):
@@ -73,7 +74,8 @@ def test_driver_order_sleep_after_generate_weights_before_push_kv_before_generat
     generate(engine)
     step = ["generate", "sleep", "wake:weights", "push", "wake:kv_cache"]
     assert engine.memory_events == step * 2 + ["generate"]
-    vllm_step = ["vllm.generate", "vllm.sleep(level=1)", "vllm.wake_up(['weights'])", "vllm.reload",
+    # level 2: the push rewrites every weight, so level 1's host copy of them would go unread
+    vllm_step = ["vllm.generate", "vllm.sleep(level=2)", "vllm.wake_up(['weights'])", "vllm.reload",
                  "vllm.wake_up(['kv_cache'])"]
     assert engine._llm.calls == vllm_step * 2 + ["vllm.generate"]
 

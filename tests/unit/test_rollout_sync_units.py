@@ -1,5 +1,6 @@
-"""Engine-free parts of rollout/ and sync/: configs, seeds, the push checker, the wire format, the
-train-inference mismatch metric. (Real vLLM engines: tests/e2e/test_rollout_engine.py, test_sync_*.py.)"""
+"""Engine-free parts of rollout/ and sync/: configs, seeds, the push checker, the wire format. (The
+train-inference mismatch metric: tests/unit/test_train_metrics.py; real vLLM engines:
+tests/e2e/test_rollout_engine.py, test_sync_*.py.)"""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import pytest
 import torch
 
 from megatron_gtpo.rollout import RolloutConfig, prompt_seeds
+from megatron_gtpo.rollout.config import EnginePlacement, Sampling
 from megatron_gtpo.rollout.engine import engine_kwargs
 from megatron_gtpo.sync import SyncConfig, WeightPushError, WeightSpec, check_plan
 from megatron_gtpo.sync.base import agree
 from megatron_gtpo.sync.checks import checked_stream, sharded_shapes
 from megatron_gtpo.sync.shards import TensorMeta
-from megatron_gtpo.train.loss import _mismatch_pairs, split_extrema
 from megatron_gtpo.utils.configuration import ConfigError, build
 
 TINY = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,
@@ -22,28 +23,11 @@ TINY = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_si
         "max_position_embeddings": 64, "tie_word_embeddings": False}
 
 
-# ----------------------------------------------------------------------------- mismatch metric
-
-def test_mismatch_pairs_masked_mean_max_and_k3():
-    trainer = torch.tensor([[-1.1, -2.0, -2.0], [-0.25, -1.0, 0.0]])
-    engine = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -9.0, 0.0]])
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
-    plain, _, highs = split_extrema(_mismatch_pairs(trainer, engine, mask))
-    total, count = plain["mismatch/logprob_abs_mean"].tolist()
-    assert count == 3 and total / count == pytest.approx((0.1 + 0.0 + 0.25) / 3)
-    assert highs["mismatch/logprob_abs_max"] == pytest.approx(0.25)
-    d = torch.tensor([-0.1, 0.0, 0.25], dtype=torch.float64)  # log(pi_train / pi_engine) on the masked tokens
-    k3 = (torch.exp(d) - d - 1).sum().item()
-    assert plain["mismatch/kl_k3"].tolist() == pytest.approx([k3, 3.0], rel=1e-5)
-    empty = _mismatch_pairs(trainer, engine, torch.zeros(2, 3, dtype=torch.bool))
-    assert "max:mismatch/logprob_abs_max" not in empty and empty["mismatch/logprob_abs_mean"].tolist() == [0.0, 0.0]
-
-
 # ----------------------------------------------------------------------------- configs and seeds
 
 def test_rollout_config_validation():
     cfg = build(RolloutConfig, {"n": 4, "temperature": 0.7, "stop": ["</answer>"], "vllm": {"dtype": "bfloat16"}})
-    assert cfg.sampling() == {"n": 4, "temperature": 0.7, "top_p": 1.0, "max_tokens": 1024, "stop": ["</answer>"]}
+    assert cfg.sampling() == Sampling(n=4, temperature=0.7, top_p=1.0, max_tokens=1024, stop=("</answer>",))
     for bad, field in [({"n": 0}, "n"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
                        ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop"),
                        ({"vllm": {"model": "x"}}, "vllm.model")]:
@@ -61,6 +45,11 @@ def test_sync_config_validation():
     for bad in ({"bucket_mb": 0}, {"servers": ["nohost"]}, {"local_servers": 0}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             build(SyncConfig, bad)
+    # the transport and the servers' addresses place the engines (rollout.placement.build_engines)
+    cfg = SyncConfig(transport="separate", servers=["a:1", "b:2"], server_port=30000, local_servers=3, timeout_s=5.0)
+    assert cfg.placement() == EnginePlacement(kind="separate", servers=("a:1", "b:2"), server_port=30000,
+                                              local_servers=3, timeout_s=5.0)
+    assert SyncConfig().placement() == EnginePlacement()
 
 
 def test_engine_kwargs_pass_through_and_required_values():

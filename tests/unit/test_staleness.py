@@ -11,12 +11,14 @@ import pytest
 
 from megatron_gtpo.config import ConfigError, load_config
 from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, rollout_metrics
+from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.rollout.group import RolloutGroup
-from megatron_gtpo.rollout.staleness import PolicyVersions, StalenessError, expected_versions, staleness_problem
+from megatron_gtpo.rollout.staleness import PolicyVersions, StalenessError, staleness_problem
 from megatron_gtpo.sync.base import WeightSync
 from megatron_gtpo.rollout.pool import RolloutPool
 from megatron_gtpo.sync.separate import PoolSync
 from megatron_gtpo.types import Completion, Prompt
+from tests.helpers import expected_versions
 from tests.unit.test_collector import collector
 
 MIXED = {k: ["a", "b"] for k in range(40)}  # every group has one right and one wrong answer
@@ -186,7 +188,7 @@ class SerialServer:
             _, prompts, seeds, sampling = message
             return self.version, [Completion(prompt_index=i, prompt_token_ids=p.token_ids, token_ids=[seeds[i]],
                                              logprobs=[-0.5], weight_version=self.version)
-                                  for i, p in enumerate(prompts) for _ in range(sampling["n"])]
+                                  for i, p in enumerate(prompts) for _ in range(sampling["sampling"].n)]
         if message[0] == "commit":
             self.version = message[1]
             return message[1]
@@ -212,8 +214,8 @@ def test_pool_generates_in_the_background_and_a_push_waits_for_it():
     pool = RolloutPool([SerialServer("s0", log), SerialServer("s1", log)], model_dir="unused")
     group, sync = RolloutGroup(pool, shard=False, model_dir="unused"), pool_sync(pool)
     prompts = [Prompt(uid=f"p{k}", token_ids=[k]) for k in range(3)]
-    sampling = dict(n=2, temperature=1.0, top_p=1.0, max_tokens=4)
-    in_flight = group.submit(prompts, **sampling, seed=7)
+    sampling = Sampling(n=2, temperature=1.0, top_p=1.0, max_tokens=4)
+    in_flight = group.submit(prompts, sampling, seed=7)
     assert [e[1] for e in log] == ["send", "send"]  # sent; nothing received yet: the trainer goes on
     stats = sync.push(SimpleNamespace(buckets=lambda nbytes: []), version=1)
     assert stats.version == 1
@@ -223,17 +225,18 @@ def test_pool_generates_in_the_background_and_a_push_waits_for_it():
                                                     ("send", "commit"), ("answer", "commit")]
     old = in_flight.wait()
     assert [c.prompt_index for c in old] == [0, 0, 1, 1, 2, 2] and {c.weight_version for c in old} == {0}
-    assert {c.weight_version for c in group.generate(prompts, **sampling, seed=8)} == {1}
+    assert {c.weight_version for c in group.generate(prompts, sampling, seed=8)} == {1}
 
 
 def test_a_new_call_waits_for_the_one_in_flight_and_close_drains():
     log: list = []
     pool = RolloutPool([SerialServer("s0", log)], model_dir="unused")
     prompts = [Prompt(uid="p0", token_ids=[0])]
-    first = pool.submit(prompts, seeds=[1], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
-    second = pool.submit(prompts, seeds=[2], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+    one = Sampling(n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+    first = pool.submit(prompts, seeds=[1], sampling=one)
+    second = pool.submit(prompts, seeds=[2], sampling=one)
     assert [e[1:] for e in log] == [("send", "generate"), ("answer", "generate"), ("send", "generate")]
     assert [c.token_ids for c in pool.wait(second)] == [[2]] and [c.token_ids for c in pool.wait(first)] == [[1]]
-    pool.submit(prompts, seeds=[3], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+    pool.submit(prompts, seeds=[3], sampling=one)
     pool.close()
     assert log[-2:] == [("s0", "answer", "generate"), ("s0", "close", False)]

@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 
 from megatron_gtpo.convert import mapping as mp
+from megatron_gtpo.models.families import FAMILIES
 from megatron_gtpo.sync.config import SyncConfig
 from megatron_gtpo.rollout.pool import balanced_runs, server_addresses
 from megatron_gtpo.sync.shards import Entry, delivered, delivery_mode, plan_buckets, push_bytes, receives
 
 SHAPES = mp.Shapes(heads=8, groups=4, head_dim=16)  # hidden 128, GQA 2:1
+QWEN2 = FAMILIES["qwen2"]
 
 
 def entries(tp: int, pp: int, layers: int = 4) -> list[Entry]:
@@ -33,27 +35,30 @@ def entries(tp: int, pp: int, layers: int = 4) -> list[Entry]:
 
 
 def test_engine_tp_delivery_mode_per_placement():
-    assert delivery_mode(transport="separate", trainer_tp=4, engine_tp=4) == "senders"
-    assert delivery_mode(transport="colocated", trainer_tp=2, engine_tp=2) == "local"  # aligned: shards only
-    assert delivery_mode(transport="colocated", trainer_tp=2, engine_tp=1) == "full"  # engine per rank
-    assert delivery_mode(transport="colocated", trainer_tp=1, engine_tp=2) == "full"  # vLLM reshards
-    assert delivery_mode(transport="colocated", trainer_tp=4, engine_tp=2) == "full"
+    mode = lambda **kw: delivery_mode(family=QWEN2, **kw)  # noqa: E731
+    assert mode(transport="separate", trainer_tp=4, engine_tp=4) == "senders"
+    assert mode(transport="colocated", trainer_tp=2, engine_tp=2) == "local"  # aligned: shards only
+    assert mode(transport="colocated", trainer_tp=2, engine_tp=1) == "full"  # engine per rank
+    assert mode(transport="colocated", trainer_tp=1, engine_tp=2) == "full"  # vLLM reshards
+    assert mode(transport="colocated", trainer_tp=4, engine_tp=2) == "full"
+    # vLLM cuts a fused qkv_proj by its full q/k/v sizes: Phi-3's shards can only arrive whole
+    assert delivery_mode(transport="colocated", trainer_tp=2, engine_tp=2, family=FAMILIES["phi3"]) == "full"
 
 
 def test_engine_tp_local_shapes_are_each_ranks_slice_and_full_elsewhere():
     e = entries(tp=2, pp=1)
     qkv = next(x for x in e if x.local.endswith("linear_qkv.weight"))
-    local = delivered(qkv, "local", family="qwen2", shapes=SHAPES, tp=2)
-    full = delivered(qkv, "full", family="qwen2", shapes=SHAPES, tp=2)
+    local = delivered(qkv, "local", family=QWEN2, shapes=SHAPES, tp=2)
+    full = delivered(qkv, "full", family=QWEN2, shapes=SHAPES, tp=2)
     assert [m.name.rsplit(".", 2)[-2] for m in local] == ["q_proj", "k_proj", "v_proj"]
     assert [m.shape for m in local] == [(64, 128), (32, 128), (32, 128)]  # 4 of 8 heads, 2 of 4 KV heads
     assert [m.shape for m in full] == [(128, 128), (64, 128), (64, 128)]
     row = next(x for x in e if x.local.endswith("linear_proj.weight"))
-    assert delivered(row, "local", family="qwen2", shapes=SHAPES, tp=2)[0].shape == (128, 64)
+    assert delivered(row, "local", family=QWEN2, shapes=SHAPES, tp=2)[0].shape == (128, 64)
     embed = e[0]  # vocabulary tensors always arrive whole (vLLM pads the vocabulary its own way)
-    assert delivered(embed, "local", family="qwen2", shapes=SHAPES, tp=2)[0].shape == (512, 128)
-    local_bytes = push_bytes([m for x in e for m in delivered(x, "local", family="qwen2", shapes=SHAPES, tp=2)])
-    full_bytes = push_bytes([m for x in e for m in delivered(x, "full", family="qwen2", shapes=SHAPES, tp=2)])
+    assert delivered(embed, "local", family=QWEN2, shapes=SHAPES, tp=2)[0].shape == (512, 128)
+    local_bytes = push_bytes([m for x in e for m in delivered(x, "local", family=QWEN2, shapes=SHAPES, tp=2)])
+    full_bytes = push_bytes([m for x in e for m in delivered(x, "full", family=QWEN2, shapes=SHAPES, tp=2)])
     assert local_bytes < full_bytes
 
 
@@ -69,7 +74,7 @@ def test_only_the_owning_stages_tp0_dp0_rank_sends():
 @pytest.mark.parametrize("bucket", [8 << 10, 64 << 10, 1 << 20])
 def test_buckets_hold_whole_parameters_of_one_stage_and_respect_the_size(bucket):
     e = entries(tp=2, pp=2)
-    plan = plan_buckets(e, family="qwen2", shapes=SHAPES, tp=2, bucket_bytes=bucket)
+    plan = plan_buckets(e, family=QWEN2, shapes=SHAPES, tp=2, bucket_bytes=bucket)
     seen = [i for b in plan for i in b.entries]
     assert seen == list(range(len(e)))  # every parameter once, in order
     names = [m.name for b in plan for m in b.tensors]

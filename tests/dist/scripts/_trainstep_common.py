@@ -59,6 +59,20 @@ def make_batch(seed: int = 0, *, num_groups: int = 3, group_size: int = 4) -> Ba
                  pad_id=PAD)
 
 
+def start_layouts() -> tuple[list[str], Batch]:
+    """The equivalence scripts' start: the LAYOUT arguments, the gloo world, and their common batch
+    (16 rows of 7..20 tokens, groups straddling micro-batches)."""
+    import argparse
+
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("layouts", nargs="+")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    return args.layouts, make_batch(5, num_groups=4, group_size=4)
+
+
 def sequence_view(batch: Batch, extra: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids [B, S], position_ids [B, S])``: prompt + completion + padding, built with a plain
     loop, independently of train/batching.py."""

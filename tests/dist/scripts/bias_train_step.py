@@ -9,6 +9,7 @@ step with Adam moves the output weight). Phase DP=2: the D1/D2/D4 and mismatch m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_gtpo import algo
 from megatron_gtpo.algo import AlgoConfig
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import model as M
@@ -117,32 +119,96 @@ def near_policy(batch, full, scale: float, seed: int) -> torch.Tensor:
     return torch.where(batch.mask, logp + scale * noise, 0.0).float()
 
 
+CAPS = {"grpo_kl_tis": 1.1, "gtpo_mis": 1.2, "dapo_mu3": 1.5}
+
+
+def metric_cases() -> dict:
+    return {
+        "grpo_kl_tis": (AlgoConfig(name="grpo", kl_beta=0.04, mismatch_correction="tis",
+                                   mismatch_cap=CAPS["grpo_kl_tis"]), True),
+        "gtpo_mis": (AlgoConfig(name="gtpo", entropy_threshold=777.0, mismatch_correction="mis",
+                                mismatch_cap=CAPS["gtpo_mis"]), False),
+        "dapo_mu3": (AlgoConfig(name="dapo", mu=3, clip_eps_low=0.01, clip_eps_high=0.01, mismatch_correction="tis",
+                                mismatch_cap=CAPS["dapo_mu3"]), False),
+    }
+
+
+def single_process_d2(spec, batch, dense, ref_logp) -> dict[str, float]:
+    """D2's terms of the first update computed in one process on the whole batch, from the real loss:
+    the mismatch weights' part is the loss with them minus the loss without, the KL part the loss
+    without the weights minus the loss without KL; the advantage and entropy parts from the
+    algorithm's own token weights (``algo.token_omega``, checked against autograd in the unit tests);
+    and the mismatch weights' spread over the whole batch."""
+    logp, clamped, ids, mask = dense
+    mean_h = algo.completion_mean_entropy(clamped, mask) if spec.needs_mean_entropy else None
+    prepared = algo.prepare_batch(spec, token_ids=ids, mask=mask, rewards=batch.rewards, group_ids=batch.group_ids,
+                                  mean_entropy=mean_h)
+    weights, mismatch = algo.mismatch_weights(spec, logp, batch.sampler_logprobs.double(), mask)
+    ref = None if ref_logp is None else torch.where(mask, ref_logp.double(), 0.0)
+
+    def loss(s, w) -> float:
+        tokens = algo.TokenInputs(logp=logp, mask=mask, ref_logp=ref if s.kl_beta > 0 else None, is_weights=w)
+        return float(algo.compute_loss(dataclasses.replace(s, mu=1), tokens, prepared)[0])
+
+    plain, no_kl = loss(spec, None), loss(dataclasses.replace(spec, kl_beta=0.0), None)
+    omega = algo.token_omega(spec, mask, prepared, num_tokens=mask.sum(), num_seqs=mask.shape[0])
+    d2 = algo.surrogate_decomposition(omega, prepared, batch.group_ids)
+    return {"bias/surrogate_adv_term": float(d2.adv_term), "bias/surrogate_entropy_term": float(d2.entropy_term),
+            "bias/surrogate_kl_term": plain - no_kl, "bias/surrogate_is_term": loss(spec, weights) - plain,
+            **{k: float(v) for k, v in mismatch.items()}}
+
+
+class UpdateNorms:
+    """Records ||theta_after - theta_before|| of every optimizer step (D4's measured Adam updates)."""
+
+    def __init__(self, optimizer, params):
+        self.norms, self._step, self._params = [], optimizer.step, params
+        optimizer.step = self.step
+
+    def step(self, *args, **kwargs):
+        before = [p.detach().double().clone() for p in self._params]
+        out = self._step(*args, **kwargs)
+        self.norms.append(math.sqrt(sum(float(((p.detach().double() - b) ** 2).sum())
+                                        for p, b in zip(self._params, before))))
+        return out
+
+
 def metrics_phase(batch, full) -> None:
     dims = init_distributed(tp=1, pp=1, seed=7)  # 2 ranks: DP = 2
     batch.sampler_logprobs = near_policy(batch, full, 0.2, seed=1)
     ref_logp = near_policy(batch, full, 0.3, seed=2)
+    dense = dense_stats(batch, full)
     chunks = M.build_model(C.tiny_config(tied=False), dims=dims)
     ddp = wrap_ddp(chunks, OptimConfig())
-    cases = {
-        "grpo_kl_tis": (AlgoConfig(name="grpo", kl_beta=0.04, mismatch_correction="tis", mismatch_cap=1.1), True),
-        "gtpo_mis": (AlgoConfig(name="gtpo", entropy_threshold=777.0, mismatch_correction="mis", mismatch_cap=1.2),
-                     False),
-        "dapo_mu3": (AlgoConfig(name="dapo", mu=3, clip_eps_low=0.01, clip_eps_high=0.01,
-                                mismatch_correction="tis", mismatch_cap=1.5), False),
-    }
-    for name, (cfg, with_ref) in cases.items():
+    for name, (cfg, with_ref) in metric_cases().items():
         C.load_full(ddp, full, tied=False, tp=1, tp_rank=0)
+        # no weight decay: an Adam update is then exactly lr m_hat / (sqrt(v_hat) + eps) (D4)
         optimizer, scheduler = build_optimizer(ddp, OptimConfig(optimizer={"optimizer": "adam", "lr": 1e-3,
-                                                                           "clip_grad": 0.0}), total_steps=4)
-        settings = StepSettings(spec=cfg.resolve(max_completion_tokens=16), micro_batch_size=MBS,
-                                temperature=TEMPERATURE)
+                                                                           "clip_grad": 0.0, "weight_decay": 0.0}),
+                                               total_steps=4)
+        updates = UpdateNorms(optimizer, [p for chunk in ddp for p in chunk.parameters()])
+        spec = cfg.resolve(max_completion_tokens=16)
+        settings = StepSettings(spec=spec, micro_batch_size=MBS, temperature=TEMPERATURE)
         rows, _ = rank_micro_batches(batch, settings, dims)
         metrics = train_step(SimpleNamespace(chunks=ddp, optimizer=optimizer, scheduler=scheduler), batch, settings,
                              dims, ref_logp=ref_logp[rows] if with_ref else None)
         emit(check="metrics", case=name, metrics={k: v for k, v in metrics.items()
                                                   if k.startswith(("bias/", "mismatch/", "loss"))},
-             nonfinite=[k for k, v in metrics.items() if not math.isfinite(v)])
+             nonfinite=[k for k, v in metrics.items() if not math.isfinite(v)], update_norms=updates.norms,
+             reference=single_process_d2(spec, batch, dense, ref_logp if with_ref else None))
     ps.destroy_model_parallel()
+
+
+def dense_stats(batch, full):
+    """float64 log-probs at TEMPERATURE, GTPO's clamped entropies, token ids and mask of the whole
+    batch from a TP1 copy of the weights (the single-process view)."""
+    model = M.build_model(C.tiny_config(tied=False), dims=init_distributed(tp=1, pp=1, seed=7))[0]
+    C.load_full([model], full, tied=False, tp=1, tp_rank=0)
+    with torch.no_grad():
+        ids, pos = C.sequence_view(batch)
+        logp, _, clamped, token_ids, mask = C.dense_token_stats(model(ids, pos, M.causal_mask(ids.shape[1])), batch,
+                                                                TEMPERATURE)
+    return logp, clamped, token_ids, mask
 
 
 def main() -> None:

@@ -26,12 +26,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.checkpoint.store import load_model_weights
-from megatron_gtpo.sync.export import export_hf_weights
 from megatron_gtpo.convert.hf_io import HFReader
 from megatron_gtpo.convert.load import load_hf_weights
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import model as M
 from tests.tiny_hf import FAMILIES
+from tests.sync_helpers import export_hf_weights
 
 SEQ, BATCH = 12, 2
 

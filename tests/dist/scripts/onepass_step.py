@@ -1,6 +1,6 @@
 """Issue 16 on gloo ranks (run by tests/dist/test_onepass_step.py): the one-pass train step (GTPO's
 <H>_i and pi_old from the first update's own forward) against the pre-pass step
-(``StepSettings(pre_pass=True)``: a separate no-grad forward over the batch before the updates).
+(``tests/prepass.py``: a separate no-grad forward over the batch measures pi_old before the updates).
 
 Usage: torchrun --nproc_per_node=2 onepass_step.py LAYOUT [LAYOUT ...]   (LAYOUT ``tp,pp``, DP the rest)
 
@@ -30,6 +30,7 @@ from megatron_gtpo.train import step as S
 from megatron_gtpo.train.batching import local_rows
 from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
 from tests.dist.scripts import _trainstep_common as C
+from tests.prepass import pre_pass_step
 
 TEMPERATURE, MBS = 0.8, 2
 
@@ -102,10 +103,11 @@ def one_step(ddp, batch, full, case, dims, *, pre_pass: bool, calls, ref_logp):
     C.load_full(ddp, full, tied=False, tp=dims.tp, tp_rank=dims.tp_rank)
     optimizer, scheduler = build_optimizer(ddp, OptimConfig(optimizer=case["opt"]), total_steps=4)
     settings = S.StepSettings(spec=case["cfg"].resolve(max_completion_tokens=16), micro_batch_size=MBS,
-                              temperature=TEMPERATURE, chunk_tokens=5, pre_pass=pre_pass)
+                              temperature=TEMPERATURE, chunk_tokens=5)
     before = calls[0]
-    metrics = S.train_step(SimpleNamespace(chunks=ddp, optimizer=optimizer, scheduler=scheduler), batch, settings,
-                           dims, ref_logp=ref_logp)
+    step = pre_pass_step if pre_pass else S.train_step
+    metrics = step(SimpleNamespace(chunks=ddp, optimizer=optimizer, scheduler=scheduler), batch, settings,
+                   dims, ref_logp=ref_logp)
     params = {g: p.detach().clone() for g, _, p in C.named_local_params(ddp, tied=False)}
     grads = {g: p.main_grad.detach().clone() for g, _, p in C.named_local_params(ddp, tied=False)}
     return metrics, params, grads, calls[0] - before
@@ -144,7 +146,27 @@ def layout_phase(batch, full, threshold: dict[float, float], layout: tuple[int, 
              loss=m_one["loss"], filtered=m_one["gtpo/filtered_frac"], entropy=m_one["entropy/mean"],
              ratio_max=m_one["train/ratio_max"], clip=m_one["clip/low_frac"] + m_one["clip/high_frac"],
              nonfinite=[k for k, v in m_one.items() if not math.isfinite(v)])
+    nonfinite_phase(ddp, batch, full, cases(threshold)[1], dims, name)  # GTPO at mu = 2, no KL term
     ps.destroy_model_parallel()
+
+
+def nonfinite_phase(ddp, batch, full, case, dims, name) -> None:
+    """NaN output-layer weights (NaN logits, <H>_i and loss on the last stage): every rank raises
+    before the optimizer step, so no parameter changes (issue 20's one finiteness flag per update)."""
+    nan_full = {k: torch.full_like(v, float("nan")) if "output_layer" in k else v for k, v in full.items()}
+    C.load_full(ddp, nan_full, tied=False, tp=dims.tp, tp_rank=dims.tp_rank)
+    before = {g: p.detach().clone() for g, _, p in C.named_local_params(ddp, tied=False)}
+    optimizer, scheduler = build_optimizer(ddp, OptimConfig(optimizer=case["opt"]), total_steps=4)
+    settings = S.StepSettings(spec=case["cfg"].resolve(max_completion_tokens=16), micro_batch_size=MBS,
+                              temperature=TEMPERATURE)
+    error = ""
+    try:
+        S.train_step(SimpleNamespace(chunks=ddp, optimizer=optimizer, scheduler=scheduler), batch, settings, dims)
+    except FloatingPointError as err:
+        error = str(err)
+    after = {g: p.detach() for g, _, p in C.named_local_params(ddp, tied=False)}
+    unchanged = all(torch.equal(before[g], after[g]) or bool(before[g].isnan().all()) for g in before)
+    emit(check="nonfinite", layout=name, error=error[:300], unchanged=unchanged)
 
 
 def main() -> None:

@@ -11,15 +11,15 @@ the same weights. Prints one ``RESULT {json}`` line per check; tests/dist/test_p
 
 from __future__ import annotations
 
-import argparse
+import collections
 import math
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_gtpo.algo import AlgoConfig
+from megatron_gtpo.parallel import strict
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import model as M
 from megatron_gtpo.train.batching import row_tokens
@@ -32,19 +32,35 @@ from tests.dist.scripts.trainstep_equivalence import emit, rel_err, synthetic_re
 TEMPERATURE, MBS, BUDGET = 0.8, 2, 36
 
 
-def cases(threshold: float) -> list[dict]:
+def cases(threshold: float, raw_threshold: float) -> list[dict]:
     sgd = {"optimizer": "sgd", "lr": 0.5, "sgd_momentum": 0.0, "weight_decay": 0.0, "clip_grad": 0.0}
     return [
         dict(name="gtpo", cfg=AlgoConfig(name="gtpo", entropy_threshold=threshold), ref=False, opt=sgd),
         dict(name="grpo_kl", cfg=AlgoConfig(name="grpo", kl_beta=0.04), ref=True, opt=sgd),
         dict(name="dapo_mu2", cfg=AlgoConfig(name="dapo", mu=2, clip_eps_low=0.02, clip_eps_high=0.02), ref=False,
              opt={**sgd, "lr": 1e-4, "clip_grad": 1.0}),
+        # GTPO at mu = 2 with the filter on raw-logit entropies: update 2 reuses update 1's <H>_i per
+        # row, so a packed row placed at the wrong index would change A~ there. SGD, as dapo_mu2:
+        # Adam's m / sqrt(v) turns the fp32 rounding of near-zero gradients into +-lr updates, which
+        # would hide nothing but make the parameter comparison meaningless.
+        dict(name="gtpo_raw_mu2", cfg=AlgoConfig(name="gtpo", mu=2, entropy_threshold=raw_threshold, entropy_logits="raw",
+                                                 clip_eps_low=0.02, clip_eps_high=0.02), ref=False,
+             opt={**sgd, "lr": 1e-4, "clip_grad": 1.0}),
+        # Dr. GRPO's constant normaliser (seq-mean-token-sum-norm): the same L in every micro-batch
+        dict(name="drgrpo", cfg=AlgoConfig(name="drgrpo"), ref=False, opt=sgd),
     ]
 
 
-def _reference(batch) -> tuple[dict, float, torch.Tensor]:
-    """TP1/PP1 weights every layout loads, an entropy threshold between two rows' <H>_i and a
-    reference-model log-prob table near the policy's (GRPO's KL term)."""
+def _median_pair(clamped: torch.Tensor, mask: torch.Tensor) -> float:
+    """Between the two middle rows' <H>_i: a threshold that filters about half of the rows."""
+    mean_h = (clamped.sum(1) / mask.sum(1)).sort().values
+    return float(mean_h[len(mean_h) // 2 - 1: len(mean_h) // 2 + 1].mean())
+
+
+def _reference(batch) -> tuple[dict, tuple[float, float], torch.Tensor]:
+    """TP1/PP1 weights every layout loads, entropy thresholds between two rows' <H>_i (of the
+    sampling distribution, and of the raw logits) and a reference-model log-prob table near the
+    policy's (GRPO's KL term)."""
     dims = init_distributed(tp=1, pp=1, seed=7)
     torch.manual_seed(0)
     model = M.build_model(C.tiny_config(tied=False), dims=dims)[0]
@@ -54,9 +70,10 @@ def _reference(batch) -> tuple[dict, float, torch.Tensor]:
         input_ids, position_ids = C.sequence_view(batch)
         logits = model(input_ids, position_ids, M.causal_mask(input_ids.shape[1]))
         logp, _, clamped, _, mask = C.dense_token_stats(logits, batch, TEMPERATURE)
-    mean_h = (clamped.sum(1) / mask.sum(1)).sort().values
+        raw_clamped = C.dense_token_stats(logits, batch, 1.0)[2]
     ps.destroy_model_parallel()
-    return full, float(mean_h[len(mean_h) // 2 - 1: len(mean_h) // 2 + 1].mean()), synthetic_ref_logp(batch, logp)
+    thresholds = (_median_pair(clamped, mask), _median_pair(raw_clamped, mask))
+    return full, thresholds, synthetic_ref_logp(batch, logp)
 
 
 def _run(ddp, batch, dims, case, *, budget: int, full: dict, ref_logp) -> dict:
@@ -66,11 +83,13 @@ def _run(ddp, batch, dims, case, *, budget: int, full: dict, ref_logp) -> dict:
     settings = StepSettings(spec=case["cfg"].resolve(max_completion_tokens=16), micro_batch_size=MBS,
                             temperature=TEMPERATURE, chunk_tokens=5, micro_batch_tokens=budget)
     rows, mbs = rank_micro_batches(batch, settings, dims)
+    before = collections.Counter(strict.CHECKED)
     metrics = train_step(SimpleNamespace(chunks=ddp, optimizer=optimizer, scheduler=scheduler), batch, settings, dims,
                          ref_logp=ref_logp[rows] if case["ref"] else None)
+    checked = {f"{op}/{kind or 'unclassified'}": n for (op, kind), n in (strict.CHECKED - before).items()}
     named = list(C.named_local_params(ddp, tied=False))
     return {"metrics": metrics, "grads": {g: p.main_grad.detach().clone() for g, _, p in named},
-            "params": {g: p.detach().clone() for g, _, p in named}, "mbs": mbs}
+            "params": {g: p.detach().clone() for g, _, p in named}, "mbs": mbs, "strict": checked}
 
 
 def _errors(got: dict, want: dict) -> tuple[float, float]:
@@ -104,7 +123,7 @@ def layout_phase(batch, ref: tuple[dict, float, torch.Tensor], layout: tuple[int
     name = f"tp{tp}_pp{pp}_dp{dims.dp}" + (f"_vpp{vpp}" if vpp else "")
     _check_forward_stats(chunks, batch, full, dims, name)
     ddp = wrap_ddp(chunks, OptimConfig())
-    for case in cases(threshold):
+    for case in cases(*threshold):
         padded, packed = (_run(ddp, batch, dims, case, budget=b, full=full, ref_logp=ref_logp) for b in (0, BUDGET))
         only_one, metric_err, metric_worst = _metric_diff(packed["metrics"], padded["metrics"])
         grad_err, grad_err_max = _errors(packed["grads"], padded["grads"])
@@ -114,7 +133,8 @@ def layout_phase(batch, ref: tuple[dict, float, torch.Tensor], layout: tuple[int
              param_err=_errors(packed["params"], padded["params"])[1], metric_err=metric_err,
              metric_worst=metric_worst, metric_only_one=only_one,
              padded_count=len(padded["mbs"]), packing=_packing_shape(batch, packed["mbs"]),
-             last_stage=dims.is_last_stage)
+             last_stage=dims.is_last_stage, filtered_frac=packed["metrics"].get("gtpo/filtered_frac"),
+             ratio_max=packed["metrics"].get("train/ratio_max"), strict=packed["strict"] if case["name"] == "gtpo" else None)
     ps.destroy_model_parallel()
 
 
@@ -137,13 +157,9 @@ def _check_forward_stats(chunks, batch, full, dims, name) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("layouts", nargs="+")
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    batch = C.make_batch(5, num_groups=4, group_size=4)  # 16 rows of 7..20 tokens
+    layouts, batch = C.start_layouts()
     ref = _reference(batch)
-    for item in args.layouts:
+    for item in layouts:
         parts = [int(x) for x in item.split(",")]
         layout_phase(batch, ref, (parts[0], parts[1], parts[2] if len(parts) > 2 else None))
 

@@ -13,12 +13,12 @@ from megatron.core import parallel_state as ps
 
 from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.checkpoint.store import load_model_weights
-from megatron_gtpo.sync.export import export_hf_weights
 from megatron_gtpo.convert.hf_io import HFWriter, copy_side_files
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import model as M
 from tests.dist.scripts.convert_parity import hf_logits, logits_diffs, megatron_logits, report, tokens_for
 from tests.tiny_hf import FAMILIES
+from tests.sync_helpers import export_hf_weights
 
 
 def roundtrip(family, work, dims, suffix):

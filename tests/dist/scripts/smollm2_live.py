@@ -13,11 +13,11 @@ import torch.distributed as dist
 
 from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.checkpoint.store import load_model_weights
-from megatron_gtpo.sync.export import export_hf_weights
 from megatron_gtpo.convert.hf_io import HFReader
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.train import model as M
 from tests.dist.scripts.convert_parity import hf_logits, megatron_logits, report, tokens_for
+from tests.sync_helpers import export_hf_weights
 
 
 def main():

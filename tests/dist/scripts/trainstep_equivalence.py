@@ -55,6 +55,9 @@ def cases(threshold: float, clip: float) -> list[dict]:
         # small steps so the second update's ratio stays near 1 and the 0.02 clip range is hit
         dict(name="dapo_mu2_clip", cfg=AlgoConfig(name="dapo", mu=2, clip_eps_low=0.02, clip_eps_high=0.02), mu=2,
              ref=False, opt={**sgd, "lr": 1e-4, "clip_grad": clip}),
+        # Dr. GRPO: its normaliser is the constant L (max completion tokens), the same in every
+        # micro-batch and DP slice; a per-micro-batch normaliser would change the loss here
+        dict(name="drgrpo", cfg=AlgoConfig(name="drgrpo"), mu=1, ref=False, opt=sgd),
     ]
 
 

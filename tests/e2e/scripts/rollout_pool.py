@@ -26,16 +26,18 @@ from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.models.tiny import ensure_tiny
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.rollout import RolloutConfig, prompt_seeds
-from megatron_gtpo.sync import ExportPlan, SyncConfig, WeightPushError, build_rollout
+from megatron_gtpo.rollout.config import Sampling
+from megatron_gtpo.sync import ExportPlan, SyncConfig, WeightPushError
 from megatron_gtpo.sync.export import Exporter
 from megatron_gtpo.sync.separate import PoolSync
 from megatron_gtpo.train.model import build_model
 from tests.e2e.scripts.sync_roundtrip import QUESTIONS, emit
 from tests.helpers import chat_prompt
 from tests.megatron_greedy import greedy_generate
+from tests.sync_helpers import build_rollout
 
-GREEDY = dict(n=1, temperature=0.0, top_p=1.0, max_tokens=16, stop=None)
-SAMPLED = dict(n=3, temperature=1.0, top_p=1.0, max_tokens=12, stop=None)
+GREEDY = Sampling(n=1, temperature=0.0, max_tokens=16)
+SAMPLED = Sampling(n=3, temperature=1.0, max_tokens=12)
 
 
 def kill_after(syncer: PoolSync, pool, buckets: int) -> None:
@@ -68,17 +70,17 @@ def main() -> None:
     emit("pool_up", servers=[info for _, info in syncer.servers])
     prompts = [chat_prompt(rollout.tokenizer, q, uid=str(i)) for i, q in enumerate(QUESTIONS[:5])]
 
-    pooled = rollout.generate(prompts, **SAMPLED, seed=5)
+    pooled = rollout.generate(prompts, SAMPLED, seed=5)
     single = None
     if pool is not None:  # server 0 alone, the whole batch, the same per-prompt seeds
-        _, single = pool.links[0].call(("generate", prompts, prompt_seeds(5, len(prompts), 3), SAMPLED))
+        _, single = pool.links[0].call(("generate", prompts, prompt_seeds(5, len(prompts), 3), {"sampling": SAMPLED}))
     emit("split", prompts=len(prompts), completions=len(pooled), groups=[c.prompt_index for c in pooled],
          same_as_one_engine=None if single is None else [c.token_ids for c in pooled] == [c.token_ids for c in single],
          logprob_diff=None if single is None else max(abs(a - b) for x, y in zip(pooled, single)
                                                        for a, b in zip(x.logprobs, y.logprobs)))
 
     stats = syncer.push(Exporter(chunks, hf_config=hf_config, dims=dims), version=1)
-    engine_greedy = [c.token_ids for c in rollout.generate(prompts, **GREEDY, seed=1)]
+    engine_greedy = [c.token_ids for c in rollout.generate(prompts, GREEDY, seed=1)]
     megatron = greedy_generate(chunks, [p.token_ids for p in prompts], 16, dims,
                                eos_id=int(hf_config["eos_token_id"]), vocab_size=int(hf_config["vocab_size"]))
     emit("push_v1", version=stats.version, bytes=stats.num_bytes, seconds=stats.seconds,
@@ -95,7 +97,7 @@ def main() -> None:
         error = str(err)
     survivor = None
     if pool is not None:
-        version, out = pool.links[0].call(("generate", prompts, prompt_seeds(1, len(prompts), 1), GREEDY))
+        version, out = pool.links[0].call(("generate", prompts, prompt_seeds(1, len(prompts), 1), {"sampling": GREEDY}))
         survivor = {"version": version, "unchanged": [c.token_ids for c in out] == engine_greedy}
     emit("kill", error=error, seconds=round(time.time() - start, 1), survivor=survivor,
          dead=None if pool is None else pool.links[1].address)

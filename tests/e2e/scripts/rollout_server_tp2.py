@@ -14,14 +14,15 @@ import torch
 from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.models.tiny import ensure_tiny
 from megatron_gtpo.parallel.dims import init_distributed
-from megatron_gtpo.rollout import RolloutConfig
-from megatron_gtpo.sync import ExportPlan, SyncConfig, build_rollout
+from megatron_gtpo.rollout.config import RolloutConfig, Sampling
+from megatron_gtpo.sync import ExportPlan, SyncConfig
 from megatron_gtpo.sync.export import Exporter
 from megatron_gtpo.train.model import build_model
 from tests.helpers import chat_prompt
 from tests.megatron_greedy import greedy_generate
+from tests.sync_helpers import build_rollout
 
-GREEDY = dict(n=1, temperature=0.0, top_p=1.0, max_tokens=16)
+GREEDY = Sampling(n=1, temperature=0.0, max_tokens=16)
 
 
 def main() -> None:
@@ -35,7 +36,7 @@ def main() -> None:
                                     export=ExportPlan(hf_config=hf_config, dims=dims, bucket_bytes=2 << 20))
     prompts = [chat_prompt(rollout.tokenizer, q, uid=str(i)) for i, q in enumerate(["What is 2 + 2?", "Say hello."])]
     stats = syncer.push(Exporter(chunks, hf_config=hf_config, dims=dims), version=1)
-    served = rollout.generate(prompts, **GREEDY, seed=1)
+    served = rollout.generate(prompts, GREEDY, seed=1)
     megatron = greedy_generate(chunks, [p.token_ids for p in prompts], 16, dims, eos_id=int(hf_config["eos_token_id"]),
                                vocab_size=int(hf_config["vocab_size"]))
     print("RESULT " + json.dumps({"engine_tp": syncer.servers[0][1]["tp"], "version": stats.version,

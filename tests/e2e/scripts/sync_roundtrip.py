@@ -11,10 +11,13 @@ Checks (one ``RESULT {json}`` line each, from every rank):
   greedy         vLLM greedy tokens == Megatron greedy tokens (8 prompts x 32 tokens)        [fp32]
   bad_push       a push from a different architecture raises WeightPushError on every rank and the
                  engine's greedy tokens are unchanged
-  broken_pushes  a truncated push (last bucket missing) is rejected before any byte moves and the
+  broken_pushes  pushes of perturbed weights (v1 + noise of the weights' scale) that fail: a
+                 truncated push (last bucket missing) is rejected before any byte moves and the
                  engine serves v1 unchanged; a push whose export raises half-way fails on every
                  rank: staged (separate) the servers keep v1; streamed (colocated) the engine
-                 refuses to generate until the next complete push, which repairs it
+                 refuses to generate until the next complete push. The control: the same
+                 perturbed weights pushed completely change the greedy tokens; v1 pushed again
+                 restores them
   train_step     one GRPO optimizer step on engine samples (the trainer's mismatch/* metrics too)
   logprobs_v2    after pushing v2: engine log-probs of fresh samples == trainer log-probs, while the
                  v1 samples' engine log-probs are far from the v2 trainer's (the push changed them)
@@ -38,8 +41,8 @@ from megatron_gtpo.algo import AlgoConfig
 from megatron_gtpo.models.hf_config import read_hf_config
 from megatron_gtpo.models.tiny import ensure_tiny
 from megatron_gtpo.parallel.dims import init_distributed
-from megatron_gtpo.rollout import RolloutConfig
-from megatron_gtpo.sync import ExportPlan, ListSource, SyncConfig, WeightPushError, build_rollout
+from megatron_gtpo.rollout.config import RolloutConfig, Sampling
+from megatron_gtpo.sync import ExportPlan, SyncConfig, WeightPushError
 from megatron_gtpo.sync.export import Exporter
 from megatron_gtpo.train.batching import collate
 from megatron_gtpo.train.model import build_model, unwrap
@@ -49,6 +52,7 @@ from megatron_gtpo.train.step import (StepSettings, forward_stats, logprob_setti
 from megatron_gtpo.types import Batch, ScoredGroup
 from tests.helpers import chat_prompt
 from tests.megatron_greedy import greedy_generate
+from tests.sync_helpers import ListSource, build_rollout
 
 QUESTIONS = ["What is 2 + 2?", "Name a color.", "Count to five.", "Say hello.", "Why is the sky blue?",
              "Write a haiku.", "What is 7 times 8?", "Spell 'cat'."]
@@ -135,7 +139,7 @@ class Run:
         return [c.token_ids for c in self.greedy_completions()]
 
     def greedy_completions(self):
-        return self.rollout.generate(self.prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=32)
+        return self.rollout.generate(self.prompts, Sampling(n=1, temperature=0.0, max_tokens=32))
 
 
 def setup(transport: str, dtype: torch.dtype, engine_tp: int) -> Run:
@@ -189,26 +193,47 @@ def rejected_pushes(run: Run, engine_greedy: list[list[int]]) -> None:
     emit("bad_push", error=error, unchanged=[c.token_ids for c in after] == engine_greedy,
          versions=sorted({c.weight_version for c in after}))
 
-    buckets = run.full_buckets()
-    errors, refused = [], None
-    for bad in (ListSource(buckets[:-1]), RaisingSource(buckets)):
+    # Failed pushes carry weights the engine does not serve (v1 + noise of the weights' own scale),
+    # so a push applied half-way would change what the engine serves.
+    perturbed = perturbed_buckets(run.full_buckets())
+    errors, refused, unchanged = [], None, []
+    for bad in (ListSource(perturbed[:-1]), RaisingSource(perturbed)):
         try:
             run.syncer.push(bad, version=3)
         except (WeightPushError, RuntimeError) as err:
             errors.append(f"{type(err).__name__}: {err}"[:300])
-    try:  # streamed (colocated): the half-done push left the engine unusable
-        run.greedy_completions()
-    except RuntimeError as err:
-        refused = str(err)[:200]
-        run.syncer.push(run.source(), version=3)  # a complete push repairs it
+        try:  # streamed (colocated): the half-done push left the engine unusable
+            unchanged.append(run.greedy() == engine_greedy)
+        except RuntimeError as err:
+            refused = str(err)[:200]
+    # Positive control: the same perturbed weights, pushed completely, change the greedy tokens (and
+    # repair a streamed engine); then the real v1 weights again restore them exactly.
+    run.syncer.push(ListSource(perturbed), version=3)
+    perturbed_greedy = run.greedy()
+    run.syncer.push(run.source(), version=4)
     after = run.greedy_completions()
-    emit("broken_pushes", errors=errors, refused=refused, unchanged=[c.token_ids for c in after] == engine_greedy,
-         versions=sorted({c.weight_version for c in after}), num_buckets=len(buckets))
+    emit("broken_pushes", errors=errors, refused=refused, unchanged=unchanged,
+         perturbed_changed=sum(a != b for a, b in zip(perturbed_greedy, engine_greedy)),
+         restored=[c.token_ids for c in after] == engine_greedy, versions=sorted({c.weight_version for c in after}),
+         num_buckets=len(perturbed))
+
+
+def perturbed_buckets(buckets: list) -> list:
+    """The same tensors plus Gaussian noise of half each tensor's own spread (at least 0.02)."""
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for bucket in buckets:
+        noisy = []
+        for name, t in bucket:
+            scale = max(0.5 * t.float().std().item(), 0.02) if t.numel() > 1 else 0.02
+            noisy.append((name, (t.float() + scale * torch.randn(t.shape, generator=gen)).to(t.dtype)))
+        out.append(noisy)
+    return out
 
 
 def train_push_compare(run: Run) -> None:
     sampling = run.rollout_cfg.sampling()
-    samples_v1 = run.rollout.generate(run.prompts, **sampling, seed=11)
+    samples_v1 = run.rollout.generate(run.prompts, sampling, seed=11)
     algo = AlgoConfig(name="grpo", kl_beta=0.0)
     optimizer, scheduler = build_optimizer(run.chunks, OptimConfig(optimizer={"optimizer": "adam", "lr": 1e-3}),
                                            total_steps=1)
@@ -218,8 +243,8 @@ def train_push_compare(run: Run) -> None:
     metrics = train_step(policy, to_batch(run.prompts, samples_v1, seed=5), settings, run.dims)
     emit("train_step", **{k: v for k, v in metrics.items() if k.startswith(("mismatch/", "optim/grad_norm", "loss"))})
 
-    stats = run.syncer.push(run.source(), version=4)
-    samples_v2 = run.rollout.generate(run.prompts, **sampling, seed=11)
+    stats = run.syncer.push(run.source(), version=5)
+    samples_v2 = run.rollout.generate(run.prompts, sampling, seed=11)
     checks = {}
     for name, samples in (("v2", samples_v2), ("v1_samples", samples_v1)):
         batch = to_batch(run.prompts, samples, seed=0)
