@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import sys
+import time
 
 
 class PreemptionFlag:
