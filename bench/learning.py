@@ -82,11 +82,14 @@ def child_env(threads: int) -> dict[str, str]:
 def launch(argv: list[str], *, log_path: Path, args, run_dir: Path | None = None) -> dict:
     """``megatron-gtpo ARGV`` in this process (--in-process) or as a child; exit code, wall and CPU
     seconds, and (children) the CPU seconds of each step."""
-    if args.in_process:
-        from megatron_gtpo.cli import main as cli_main
+    if args.in_process:  # the subcommand's own main: `megatron-gtpo train` ends its process when done
+        import importlib
 
+        from megatron_gtpo.cli import SUBCOMMANDS, quiet_warnings
+
+        quiet_warnings()
         start, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-        code = cli_main(list(argv))
+        code = int(importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(list(argv[1:])) or 0)
         after = resource.getrusage(resource.RUSAGE_SELF)
         return {"code": code, "wall_s": time.perf_counter() - start, "cpu_per_step": {},
                 "cpu_s": after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime}
