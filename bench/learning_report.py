@@ -144,3 +144,55 @@ def plot_held_out(summary: dict, output: Path) -> Path:
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     return save_figure(fig, output)
+
+
+TABLE = (("acc_first", "train acc, first"), ("acc_last", "train acc, last"), ("heldout_greedy_after", "held-out greedy after"),
+         ("entropy_first", "entropy first"), ("entropy_last", "entropy last"), ("entropy_max", "entropy max"),
+         ("filtered_frac", "filtered"), ("lambda_zero_share", "lambda=0"), ("lambda_ge2_share", "lambda>=2"),
+         ("d1_wagg_common", "D1 W_agg common"), ("d2_adv_term", "D2 sum A Omega"), ("d2_loss_gap_max_abs", "D2 gap"),
+         ("active_frac", "A != 0"), ("step_s_median", "step s"), ("rollout_tries", "generations"))
+"""(aggregate key, column) of ``table``: the study's numbers per algorithm."""
+
+
+def merged(lines: list[dict]) -> dict:
+    """The summaries of several ``bench/learning.py`` invocations (e.g. seeds run apart) as one:
+    every run, the spread per algorithm over all of them, each invocation's base evaluation."""
+    runs = [r for line in lines for r in line["runs"]]
+    return {"algorithms": aggregate(runs), "runs": runs, "base": [line.get("base") for line in lines]}
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        lo, hi = value["min"], value["max"]
+        return f"{value['mean']:.3g}" + ("" if lo == hi else f" [{lo:.3g}, {hi:.3g}]")
+    return f"{value:.3g}"
+
+
+def table(summary: dict) -> str:
+    """A markdown table, one row per algorithm: mean over seeds, [min, max] where the seeds differ."""
+    head = "| algorithm | seeds | " + " | ".join(name for _, name in TABLE) + " |"
+    rows = [head, "|" + "---|" * (len(TABLE) + 2)]
+    for algo, agg in summary["algorithms"].items():
+        rows.append(f"| {algo} | {','.join(map(str, agg['seeds']))} | "
+                    + " | ".join(_cell(agg.get(key)) for key, _ in TABLE) + " |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    """``bench/learning_report.py SUMMARY.json [...]``: the markdown table of one or several study
+    summaries (``OUT/summary.json`` of bench/learning.py), merged, and the merged JSON line."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="bench/learning_report.py", description=main.__doc__)
+    parser.add_argument("summaries", nargs="+", help="summary.json files written by bench/learning.py")
+    args = parser.parse_args(argv)
+    summary = merged([json.loads(Path(p).read_text()) for p in args.summaries])
+    print(table(summary))
+    print(json.dumps({"bench": "learning_report", "summaries": args.summaries, **summary}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

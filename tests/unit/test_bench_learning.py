@@ -128,3 +128,17 @@ def test_grouped_lines_are_the_mean_over_runs_with_a_band():
     assert len(ax.collections) == 1  # the min-max band of the two runs
     plt.close(fig)
     assert _smoothed([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
+
+
+def test_summaries_of_seeds_run_apart_merge_into_one_table(capsys):
+    from bench.learning_report import main, merged, table
+
+    def line(seed, acc):
+        return {"base": {"greedy": 0.125}, "runs": [{"algo": "gtpo", "seed": seed, "status": "ok", "acc_last": acc,
+                                                      "heldout_greedy": {20: acc}}]}
+
+    summary = merged([line(0, 0.25), line(1, 0.75)])
+    assert summary["algorithms"]["gtpo"]["seeds"] == [0, 1] and summary["base"] == [{"greedy": 0.125}] * 2
+    text = table(summary)
+    assert "| gtpo | 0,1 | - | 0.5 [0.25, 0.75] | 0.5 [0.25, 0.75] |" in text, text  # mean [min, max] over seeds
+    assert table(merged([line(0, 0.25)])).splitlines()[2].startswith("| gtpo | 0 | - | 0.25 | 0.25 |")
