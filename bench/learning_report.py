@@ -146,7 +146,8 @@ def plot_held_out(summary: dict, output: Path) -> Path:
     return save_figure(fig, output)
 
 
-TABLE = (("acc_first", "train acc, first"), ("acc_last", "train acc, last"), ("heldout_greedy_after", "held-out greedy after"),
+TABLE = (("acc_first", "train acc, first"), ("acc_last", "train acc, last"),
+         ("heldout_greedy_after", "held-out greedy after"),
          ("entropy_first", "entropy first"), ("entropy_last", "entropy last"), ("entropy_max", "entropy max"),
          ("filtered_frac", "filtered"), ("lambda_zero_share", "lambda=0"), ("lambda_ge2_share", "lambda>=2"),
          ("d1_wagg_common", "D1 W_agg common"), ("d2_adv_term", "D2 sum A Omega"), ("d2_loss_gap_max_abs", "D2 gap"),
