@@ -188,9 +188,12 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="bench/learning_report.py", description=main.__doc__)
     parser.add_argument("summaries", nargs="+", help="summary.json files written by bench/learning.py")
+    parser.add_argument("--held-out-png", default="", help="also draw the held-out before/after bars here")
     args = parser.parse_args(argv)
     summary = merged([json.loads(Path(p).read_text()) for p in args.summaries])
     print(table(summary))
+    if args.held_out_png:  # "before" is the base model: the same greedy evaluation in every summary
+        plot_held_out({**summary, "base": next((b for b in summary["base"] if b), None)}, Path(args.held_out_png))
     print(json.dumps({"bench": "learning_report", "summaries": args.summaries, **summary}))
     return 0
 

@@ -130,7 +130,7 @@ def test_grouped_lines_are_the_mean_over_runs_with_a_band():
     assert _smoothed([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
 
 
-def test_summaries_of_seeds_run_apart_merge_into_one_table(capsys):
+def test_summaries_of_seeds_run_apart_merge_into_one_table(capsys, tmp_path):
     from bench.learning_report import main, merged, table
 
     def line(seed, acc):
@@ -142,3 +142,11 @@ def test_summaries_of_seeds_run_apart_merge_into_one_table(capsys):
     text = table(summary)
     assert "| gtpo | 0,1 | - | 0.5 [0.25, 0.75] | 0.5 [0.25, 0.75] |" in text, text  # mean [min, max] over seeds
     assert table(merged([line(0, 0.25)])).splitlines()[2].startswith("| gtpo | 0 | - | 0.25 | 0.25 |")
+    paths = []
+    for seed, acc in ((0, 0.25), (1, 0.75)):
+        paths.append(tmp_path / f"s{seed}.json")
+        paths[-1].write_text(json.dumps(line(seed, acc)))
+    assert main([str(p) for p in paths] + ["--held-out-png", str(tmp_path / "h.png")]) == 0
+    out = capsys.readouterr().out
+    assert "0.5 [0.25, 0.75]" in out and json.loads(out.splitlines()[-1])["algorithms"]["gtpo"]["seeds"] == [0, 1]
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
