@@ -3,7 +3,9 @@ objective-bias diagnostics D1/D2/D4 and the train-inference mismatch (README "Re
 diagnostics"); ``plot_probe`` draws the reward-scale probe's report (D3).
 
 Several runs (e.g. GRPO vs GTPO) share one figure, one line per run. A run is given as a run
-directory (its ``mlflow.db`` and ``run_id`` file are read) or as ``RUN_ID`` with ``--tracking-uri``.
+directory (its ``mlflow.db`` and ``run_id`` file are read) or as ``RUN_ID`` with ``--tracking-uri``;
+``LABEL=RUN,RUN,...`` draws several runs (the seeds of one algorithm) as one line: their mean per
+step with a min-max band. ``--panels study`` selects the learning study's panels (bench/learning.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,25 @@ PANELS = [
     (("bias/adam_step_ratio", "bias/adam_step_ratio_momentum"), "D4: Adam step ratio vs momentum-only"),
 ]
 """(metric names, title) per panel; a run lacking every name of a panel leaves it empty."""
+
+
+STUDY_PANELS = [
+    (("reward/accuracy",), "training accuracy (share of samples correct)"),
+    (("eval/accuracy",), "held-out greedy accuracy"),
+    (("reward/mean",), "mean reward (DAPO: its +1/-1 rule)"),
+    (("entropy/mean",), "mean token entropy (nats)"),
+    (("gtpo/filtered_frac",), "GTPO: share filtered (entropy above threshold)"),
+    (("gtpo/lambda_zero_share", "gtpo/lambda_ge2_share"), "conflict-token shares: lambda = 0 / lambda >= 2"),
+    (("bias/prefix_wagg_common", "bias/prefix_wagg_abs_mean"), "D1: W_agg, common prefix / mean |W_agg| mixed nodes"),
+    (("bias/surrogate_adv_term", "bias/surrogate_loss_gap"), "D2: sum A Omega; loss gap (~0)"),
+    (("completion/length_mean",), "completion tokens (mean)"),
+    (("batch/active_frac",), "share of completions with A != 0"),
+    (("optim/grad_norm",), "grad norm (before clipping)"),
+    (("time/step_s",), "step time (s)"),
+]
+"""The panels of a study (``bench/learning.py``, ``--panels study``): one line per algorithm."""
+
+PANEL_SETS = {"run": PANELS, "study": STUDY_PANELS}
 
 
 def _resolve(run: str, tracking_uri: str | None) -> tuple[str, str, str]:
@@ -56,29 +77,65 @@ def fetch_history(uri: str, run_id: str, keys: list[str]) -> dict[str, list[tupl
     return out
 
 
-def plot_runs(runs: list[str], output: str | os.PathLike, tracking_uri: str | None = None) -> Path:
-    """Draws every panel for every run into one PNG and returns its path."""
+def _groups(runs: list[str], tracking_uri: str | None, names: list[str]) -> list[tuple[str, list[dict]]]:
+    """``(label, [history of each run])`` per argument: a run, or ``LABEL=RUN,RUN,...`` (one line
+    for several runs, e.g. the seeds of one algorithm: their mean, with a min-max band)."""
+    out = []
+    for spec in runs:
+        label, _, members = spec.partition("=") if "=" in spec else ("", "", spec)
+        histories = []
+        for member in members.split(","):
+            uri, run_id, name = _resolve(member, tracking_uri)
+            histories.append(fetch_history(uri, run_id, names))
+            label = label or name
+        out.append((label, histories))
+    return out
+
+
+def _smoothed(values: list[float], window: int) -> list[float]:
+    """Trailing moving average over ``window`` points (1: unchanged)."""
+    return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+
+
+def _draw(ax, histories: list[dict], key: str, name: str, smooth: int) -> bool:
+    """One line (mean over the runs that logged ``key`` at a step) and its min-max band; False when
+    no run has ``key``."""
+    by_step: dict[int, list[float]] = {}
+    for history in histories:
+        for step, value in history.get(key, []):
+            by_step.setdefault(step, []).append(value)
+    if not by_step:
+        return False
+    steps = sorted(by_step)
+    means = _smoothed([sum(by_step[s]) / len(by_step[s]) for s in steps], smooth)
+    (line,) = ax.plot(steps, means, marker="o", markersize=3, label=name)
+    if len(histories) > 1:
+        low = _smoothed([min(by_step[s]) for s in steps], smooth)
+        high = _smoothed([max(by_step[s]) for s in steps], smooth)
+        ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
+    return True
+
+
+def plot_runs(runs: list[str], output: str | os.PathLike, tracking_uri: str | None = None, *,
+              panels: str = "run", smooth: int = 1) -> Path:
+    """Draws every panel of ``PANEL_SETS[panels]`` for every run (or ``LABEL=RUN,RUN`` group) into
+    one PNG and returns its path; ``smooth`` > 1 draws trailing moving averages."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    chosen = PANEL_SETS[panels]
     fig, axes = plt.subplots(3, 4, figsize=(20, 12))
-    names = [key for keys, _ in PANELS for key in keys]
+    names = [key for keys, _ in chosen for key in keys]
     drawn = 0
-    for run in runs:
-        uri, run_id, label = _resolve(run, tracking_uri)
-        history = fetch_history(uri, run_id, names)
-        for ax, (keys, title) in zip(axes.flat, PANELS):
+    for label, histories in _groups(runs, tracking_uri, names):
+        for ax, (keys, title) in zip(axes.flat, chosen):
             for key in keys:
-                if key in history:
-                    steps, values = zip(*history[key])
-                    name = label if len(keys) == 1 else f"{label} {key}"
-                    ax.plot(steps, values, marker="o", markersize=3, label=name)
-                    drawn += 1
-            ax.set_title(title)
+                drawn += _draw(ax, histories, key, label if len(keys) == 1 else f"{label} {key}", smooth)
+            ax.set_title(title + (f" ({smooth}-step mean)" if smooth > 1 else ""))
             ax.set_xlabel("step")
-    for ax in axes.flat[len(PANELS):]:
+    for ax in axes.flat[len(chosen):]:
         ax.axis("off")
     if drawn == 0:
         raise SystemExit(f"none of the metrics {names} were found in {runs}")
@@ -87,7 +144,7 @@ def plot_runs(runs: list[str], output: str | os.PathLike, tracking_uri: str | No
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    return _save(fig, output)
+    return save_figure(fig, output)
 
 
 def plot_probe(report: dict, output: str | os.PathLike) -> Path:
@@ -117,10 +174,11 @@ def plot_probe(report: dict, output: str | os.PathLike) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    return _save(fig, output)
+    return save_figure(fig, output)
 
 
-def _save(fig, output) -> Path:
+def save_figure(fig, output) -> Path:
+    """Writes ``fig`` to the PNG ``output`` atomically (temp file, rename) and closes it."""
     import matplotlib.pyplot as plt
 
     output = Path(output)
@@ -135,12 +193,16 @@ def _save(fig, output) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plot_run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", help="run directories (with mlflow.db and run_id) or MLflow run ids")
+    parser.add_argument("runs", nargs="+", help="run directories (with mlflow.db and run_id) or MLflow run ids; "
+                        "LABEL=RUN,RUN,... draws several runs (e.g. seeds) as one line, their mean with a min-max band")
     parser.add_argument("-o", "--output", default="curves.png", help="PNG file to write (default: curves.png)")
     parser.add_argument("--tracking-uri", default=None,
                         help="MLflow tracking URI for run ids (default: $MLFLOW_TRACKING_URI)")
+    parser.add_argument("--panels", choices=sorted(PANEL_SETS), default="run",
+                        help="run: the training and diagnostics panels (default); study: the learning-study panels")
+    parser.add_argument("--smooth", type=int, default=1, help="trailing moving average over N steps (default 1: none)")
     args = parser.parse_args(argv)
-    print(plot_runs(args.runs, args.output, args.tracking_uri))
+    print(plot_runs(args.runs, args.output, args.tracking_uri, panels=args.panels, smooth=max(1, args.smooth)))
     return 0
 
 
