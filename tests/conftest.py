@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tests import guards
+from tests import guards, shards
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -20,16 +20,35 @@ def _guarded() -> bool:
     return os.environ.get(guards.ENV) == "1"
 
 
-def pytest_collection_modifyitems(items):
+_COLLECTED: list[str] = []
+"""Every test id collected, before ``--shard`` keeps this shard's part: what the floors count."""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run the K-th of N shards of the collected tests (tests/shards.py; scripts/test.sh runs 2)")
+
+
+def pytest_collection_modifyitems(config, items):
     for item in items:  # the multi-rank and end-to-end layers start worlds, engines and servers
         if guards.layer(item.nodeid) in ("dist", "e2e", "slurm"):
             item.add_marker(pytest.mark.slow)
+    _COLLECTED[:] = [item.nodeid for item in items]
+    if config.getoption("shard"):
+        try:
+            k, n = shards.parse(config.getoption("shard"))
+        except ValueError as err:
+            raise pytest.UsageError(str(err)) from None
+        where = shards.assign(items, n)
+        mine = [where[item.nodeid.split("::", 1)[0]] == k - 1 for item in items]
+        config.hook.pytest_deselected(items=[item for item, keep in zip(items, mine) if not keep])
+        items[:] = [item for item, keep in zip(items, mine) if keep]
 
 
 def pytest_collection_finish(session):
     if not _guarded():
         return
-    short = guards.below_floor([item.nodeid for item in session.items])
+    short = guards.below_floor(_COLLECTED)
     if short:
         raise pytest.UsageError("a layer of the suite is missing (tests/guards.py FLOORS):\n  " + "\n  ".join(short)
                                 + f"\n(run a selection without the guards: {guards.ENV}=0)")

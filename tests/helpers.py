@@ -1,4 +1,4 @@
-"""Helpers shared by the test layers: launching gloo worlds with torchrun and reading their results."""
+"""Helpers shared by the test layers: launching gloo worlds and reading their results."""
 
 from __future__ import annotations
 
@@ -82,20 +82,25 @@ def run_group(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.Complet
 
 def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600,
              env: dict[str, str] | None = None) -> list[dict]:
-    """Runs ``script`` on ``nproc`` gloo ranks with torchrun and returns every JSON line that any
-    rank printed with the prefix ``RESULT `` (the scripts' way of reporting checks).
+    """Runs ``script`` on ``nproc`` gloo ranks and returns every JSON line that any rank printed
+    with the prefix ``RESULT `` (the scripts' way of reporting checks).
 
-    Raises AssertionError with the combined output when the launch fails, so a failing rank's
-    traceback appears in the pytest report. Strict device groups (megatron_gtpo/parallel/strict.py)
-    are on unless ``env`` or the caller's environment sets the variable to 0: host data on a group
-    that would be NCCL on a GPU raises here as it would there.
+    The ranks start through ``megatron_gtpo.parallel.launch``, as the training CLI's do: on this
+    CPU machine they are forked from one interpreter that imported torch, Megatron-Core and (for
+    the scripts that build engines) vLLM once, with torchrun's environment; ``MGTPO_LAUNCHER=torchrun``
+    in the environment runs torchrun's own launcher instead. Raises AssertionError with the combined
+    output when the launch fails, so a failing rank's traceback appears in the pytest report. Strict
+    device groups (megatron_gtpo/parallel/strict.py) are on unless ``env`` or the caller's
+    environment sets the variable to 0: host data on a group that would be NCCL on a GPU raises here
+    as it would there.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", str(script), *args]
-    full_env = child_env(OMP_NUM_THREADS="1", **(env or {}))
+    preload = ["megatron_gtpo.trainer"] + (["vllm"] if "vllm" in Path(script).read_text() else [])
+    cmd = [sys.executable, "-m", "megatron_gtpo.parallel.launch", f"--nproc={nproc}", f"--preload={','.join(preload)}",
+           str(script), *args]
+    full_env = child_env(OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()), **(env or {}))
     proc = run_group(cmd, timeout=timeout, env=full_env, cwd=REPO)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"torchrun {script} (nproc={nproc}) failed rc={proc.returncode}:\n{out[-8000:]}"
+    assert proc.returncode == 0, f"launch {script} (nproc={nproc}) failed rc={proc.returncode}:\n{out[-8000:]}"
     return [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 

@@ -3,19 +3,19 @@
 Everything cheap is checked before any rank starts (config types and ranges, the model directory,
 the parallel layout against the model's heads/layers/vocabulary, Megatron pass-through fields,
 data files, the reward function), so a bad recipe fails in seconds with the key path named.
-With tp * pp * dp == 1 the driver runs in this process; otherwise torchrun starts the ranks and
-this process forwards SIGTERM / SIGUSR1 to them as SIGUSR1 (checkpoint, then exit 0).
+With tp * pp * dp == 1 the driver runs in this process; otherwise it starts the ranks
+(parallel/launch.py) and forwards SIGTERM / SIGUSR1 to them as SIGUSR1 (checkpoint, then exit 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from pathlib import Path
 
 from megatron_gtpo.checkpoint.files import CheckpointError, add_resume_options, check_resume
+from megatron_gtpo.parallel.launch import launch
 from megatron_gtpo.utils.configuration import ConfigError
 from megatron_gtpo.utils.runtime import START_TIME_ENV
 
@@ -98,59 +98,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def launch_torchrun(resolved_config: Path, world: int, *, resume: str, module: str = "megatron_gtpo.cli.worker",
                     extra: tuple[str, ...] = ()) -> int:
-    """Starts ``world`` local ranks of ``python -m module CONFIG [extra]`` with torchrun's launcher
-    (gloo on CPU, NCCL on GPU) and waits for them; the exit code is 0, or 1 when a rank failed.
-
-    The launcher runs in this process, which has already imported torch for the checks: a separate
-    ``torchrun`` agent would start another interpreter and import torch again before any rank
-    starts. SIGTERM and SIGUSR1 reach the ranks as SIGUSR1 (checkpoint, then exit 0); the launcher
-    keeps SIGINT, SIGHUP and SIGQUIT (it stops the ranks). Multi-node jobs are launched by
-    slurm/train.sbatch, which runs torchrun on every node itself.
-    """
+    """Starts ``world`` local ranks of ``python -m module CONFIG [extra]`` (parallel/launch.py: forked
+    from this process, which has already imported torch for the checks, on a CPU host; torchrun's
+    launcher on a CUDA host) and waits for them; the exit code is 0, or 1 when a rank failed.
+    SIGTERM and SIGUSR1 reach the ranks as SIGUSR1 (checkpoint, then exit 0). Multi-node jobs are
+    launched by slurm/train.sbatch, which runs torchrun on every node itself."""
     import psutil
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
 
-    argv = [f"--nproc_per_node={world}", "--master_port", os.environ.get("MASTER_PORT", str(_free_port())),
-            "-m", module, str(resolved_config), *extra]
+    args = [str(resolved_config), *extra]
     if resume == "require":
-        argv.append("--resume")
+        args.append("--resume")
     elif resume == "auto":
-        argv.append("--resume=auto")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+        args.append("--resume=auto")
     os.environ[START_TIME_ENV] = repr(psutil.Process().create_time())  # the ranks' start-up report counts from here
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM is forwarded below
-    forward = lambda signum, frame: _signal_workers(module)  # noqa: E731
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        run(get_args_parser().parse_args(argv))
-        return 0
-    except ChildFailedError as err:
-        print(err.format_msg(), file=sys.stderr, flush=True)
-        return 1
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _signal_workers(module: str) -> None:
-    """SIGUSR1 to the ranks this process started (``python -m module ...``), nothing else."""
-    import psutil
-
-    for child in psutil.Process().children(recursive=False):
-        try:
-            if module in child.cmdline():
-                child.send_signal(signal.SIGUSR1)
-        except psutil.NoSuchProcess:
-            pass
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return launch(module, args, world)
 
 
 if __name__ == "__main__":

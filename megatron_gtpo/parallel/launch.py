@@ -1,0 +1,251 @@
+"""Local ranks of one host: forked from this warm interpreter on a CPU host, torchrun elsewhere.
+
+``megatron-gtpo train`` / ``probe`` on one host, and the dist and e2e tests' gloo worlds, start
+their ranks here. A rank's own imports of torch, Megatron-Core, transformers and vLLM cost ~12 s of
+one core on the 2-core machine before any work, once per rank: on a host without CUDA this process
+imports them once (``preload``) and forks the ranks, which start with them loaded (the tiny recipe's
+start-up: 40 s -> see docs/performance.md). A CUDA host keeps torchrun's fresh interpreters: CUDA
+cannot be used in a child forked after its parent initialised it, and vLLM probes the GPU when
+imported. ``MGTPO_LAUNCHER=torchrun`` forces torchrun on CPU too (tests/e2e/test_train.py keeps that
+path covered); multi-node jobs are launched by slurm/train.sbatch, which runs torchrun itself.
+
+Forked ranks behave as torchrun's do: the same environment (RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR, ...), ``python -m module`` / ``python script.py`` semantics (``runpy``), SIGTERM and
+SIGUSR1 to this process reach the ranks as SIGUSR1 (checkpoint, then exit 0), and when one rank
+fails the others are killed with everything they started. A rank also dies with this process
+(``PR_SET_PDEATHSIG``), so a killed launcher never leaves ranks training on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import ctypes
+import importlib
+import os
+import runpy
+import signal
+import socket
+import sys
+import traceback
+from collections.abc import Sequence
+
+LAUNCHER_ENV = "MGTPO_LAUNCHER"
+"""``fork`` / ``torchrun`` / unset (fork on a host without CUDA, torchrun with CUDA)."""
+TRAINER_PRELOAD = ("megatron_gtpo.trainer", "megatron.core.dist_checkpointing", "vllm")
+"""What a training rank imports anyway (``vllm`` when installed, with the engine classes that
+``vllm.LLM`` would load lazily)."""
+KILL_GRACE_S = 5.0
+"""After a rank failed: how long the others get to exit on their own before SIGKILL."""
+
+
+def use_fork() -> bool:
+    """Whether this host forks ranks: ``MGTPO_LAUNCHER``, else fork unless torch sees CUDA (a CUDA
+    host is never forked from: the check itself may initialise the driver, and then only torchrun's
+    fresh interpreters are safe)."""
+    choice = os.environ.get(LAUNCHER_ENV, "")
+    if choice not in ("", "fork", "torchrun"):
+        raise ValueError(f"{LAUNCHER_ENV}={choice!r}: use fork, torchrun or leave it unset")
+    if choice:
+        return choice == "fork"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(target: str, args: Sequence[str], world: int, *, preload: Sequence[str] = TRAINER_PRELOAD) -> int:
+    """Runs ``python -m target *args`` (``target`` a module) or ``python target *args`` (a ``.py``
+    path) on ``world`` local ranks and waits for them: 0, or 1 when a rank failed (named on stderr)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if use_fork():
+        return _fork_ranks(target, list(args), world, preload)
+    return _torchrun(target, list(args), world)
+
+
+def _torchrun(target: str, args: list[str], world: int) -> int:
+    """torchrun's launcher in this process (a separate agent would import torch once more)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    script = [target] if target.endswith(".py") else ["-m", target]
+    argv = [f"--nproc_per_node={world}", "--master_port", os.environ.get("MASTER_PORT", str(free_port())),
+            *script, *args]
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM is forwarded below
+    previous = _forward_signals(lambda: _children_running(target))
+    try:
+        run(get_args_parser().parse_args(argv))
+        return 0
+    except ChildFailedError as err:
+        print(err.format_msg(), file=sys.stderr, flush=True)
+        return 1
+    finally:
+        _restore(previous)
+
+
+def _children_running(target: str) -> list[int]:
+    """torchrun's ranks: this process's children that run ``target``."""
+    import psutil
+
+    pids = []
+    for child in psutil.Process().children(recursive=False):
+        try:
+            if target in child.cmdline():
+                pids.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
+def _fork_ranks(target: str, args: list[str], world: int, preload: Sequence[str]) -> int:
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # vLLM is optional for scripts that never build an engine
+            pass
+    if "vllm" in sys.modules:
+        importlib.import_module("vllm.entrypoints.llm")  # the engine classes `vllm.LLM` loads lazily
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", str(free_port())),
+           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+           "ROLE_WORLD_SIZE": str(world), "TORCHELASTIC_RUN_ID": f"fork-{os.getpid()}",
+           "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ranks: dict[int, int] = {}
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            _rank_main(target, args, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)})
+        ranks[pid] = rank
+    previous = _forward_signals(lambda: list(ranks))
+    try:
+        return _wait(ranks)
+    except KeyboardInterrupt:
+        _kill_all(ranks, signal.SIGINT)
+        raise
+    finally:
+        _restore(previous)
+
+
+def _rank_main(target: str, args: list[str], env: dict[str, str]) -> None:
+    """A forked rank: torchrun's environment, then ``target`` as ``__main__``; never returns."""
+    code = 1
+    # The launcher's exit handlers are not the rank's: it starts with those a fresh interpreter has
+    # (multiprocessing's stops the helper processes a rank starts, e.g. Megatron's checkpoint writer).
+    atexit._clear()
+    for module, handler in (("logging", "shutdown"), ("multiprocessing.util", "_exit_function")):
+        if module in sys.modules:
+            atexit.register(getattr(sys.modules[module], handler))
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the launcher
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        os.environ.update(env)
+        if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            # torch read OMP_NUM_THREADS when this process imported it, before launch() set it: a
+            # rank that kept the host's thread count would oversubscribe the cores with its peers.
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        sys.argv = [target, *args]
+        if target.endswith(".py"):
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+        else:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if not isinstance(stop.code, int | None):
+            print(stop.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 -- a rank's traceback, as torchrun would show it
+        traceback.print_exc()
+    finally:
+        # As a fresh interpreter ends: the rank's exit handlers, then its output.
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
+def _wait(ranks: dict[int, int]) -> int:
+    """Waits for every rank; at the first failure kills the rest (and what they started)."""
+    running, failed = dict(ranks), None
+    while running:
+        pid, status = os.waitpid(-1, 0)
+        if pid not in running:
+            continue
+        rank = running.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and failed is None:
+            failed = (rank, code)
+            _kill_all(running, None)
+    if failed is None:
+        return 0
+    rank, code = failed
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    print(f"megatron-gtpo launch: rank {rank} failed ({how}); the other ranks were stopped", file=sys.stderr,
+          flush=True)
+    return 1
+
+
+def _kill_all(running: dict[int, int], sig: int | None) -> None:
+    """``sig`` to the ranks; with ``None``, a grace period, then SIGKILL to them and their
+    descendants (reward workers, engines), as torchrun stops the rest of a failed world."""
+    import psutil
+
+    procs = []
+    for pid in running:
+        try:
+            proc = psutil.Process(pid)
+            procs += [proc, *proc.children(recursive=True)]
+            if sig is not None:
+                proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    if sig is not None:
+        return
+    _, alive = psutil.wait_procs(procs[:len(running)], timeout=KILL_GRACE_S)
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _forward_signals(pids):
+    """SIGTERM / SIGUSR1 to this process -> SIGUSR1 to the ranks ``pids()`` (checkpoint, exit 0)."""
+    def forward(signum, frame):
+        for pid in pids():
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+
+    return {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+
+def _restore(previous) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_gtpo.parallel.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, required=True, help="ranks to start on this host")
+    parser.add_argument("--preload", default="torch,megatron.core,megatron.core.parallel_state",
+                        help="comma-separated modules imported once before forking (fork mode)")
+    parser.add_argument("target", help="a script (.py) or a module")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    ns = parser.parse_args(argv)
+    return launch(ns.target, ns.args, ns.nproc, preload=[m for m in ns.preload.split(",") if m])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

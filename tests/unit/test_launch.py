@@ -1,0 +1,137 @@
+"""megatron_gtpo/parallel/launch.py: ranks forked from a warm interpreter behave as torchrun's do.
+
+The targets here are plain scripts that import nothing heavy (``--preload=``), so each launch costs
+well under a second; the training CLI and the dist layer use the same launcher with torch,
+Megatron and vLLM preloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from tests.helpers import REPO, child_env, kill_tree, run_group
+
+LAUNCH = [sys.executable, "-m", "megatron_gtpo.parallel.launch", "--preload="]
+
+
+def _script(tmp_path, body: str):
+    path = tmp_path / "target.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _launch(tmp_path, body: str, *args: str, nproc: int = 2, launcher: str = "fork", timeout: float = 60):
+    cmd = [*LAUNCH, f"--nproc={nproc}", str(_script(tmp_path, body)), *args]
+    return run_group(cmd, timeout=timeout, env=child_env(MGTPO_LAUNCHER=launcher), cwd=REPO)
+
+
+ENV_REPORT = """
+    import json, os, sys
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    print("ENV " + json.dumps({k: os.environ.get(k) for k in keys} | {"argv": sys.argv[1:], "main": __name__}))
+"""
+
+
+@pytest.mark.parametrize("launcher", ["fork", "torchrun"])
+def test_ranks_get_torchruns_environment_and_arguments(tmp_path, launcher):
+    """Catches a forked rank that lacks the variables torch.distributed's env:// init and vLLM's
+    external launcher read (or the script's arguments); torchrun's path is the reference."""
+    proc = _launch(tmp_path, ENV_REPORT, "--flag", "x", launcher=launcher)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = sorted((json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ENV ")),
+                  key=lambda e: e["RANK"])
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in seen] == [
+        ("0", "0", "2", "2"), ("1", "1", "2", "2")]
+    assert {e["MASTER_PORT"] for e in seen} != {None} and len({e["MASTER_PORT"] for e in seen}) == 1
+    assert all(e["argv"] == ["--flag", "x"] and e["main"] == "__main__" for e in seen)
+
+
+def test_a_failed_rank_stops_the_others_and_is_named(tmp_path):
+    """Catches a launcher that waits forever on the surviving rank (stuck in a collective with a
+    dead peer) or reports success: rank 1 exits 3 while rank 0 would sleep for 5 minutes."""
+    start = time.monotonic()
+    proc = _launch(tmp_path, """
+        import os, sys, time
+        if os.environ["RANK"] == "1":
+            sys.exit(3)
+        time.sleep(300)
+    """)
+    assert proc.returncode == 1
+    assert "rank 1 failed (exit code 3)" in proc.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_helper_processes_of_a_rank_end_with_it(tmp_path):
+    """Catches forked ranks that skip their exit handlers: a multiprocessing helper (here a
+    Manager, as Megatron's checkpoint writer starts one) outlived the rank, kept the output pipe
+    open, and the caller waited until its timeout (found when the launcher was introduced)."""
+    start = time.monotonic()
+    proc = _launch(tmp_path, """
+        import multiprocessing as mp
+        if __name__ == "__main__":
+            manager = mp.get_context("spawn").Manager()
+            manager.dict()["x"] = 1
+            print("helper started")
+    """, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("helper started") == 2
+    assert time.monotonic() - start < 45
+
+
+def test_sigterm_reaches_the_ranks_as_sigusr1(tmp_path):
+    """Catches a launcher that dies of SIGTERM (a preemption) instead of letting the ranks
+    checkpoint: each rank turns SIGUSR1 into a clean exit, as the training driver does."""
+    script = _script(tmp_path, """
+        import os, signal, sys, time
+        signal.signal(signal.SIGUSR1, lambda *a: (print("USR1", os.environ["RANK"], flush=True), sys.exit(0)))
+        print("ready", flush=True)
+        time.sleep(120)
+        sys.exit(5)
+    """)
+    proc = subprocess.Popen([*LAUNCH, "--nproc=2", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=child_env(MGTPO_LAUNCHER="fork"), cwd=REPO, start_new_session=True)
+    try:
+        ready = 0
+        while ready < 2:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            ready += line.startswith("ready")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 0, err
+    assert sorted(line for line in out.splitlines() if line.startswith("USR1")) == ["USR1 0", "USR1 1"]
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    """Catches orphaned ranks that train on after the launcher was SIGKILLed (an OOM kill, a
+    scancel --signal=KILL of the step): PR_SET_PDEATHSIG ends them."""
+    script = _script(tmp_path, """
+        import os, time
+        print("pid", os.getpid(), flush=True)
+        time.sleep(120)
+    """)
+    proc = subprocess.Popen([*LAUNCH, "--nproc=2", str(script)], stdout=subprocess.PIPE, text=True,
+                            env=child_env(MGTPO_LAUNCHER="fork"), cwd=REPO, start_new_session=True)
+    try:
+        pids = [int(proc.stdout.readline().split()[1]) for _ in range(2)]
+        proc.kill()
+        proc.wait(timeout=10)
+        gone, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=10)
+        assert not alive, f"ranks {alive} outlived the launcher"
+    finally:
+        kill_tree(proc.pid)
+
+
+def test_a_bad_launcher_choice_is_named(tmp_path):
+    proc = _launch(tmp_path, ENV_REPORT, launcher="spawn")
+    assert proc.returncode != 0 and "MGTPO_LAUNCHER='spawn'" in proc.stderr
