@@ -35,8 +35,6 @@ LAUNCHER_ENV = "MGTPO_LAUNCHER"
 TRAINER_PRELOAD = ("megatron_gtpo.trainer", "megatron.core.dist_checkpointing", "vllm")
 """What a training rank imports anyway (``vllm`` when installed, with the engine classes that
 ``vllm.LLM`` would load lazily)."""
-KILL_GRACE_S = 5.0
-"""After a rank failed: how long the others get to exit on their own before SIGKILL."""
 
 
 def use_fork() -> bool:
@@ -125,8 +123,8 @@ def _fork_ranks(target: str, args: list[str], world: int, preload: Sequence[str]
     previous = _forward_signals(lambda: list(ranks))
     try:
         return _wait(ranks)
-    except KeyboardInterrupt:
-        _kill_all(ranks, signal.SIGINT)
+    except KeyboardInterrupt:  # the ranks got the terminal's SIGINT too, or only this process did
+        _kill_all(ranks, signal.SIGKILL)
         raise
     finally:
         _restore(previous)
@@ -177,14 +175,14 @@ def _wait(ranks: dict[int, int]) -> int:
     """Waits for every rank; at the first failure kills the rest (and what they started)."""
     running, failed = dict(ranks), None
     while running:
-        pid, status = os.waitpid(-1, 0)
+        pid, status = os.waitpid(-1, 0)  # only this loop reaps the ranks (their exit codes)
         if pid not in running:
             continue
         rank = running.pop(pid)
         code = os.waitstatus_to_exitcode(status)
         if code != 0 and failed is None:
             failed = (rank, code)
-            _kill_all(running, None)
+            _kill_all(running, signal.SIGKILL)
     if failed is None:
         return 0
     rank, code = failed
@@ -194,28 +192,21 @@ def _wait(ranks: dict[int, int]) -> int:
     return 1
 
 
-def _kill_all(running: dict[int, int], sig: int | None) -> None:
-    """``sig`` to the ranks; with ``None``, a grace period, then SIGKILL to them and their
-    descendants (reward workers, engines), as torchrun stops the rest of a failed world."""
+def _kill_all(running: dict[int, int], sig: int) -> None:
+    """``sig`` to the ranks and everything they started (reward workers, engines, helpers), as
+    torchrun stops the rest of a failed world; the caller reaps the ranks."""
     import psutil
 
-    procs = []
     for pid in running:
         try:
-            proc = psutil.Process(pid)
-            procs += [proc, *proc.children(recursive=True)]
-            if sig is not None:
+            targets = [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in targets:
+            try:
                 proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-    if sig is not None:
-        return
-    _, alive = psutil.wait_procs(procs[:len(running)], timeout=KILL_GRACE_S)
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
+            except psutil.NoSuchProcess:
+                pass
 
 
 def _forward_signals(pids):

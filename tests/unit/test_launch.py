@@ -135,3 +135,15 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
 def test_a_bad_launcher_choice_is_named(tmp_path):
     proc = _launch(tmp_path, ENV_REPORT, launcher="spawn")
     assert proc.returncode != 0 and "MGTPO_LAUNCHER='spawn'" in proc.stderr
+
+
+def test_ranks_failing_together_are_reported_not_a_launcher_crash(tmp_path):
+    """Catches the launcher's own crash (ChildProcessError: another waiter reaped a rank it was
+    still waiting for) when every rank fails at about the same time, as a bad config does."""
+    proc = _launch(tmp_path, """
+        import sys, time
+        time.sleep(0.5)
+        sys.exit(4)
+    """)
+    assert proc.returncode == 1 and "failed (exit code 4)" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
