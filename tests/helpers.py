@@ -60,11 +60,21 @@ INNER_TIMEOUT_S = 1500
 timeout = 1800), so a hung subprocess group is killed by us, with its output, never orphaned."""
 
 
-def run_group(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+def run_group(cmd: list[str], *, timeout: float, warm: bool = False, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run`` in a process group of its own (``start_new_session``); on timeout the
     whole tree (torchrun agents, ranks in their own sessions, engine and scorer processes) is
-    killed, then the test fails with the output so far. Output is captured as text."""
+    killed, then the test fails with the output so far. Output is captured as text. ``warm``: a
+    ``python -m megatron_gtpo...`` command may be forked from the session's warm interpreter
+    instead (tests/warm.py: training runs and gloo worlds, never a test about start-up)."""
     assert timeout <= INNER_TIMEOUT_S, f"timeout {timeout} s exceeds INNER_TIMEOUT_S"
+    if warm:
+        from tests.warm import WARM
+
+        env = kwargs.get("env") or dict(os.environ)
+        if set(kwargs) <= {"env", "cwd"} and WARM.eligible(cmd, env):
+            done = WARM.run(cmd, timeout=timeout, env=env, cwd=Path(kwargs.get("cwd") or os.getcwd()))
+            if done is not None:
+                return done
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             **kwargs)
     try:
@@ -98,7 +108,7 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600,
     cmd = [sys.executable, "-m", "megatron_gtpo.parallel.launch", f"--nproc={nproc}", f"--preload={','.join(preload)}",
            str(script), *args]
     full_env = child_env(OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()), **(env or {}))
-    proc = run_group(cmd, timeout=timeout, env=full_env, cwd=REPO)
+    proc = run_group(cmd, timeout=timeout, env=full_env, cwd=REPO, warm=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"launch {script} (nproc={nproc}) failed rc={proc.returncode}:\n{out[-8000:]}"
     return [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

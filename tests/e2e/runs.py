@@ -74,7 +74,7 @@ def train(out: Path, *args: str, steps: int, timeout: float = RUN_TIMEOUT_S, ok:
     """``megatron-gtpo train configs/tiny.yaml --output-dir out --steps steps *args``; its output is
     also kept in ``<out>-<n>.log`` next to the run dir. Fails the test unless it exits 0 (``ok``)."""
     proc = run_group([*CLI, "--output-dir", str(out), "--steps", str(steps), *args], timeout=timeout,
-                     env=child_env(), cwd=REPO)
+                     env=child_env(), cwd=REPO, warm=True)
     text = proc.stdout + proc.stderr
     n = len(list(out.parent.glob(f"{out.name}-*.log")))
     (out.parent / f"{out.name}-{n}.log").write_text(text)

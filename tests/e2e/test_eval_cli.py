@@ -24,7 +24,8 @@ def run_eval(tmp_path, *args: str, timeout: float = 540) -> subprocess.Completed
     # The benchmarks shipped in this checkout (no MEGATRON_GTPO_DATA override).
     env = {**{k: v for k, v in os.environ.items() if k != "MEGATRON_GTPO_DATA"}, "PYTHONPATH": str(REPO)}
     # cwd = tmp_path: MLflow's sqlite store puts artifacts under ./mlruns of the working directory
-    proc = run_group([sys.executable, "-m", "megatron_gtpo.cli.eval", *args], timeout=timeout, env=env, cwd=tmp_path)
+    proc = run_group([sys.executable, "-m", "megatron_gtpo.cli.eval", *args], timeout=timeout, env=env, cwd=tmp_path,
+                     warm=True)
     (tmp_path / "eval.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"eval failed rc={proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
     return proc

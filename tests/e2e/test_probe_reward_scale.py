@@ -38,7 +38,7 @@ def report(tmp_path_factory):
     cmd = [sys.executable, "-m", "megatron_gtpo.cli", "probe", "reward-scale", str(REPO / "configs" / "tiny.yaml"),
            "optim.optimizer.clip_grad=0", "rollout.offload_trainer=true", "--phi", "0.1,1,10", "--steps", "3", "--output-dir", str(out),
            *[arg for variant in VARIANTS for arg in variant]]
-    proc = run_group(cmd, timeout=840, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = run_group(cmd, timeout=840, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, warm=True)
     (out / "probe.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith('{"probe": "reward-scale"')]

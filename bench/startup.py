@@ -1,0 +1,66 @@
+"""Start-up of the tiny recipe: ``megatron-gtpo train configs/tiny.yaml`` to its ``ready:`` line, with
+the ranks forked from the warm driver (the default on a CPU host, megatron_gtpo/parallel/launch.py)
+against torchrun's fresh interpreters (``MGTPO_LAUNCHER=torchrun``, the baseline), alternated in
+this invocation so that both see the same machine load.
+
+    python bench/startup.py [--repeats 3] [--out /tmp/bench_startup]
+
+Each run is 1 step (the step itself is not timed). Prints per launcher the median over repeats of
+the rank's own ``start-up`` figure (wall time from the ``megatron-gtpo train`` command to the
+``ready:`` line) and of the peak host RSS it reports, the wall time of the whole command, then one
+JSON line with ``fork_over_torchrun`` (start-up ratio; below 1 is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+READY = re.compile(r"ready: .*\(start-up ([0-9.]+) s, peak host RSS ([0-9.]+) GiB\)")
+
+
+def run(out: str, launcher: str) -> dict[str, float]:
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [os.path.join(REPO, ".venv", "bin", "megatron-gtpo"), "train", os.path.join(REPO, "configs", "tiny.yaml"),
+           "--output-dir", out, "--steps", "1", "train.checkpoint_every=1"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "MGTPO_LAUNCHER": launcher})
+    wall = time.perf_counter() - start
+    text = proc.stdout + proc.stderr
+    match = READY.search(text)
+    if proc.returncode or match is None:
+        sys.exit(f"run failed ({launcher}: {' '.join(cmd)}):\n{text[-4000:]}")
+    return {"startup_s": float(match.group(1)), "peak_rss_gib": float(match.group(2)), "wall_s": wall}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="/tmp/bench_startup")
+    args = parser.parse_args(argv)
+    rows: dict[str, list[dict]] = {"torchrun": [], "fork": []}
+    for i in range(args.repeats):
+        for launcher in rows:
+            rows[launcher].append(run(os.path.join(args.out, f"{launcher}-{i}"), launcher))
+    med = {launcher: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for launcher, runs in rows.items()}
+    print(f"configs/tiny.yaml, TP=2, medians of {args.repeats} runs each (load1 {os.getloadavg()[0]:.1f})")
+    print("launcher | start-up s | peak host RSS GiB | command wall s (1 step)")
+    for launcher, m in med.items():
+        print(f"{launcher} | {m['startup_s']:.1f} | {m['peak_rss_gib']:.2f} | {m['wall_s']:.1f}")
+    print(json.dumps({"bench": "startup", "repeats": args.repeats, "medians": med,
+                      "fork_over_torchrun": round(med["fork"]["startup_s"] / med["torchrun"]["startup_s"], 3),
+                      "all": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

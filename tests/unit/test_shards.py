@@ -1,0 +1,91 @@
+"""tests/shards.py and tests/warm.py: how scripts/test.sh splits the suite and forks its commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from tests import shards
+from tests.helpers import child_env, run_group
+from tests.warm import WARM
+
+
+def _item(nodeid: str, *fixtures: tuple[str, str, str]):
+    """A collected test with ``(name, scope, baseid)`` fixtures, as pytest's items carry them."""
+    defs = {name: [SimpleNamespace(scope=scope, baseid=baseid)] for name, scope, baseid in fixtures}
+    return SimpleNamespace(nodeid=nodeid, _fixtureinfo=SimpleNamespace(name2fixturedefs=defs))
+
+
+SHARED = ("run_canon", "session", "tests/e2e")
+ITEMS = [
+    _item("tests/e2e/test_a.py::t1", SHARED), _item("tests/e2e/test_b.py::t1", SHARED),
+    _item("tests/e2e/test_c.py::t1", ("tmp_path", "function", "")),
+    _item("tests/e2e/test_slurm_x.py::t1"), _item("tests/e2e/test_slurm_y.py::t1"),
+    _item("tests/unit/test_u.py::t1", ("monkeypatch", "function", "")),
+]
+COSTS = {"tests/e2e/test_a.py": 50, "tests/e2e/test_b.py": 50, "tests/e2e/test_c.py": 90,
+         "tests/e2e/test_slurm_x.py": 30, "tests/e2e/test_slurm_y.py": 30, "tests/unit/test_u.py": 1}
+
+
+def test_files_sharing_a_run_or_the_slurm_layer_stay_in_one_shard():
+    """Catches a split that builds a shared session run twice (once per shard) or starts two
+    local SLURM clusters at once."""
+    where = shards.assign(ITEMS, 2, COSTS)
+    assert where["tests/e2e/test_a.py"] == where["tests/e2e/test_b.py"]
+    assert where["tests/e2e/test_slurm_x.py"] == where["tests/e2e/test_slurm_y.py"]
+    assert set(where.values()) == {0, 1}
+
+
+def test_groups_are_balanced_by_cost_and_the_split_is_deterministic():
+    """Catches an unbalanced split (one shard holding every slow group) or one that changes
+    between the two shard processes (a test run twice or never)."""
+    where = shards.assign(ITEMS, 2, COSTS)
+    load = [sum(c for f, c in COSTS.items() if where[f] == s) for s in (0, 1)]
+    assert sorted(load) == [101, 150]  # {a, b} + unit | c + slurm: the best split of these groups
+    assert shards.assign(list(reversed(ITEMS)), 2, COSTS) == where
+    every = [f for f in COSTS if where[f] in (0, 1)]
+    assert sorted(every) == sorted(COSTS)
+
+
+def test_shard_argument_errors_name_the_form():
+    with pytest.raises(ValueError, match="expected K/N"):
+        shards.parse("2")
+    with pytest.raises(ValueError, match="between 1 and N"):
+        shards.parse("3/2")
+
+
+def test_the_report_names_a_missing_shard(tmp_path, capsys):
+    assert shards.main(["report", str(tmp_path / "junit-2.xml")]) == 1
+    assert "a shard did not finish" in capsys.readouterr().err
+
+
+def test_warm_runs_only_module_commands_with_import_time_settings_unchanged():
+    """Catches a warm fork served with a setting that its libraries read at import (it would
+    silently not apply), or a command that is not one of the project's modules."""
+    env = child_env()
+    assert WARM.eligible([sys.executable, "-m", "megatron_gtpo.cli", "train"], env)
+    assert not WARM.eligible(["megatron-gtpo", "train"], env)
+    assert not WARM.eligible([sys.executable, "-m", "tests.e2e.mlflow_server"], env)
+    if WARM.env:  # the server exists: settings are compared with its environment
+        assert not WARM.eligible([sys.executable, "-m", "megatron_gtpo.cli"], {**WARM.env, "HF_HUB_OFFLINE": "0"})
+        assert WARM.eligible([sys.executable, "-m", "megatron_gtpo.cli"], {**WARM.env, "MGTPO_LAUNCHER": "fork"})
+
+
+def test_a_warm_command_matches_a_fresh_one(tmp_path):
+    """Catches a warm child that loses the request's arguments, environment, working directory,
+    output or exit code."""
+    script = tmp_path / "probe.py"
+    script.write_text("import json, os, sys\n"
+                      "print('OUT ' + json.dumps([sys.argv[1:], os.environ.get('PROBE'), os.getcwd()]))\n"
+                      "print('to stderr', file=sys.stderr)\nsys.exit(3)\n")
+    cmd = [sys.executable, "-m", "megatron_gtpo.parallel.launch", "--nproc=1", "--preload=", str(script), "a", "b"]
+    got = {}
+    for warm in (False, True):
+        proc = run_group(cmd, timeout=300, env=child_env(PROBE="x", MGTPO_LAUNCHER="fork"), cwd=tmp_path, warm=warm)
+        line = [json.loads(ln[4:]) for ln in proc.stdout.splitlines() if ln.startswith("OUT ")]
+        got[warm] = (proc.returncode, line, "to stderr" in proc.stderr, "rank 0 failed (exit code 3)" in proc.stderr)
+    assert got[True] == got[False] == (1, [[["a", "b"], "x", str(tmp_path)]], True, True)
+    assert WARM.proc is not None and WARM.proc.poll() is None, "the warm server did not serve it"

@@ -1,0 +1,158 @@
+"""A warm interpreter for the tests' CLI runs and gloo worlds: forked children instead of fresh starts.
+
+A fresh ``python -m megatron_gtpo.cli train`` spends ~10 s of one core importing torch, Megatron-Core,
+transformers and vLLM before its first check, and the suite starts ~60 such processes (training
+runs of the e2e layer, launches of the dist layer). Per pytest process, one server (``python -m
+tests.warm``) imports them once; ``run`` asks it to fork a child that becomes the requested
+``python -m MODULE ARGS`` (``runpy``, as megatron_gtpo/parallel/launch.py starts a forked rank), in
+its own session, with the request's environment, working directory and output files. From there
+the child runs the real code: the CLI's checks, the launcher forking the ranks, engines, MLflow.
+
+What it does not exercise is a fresh interpreter's start, so only ``tests/e2e/runs.train`` and
+``tests/helpers.torchrun`` use it; every test about start-up, imports, ``--help`` or refusals
+"before torch loads" starts a fresh process (``run_group``), and so do the SLURM, setup and
+launch-line tests. ``MGTPO_TEST_WARM=0`` turns it off (every run a fresh process). A request whose
+environment differs from the server's in a variable that libraries read when imported (``HF_*``,
+``TORCH*``, ``VLLM_*``, ...) runs fresh too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ENV = "MGTPO_TEST_WARM"
+MODULES = ("megatron_gtpo.cli", "megatron_gtpo.cli.eval", "megatron_gtpo.parallel.launch")
+"""What a warm child may become (``python -m`` one of these)."""
+PRELOAD = ("megatron_gtpo.cli", "megatron_gtpo.cli.train", "megatron_gtpo.config", "megatron_gtpo.plan.preflight",
+           "megatron_gtpo.trainer", "megatron.core.dist_checkpointing", "transformers", "vllm", "vllm.entrypoints.llm",
+           "mlflow.store.tracking.sqlalchemy_store", "mlflow.tracking")
+THREADS = "OMP_NUM_THREADS"
+"""Read by torch at import, applied to a warm child by ``torch.set_num_threads`` (parallel/launch.py)."""
+IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "TOKENIZERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_",
+               "CUDA", "NCCL", "VLLM_", "PYTHON", "LD_", "MALLOC", "TRITON")
+"""Prefixes of variables read at import time: a request that changes one is not served warm."""
+
+
+def _serve() -> None:
+    """The server: preloads, then one request per stdin line -> ``{"pid"}`` then ``{"rc"}``."""
+    from megatron_gtpo.parallel.launch import _rank_main  # noqa: PLC0415 -- after the env is final
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    requests, replies = sys.stdin.buffer, os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # what the server itself prints goes to stderr, never into the reply pipe
+    replies.write(json.dumps({"ready": os.getpid()}) + "\n")
+    for line in requests:
+        req = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _become(req, _rank_main)
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+
+
+def _become(req: dict, rank_main) -> None:
+    """In the forked child: a new session, the request's files, directory and environment."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    err = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for src, dst in ((null, 0), (out, 1), (err, 2)):
+        os.dup2(src, dst)
+    os.closerange(3, 256)  # the server's reply pipe among them
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    rank_main(req["module"], req["args"], req["env"])  # never returns
+
+
+class Warm:
+    """Client side: one server per pytest process, started on first use, stopped at exit."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}
+        self.dir = Path(tempfile.mkdtemp(prefix="mgtpo-warm-"))
+        self.broken = False
+
+    def _start(self, env: dict[str, str], cwd: Path) -> bool:
+        self.env = {k: v for k, v in env.items() if k != THREADS}  # torch's default, as in a fresh start
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=self.env, cwd=cwd, text=True, start_new_session=True)
+        atexit.register(self.stop)
+        if "ready" not in self._reply(timeout=300):  # e.g. an import failed: every run starts fresh
+            self.broken = True
+            self.stop()
+        return not self.broken
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _reply(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], max(timeout, 0.0))
+        if not ready:
+            return {}
+        line = self.proc.stdout.readline()
+        return json.loads(line) if line else {"eof": True}
+
+    def eligible(self, cmd: list[str], env: dict[str, str]) -> bool:
+        if os.environ.get(ENV, "1") == "0" or self.broken:
+            return False
+        if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or cmd[2] not in MODULES:
+            return False
+        if not self.env:
+            return True
+        changed = {k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k) and k != THREADS}
+        return not any(k.startswith(IMPORT_TIME) for k in changed)
+
+    def run(self, cmd: list[str], *, timeout: float, env: dict[str, str], cwd: Path
+            ) -> subprocess.CompletedProcess | None:
+        """``cmd`` (``[python, -m, MODULE, *args]``) forked from the server, like ``run_group``;
+        None when the server cannot start (the caller starts the command fresh)."""
+        from tests.helpers import kill_tree
+
+        if self.proc is None and not self._start(env, cwd):
+            return None
+        n = len(list(self.dir.iterdir()))
+        out, err = self.dir / f"{n}.out", self.dir / f"{n}.err"
+        req = {"module": cmd[2], "args": cmd[3:], "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        pid = self._reply(timeout=30).get("pid")
+        if pid is None:
+            self.broken = True
+            raise AssertionError(f"tests.warm server did not fork {cmd[:6]}")
+        done = self._reply(timeout=timeout)
+        timed_out = "rc" not in done
+        if timed_out:
+            kill_tree(pid)
+            done = self._reply(timeout=60)
+        text = lambda p: p.read_text(errors="replace") if p.exists() else ""  # noqa: E731
+        stdout, stderr = text(out), text(err)
+        out.unlink(missing_ok=True)
+        err.unlink(missing_ok=True)
+        if timed_out:
+            raise AssertionError(f"{cmd[:6]} timed out after {timeout} s (warm child {pid}); process group "
+                                 f"killed:\n{(stdout + stderr)[-8000:]}")
+        return subprocess.CompletedProcess(cmd, done["rc"], stdout, stderr)
+
+
+WARM = Warm()
+
+
+if __name__ == "__main__":
+    _serve()
