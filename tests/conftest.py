@@ -65,6 +65,10 @@ def _unexpected_skips() -> list[tuple[str, str]]:
 
 
 def pytest_terminal_summary(terminalreporter):
+    from tests.warm import WARM
+
+    if line := WARM.summary():
+        terminalreporter.line(line)
     bad = _unexpected_skips()
     if bad:
         terminalreporter.section("skips not in tests/guards.py ALLOWED_SKIPS: the run fails", red=True)

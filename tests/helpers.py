@@ -71,10 +71,11 @@ def run_group(cmd: list[str], *, timeout: float, warm: bool = False, **kwargs) -
         from tests.warm import WARM
 
         env = kwargs.get("env") or dict(os.environ)
-        if set(kwargs) <= {"env", "cwd"} and WARM.eligible(cmd, env):
-            done = WARM.run(cmd, timeout=timeout, env=env, cwd=Path(kwargs.get("cwd") or os.getcwd()))
-            if done is not None:
-                return done
+        why = "run_group options other than env and cwd" if set(kwargs) - {"env", "cwd"} else WARM.eligible(cmd, env)
+        done = None if why else WARM.run(cmd, timeout=timeout, env=env, cwd=Path(kwargs.get("cwd") or os.getcwd()))
+        if done is not None:
+            return done
+        WARM.note_fresh(why or "the warm server failed")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             **kwargs)
     try:

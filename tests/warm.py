@@ -37,9 +37,10 @@ PRELOAD = ("megatron_gtpo.cli", "megatron_gtpo.cli.train", "megatron_gtpo.config
            "mlflow.store.tracking.sqlalchemy_store", "mlflow.tracking")
 THREADS = "OMP_NUM_THREADS"
 """Read by torch at import, applied to a warm child by ``torch.set_num_threads`` (parallel/launch.py)."""
-IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "TOKENIZERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_",
-               "CUDA", "NCCL", "VLLM_", "PYTHON", "LD_", "MALLOC", "TRITON")
-"""Prefixes of variables read at import time: a request that changes one is not served warm."""
+IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "OMP_", "MKL_", "KMP_", "PYTHON", "LD_", "MALLOC")
+"""Prefixes of variables read when a library is imported (the Hub's offline switches, thread pools,
+the interpreter's own settings): a request that changes one is not served warm. vLLM's and
+torchelastic's variables are read when used, after the fork (``vllm.envs`` reads lazily)."""
 
 
 def _serve() -> None:
@@ -85,6 +86,9 @@ class Warm:
         self.env: dict[str, str] = {}
         self.dir = Path(tempfile.mkdtemp(prefix="mgtpo-warm-"))
         self.broken = False
+        self.served = 0
+        self.fresh: dict[str, int] = {}
+        """Commands that asked for a warm start and started fresh, by reason (said at the end)."""
 
     def _start(self, env: dict[str, str], cwd: Path) -> bool:
         self.env = {k: v for k, v in env.items() if k != THREADS}  # torch's default, as in a fresh start
@@ -109,15 +113,28 @@ class Warm:
         line = self.proc.stdout.readline()
         return json.loads(line) if line else {"eof": True}
 
-    def eligible(self, cmd: list[str], env: dict[str, str]) -> bool:
-        if os.environ.get(ENV, "1") == "0" or self.broken:
-            return False
+    def eligible(self, cmd: list[str], env: dict[str, str]) -> str | None:
+        """None when ``cmd`` can be forked from the server, else why not."""
+        if os.environ.get(ENV, "1") == "0":
+            return f"{ENV}=0"
+        if self.broken:
+            return "the warm server failed"
         if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or cmd[2] not in MODULES:
-            return False
-        if not self.env:
-            return True
-        changed = {k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k) and k != THREADS}
-        return not any(k.startswith(IMPORT_TIME) for k in changed)
+            return "not python -m " + "|".join(MODULES)
+        changed = sorted(k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k) and k != THREADS
+                         and k.startswith(IMPORT_TIME)) if self.env else []
+        return f"import-time settings differ from the server's: {', '.join(changed)}" if changed else None
+
+    def note_fresh(self, reason: str) -> None:
+        self.fresh[reason] = self.fresh.get(reason, 0) + 1
+
+    def summary(self) -> str | None:
+        """One line for the end of the run: how many commands were forked warm, how many not and why."""
+        if not self.served and not self.fresh:
+            return None
+        why = "; ".join(f"{n} x {reason}" for reason, n in sorted(self.fresh.items()))
+        return f"tests/warm.py: {self.served} command(s) forked from the warm interpreter" + (
+            f", {sum(self.fresh.values())} started fresh ({why})" if self.fresh else "")
 
     def run(self, cmd: list[str], *, timeout: float, env: dict[str, str], cwd: Path
             ) -> subprocess.CompletedProcess | None:
@@ -145,6 +162,7 @@ class Warm:
         stdout, stderr = text(out), text(err)
         out.unlink(missing_ok=True)
         err.unlink(missing_ok=True)
+        self.served += 1
         if timed_out:
             raise AssertionError(f"{cmd[:6]} timed out after {timeout} s (warm child {pid}); process group "
                                  f"killed:\n{(stdout + stderr)[-8000:]}")

@@ -36,7 +36,8 @@ def _launch(tmp_path, body: str, *args: str, nproc: int = 2, launcher: str = "fo
 ENV_REPORT = """
     import json, os, sys
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    print("ENV " + json.dumps({k: os.environ.get(k) for k in keys} | {"argv": sys.argv[1:], "main": __name__}))
+    line = "ENV " + json.dumps({k: os.environ.get(k) for k in keys} | {"argv": sys.argv[1:], "main": __name__})
+    os.write(1, (line + "\\n").encode())  # one write: the ranks share the pipe (PYTHONUNBUFFERED splits a print)
 """
 
 

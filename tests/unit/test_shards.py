@@ -62,16 +62,18 @@ def test_the_report_names_a_missing_shard(tmp_path, capsys):
     assert "a shard did not finish" in capsys.readouterr().err
 
 
-def test_warm_runs_only_module_commands_with_import_time_settings_unchanged():
+def test_warm_runs_only_module_commands_with_import_time_settings_unchanged(monkeypatch):
     """Catches a warm fork served with a setting that its libraries read at import (it would
     silently not apply), or a command that is not one of the project's modules."""
-    env = child_env()
-    assert WARM.eligible([sys.executable, "-m", "megatron_gtpo.cli", "train"], env)
-    assert not WARM.eligible(["megatron-gtpo", "train"], env)
-    assert not WARM.eligible([sys.executable, "-m", "tests.e2e.mlflow_server"], env)
-    if WARM.env:  # the server exists: settings are compared with its environment
-        assert not WARM.eligible([sys.executable, "-m", "megatron_gtpo.cli"], {**WARM.env, "HF_HUB_OFFLINE": "0"})
-        assert WARM.eligible([sys.executable, "-m", "megatron_gtpo.cli"], {**WARM.env, "MGTPO_LAUNCHER": "fork"})
+    monkeypatch.setattr(WARM, "env", {**child_env(), "HF_HUB_OFFLINE": "1"})  # as the server's
+    monkeypatch.setattr(WARM, "broken", False)
+    env = dict(WARM.env)
+    assert WARM.eligible([sys.executable, "-m", "megatron_gtpo.cli", "train"], env) is None
+    assert "not python -m" in WARM.eligible(["megatron-gtpo", "train"], env)
+    assert "not python -m" in WARM.eligible([sys.executable, "-m", "tests.e2e.mlflow_server"], env)
+    assert "HF_HUB_OFFLINE" in WARM.eligible([sys.executable, "-m", "megatron_gtpo.cli"], {**env, "HF_HUB_OFFLINE": "0"})
+    for runtime in ("MGTPO_LAUNCHER", "VLLM_ENABLE_V1_MULTIPROCESSING", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS"):
+        assert WARM.eligible([sys.executable, "-m", "megatron_gtpo.cli"], {**env, runtime: "x"}) is None, runtime
 
 
 def test_a_warm_command_matches_a_fresh_one(tmp_path):
