@@ -12,7 +12,7 @@ import sys
 from megatron_gtpo.cli.worker import exit_now
 
 SUBCOMMANDS = {
-    "train": ("megatron_gtpo.cli.train", "train a policy from a YAML recipe (launches torchrun ranks)"),
+    "train": ("megatron_gtpo.cli.train", "train a policy from a YAML recipe (launches the ranks)"),
     "demo": ("megatron_gtpo.cli.demo", "short GTPO run on CPU with SmolLM2-135M-Instruct, then plots"),
     "probe": ("megatron_gtpo.cli.probe", "reward-scale probe: short runs at reward x phi from one start (spec 6 D3)"),
     "eval": ("megatron_gtpo.cli.eval", "pass@k / maj@k / mean@k on GSM8K, MATH-500, AIME, AMC, MMLU-STEM"),

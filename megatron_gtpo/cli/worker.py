@@ -1,6 +1,6 @@
 """One training rank: ``python -m megatron_gtpo.cli.worker CONFIG.yaml [--resume | --resume=auto]``.
 
-Started on every rank by ``megatron-gtpo train`` (through torchrun), ``slurm/train.sbatch`` and
+Started on every rank by ``megatron-gtpo train`` (parallel/launch.py), ``slurm/train.sbatch`` and
 ``launch/torchrun_node.sh`` with the resolved config that ``megatron-gtpo train`` wrote.
 
 This module imports nothing heavy at the top: the processes a rank spawns (reward workers,

@@ -76,11 +76,11 @@ def test_helper_processes_of_a_rank_end_with_it(tmp_path):
     open, and the caller waited until its timeout (found when the launcher was introduced)."""
     start = time.monotonic()
     proc = _launch(tmp_path, """
-        import multiprocessing as mp
+        import multiprocessing as mp, os
         if __name__ == "__main__":
             manager = mp.get_context("spawn").Manager()
             manager.dict()["x"] = 1
-            print("helper started")
+            os.write(1, b"helper started\\n")
     """, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("helper started") == 2
@@ -92,8 +92,9 @@ def test_sigterm_reaches_the_ranks_as_sigusr1(tmp_path):
     checkpoint: each rank turns SIGUSR1 into a clean exit, as the training driver does."""
     script = _script(tmp_path, """
         import os, signal, sys, time
-        signal.signal(signal.SIGUSR1, lambda *a: (print("USR1", os.environ["RANK"], flush=True), sys.exit(0)))
-        print("ready", flush=True)
+        say = lambda text: os.write(1, (text + "\\n").encode())  # one write per line: the ranks share the pipe
+        signal.signal(signal.SIGUSR1, lambda *a: (say("USR1 " + os.environ["RANK"]), sys.exit(0)))
+        say("ready")
         time.sleep(120)
         sys.exit(5)
     """)
@@ -118,7 +119,7 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     scancel --signal=KILL of the step): PR_SET_PDEATHSIG ends them."""
     script = _script(tmp_path, """
         import os, time
-        print("pid", os.getpid(), flush=True)
+        os.write(1, f"pid {os.getpid()}\\n".encode())  # one write per line: the ranks share the pipe
         time.sleep(120)
     """)
     proc = subprocess.Popen([*LAUNCH, "--nproc=2", str(script)], stdout=subprocess.PIPE, text=True,
