@@ -5,20 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from megatron_gtpo.parallel.launch import free_port  # noqa: F401 -- the tests import it from here
 from megatron_gtpo.parallel.strict import ENV as STRICT_ENV
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:

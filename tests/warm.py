@@ -45,7 +45,7 @@ torchelastic's variables are read when used, after the fork (``vllm.envs`` reads
 
 def _serve() -> None:
     """The server: preloads, then one request per stdin line -> ``{"pid"}`` then ``{"rc"}``."""
-    from megatron_gtpo.parallel.launch import _rank_main  # noqa: PLC0415 -- after the env is final
+    from megatron_gtpo.parallel.launch import run_rank  # noqa: PLC0415 -- after the env is final
 
     for name in PRELOAD:
         importlib.import_module(name)
@@ -58,7 +58,7 @@ def _serve() -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _become(req, _rank_main)
+            _become(req, run_rank)
         replies.write(json.dumps({"pid": pid}) + "\n")
         _, status = os.waitpid(pid, 0)
         replies.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
@@ -144,8 +144,7 @@ class Warm:
 
         if self.proc is None and not self._start(env, cwd):
             return None
-        n = len(list(self.dir.iterdir()))
-        out, err = self.dir / f"{n}.out", self.dir / f"{n}.err"
+        out, err = self.dir / "stdout", self.dir / "stderr"  # one request at a time, removed after it
         req = {"module": cmd[2], "args": cmd[3:], "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.parallel import control, cpu_shims, strict
+from megatron_gtpo.parallel.launch import free_port
 from megatron_gtpo.parallel.layout import expert_world_problem, world_problem
 from megatron_gtpo.utils.configuration import require
 
@@ -151,7 +152,7 @@ def init_distributed(*, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: in
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -210,10 +211,3 @@ def current_dims(vpp: int | None = None) -> ParallelDims:
         edp_rank=ps.get_expert_data_parallel_rank(),
     )
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -4,10 +4,10 @@
 their ranks here. A rank's own imports of torch, Megatron-Core, transformers and vLLM cost ~12 s of
 one core on the 2-core machine before any work, once per rank: on a host without CUDA this process
 imports them once (``preload``) and forks the ranks, which start with them loaded (the tiny recipe's
-start-up: 40 s -> see docs/performance.md). A CUDA host keeps torchrun's fresh interpreters: CUDA
+start-up: 36 s -> 21 s, bench/startup.py, docs/performance.md). A CUDA host keeps torchrun's fresh interpreters: CUDA
 cannot be used in a child forked after its parent initialised it, and vLLM probes the GPU when
-imported. ``MGTPO_LAUNCHER=torchrun`` forces torchrun on CPU too (tests/e2e/test_train.py keeps that
-path covered); multi-node jobs are launched by slurm/train.sbatch, which runs torchrun itself.
+imported. ``MGTPO_LAUNCHER=torchrun`` forces torchrun on CPU too (tests/unit/test_launch.py covers both
+paths); multi-node jobs are launched by slurm/train.sbatch, which runs torchrun itself.
 
 Forked ranks behave as torchrun's do: the same environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR, ...), ``python -m module`` / ``python script.py`` semantics (``runpy``), SIGTERM and
@@ -118,7 +118,7 @@ def _fork_ranks(target: str, args: list[str], world: int, preload: Sequence[str]
     for rank in range(world):
         pid = os.fork()
         if pid == 0:
-            _rank_main(target, args, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)})
+            run_rank(target, args, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)})
         ranks[pid] = rank
     previous = _forward_signals(lambda: list(ranks))
     try:
@@ -130,8 +130,9 @@ def _fork_ranks(target: str, args: list[str], world: int, preload: Sequence[str]
         _restore(previous)
 
 
-def _rank_main(target: str, args: list[str], env: dict[str, str]) -> None:
-    """A forked rank: torchrun's environment, then ``target`` as ``__main__``; never returns."""
+def run_rank(target: str, args: list[str], env: dict[str, str]) -> None:
+    """Turns this freshly forked process into a rank: torchrun's environment ``env``, then
+    ``target`` as ``__main__``, then the exit code; never returns (tests/warm.py uses it too)."""
     code = 1
     # The launcher's exit handlers are not the rank's: it starts with those a fresh interpreter has
     # (multiprocessing's stops the helper processes a rank starts, e.g. Megatron's checkpoint writer).
