@@ -15,6 +15,29 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 _SKIPS: list[tuple[str, str]] = []
 
+ENGINE_WRITES = ("LD_PRELOAD", "LD_LIBRARY_PATH")
+"""What importing vLLM or starting an engine in this process writes into ``os.environ`` for later
+processes: OpenCV (imported by vLLM) prepends its lib64 to LD_LIBRARY_PATH, vLLM's CPU platform
+preloads tcmalloc and torch's libgomp for its workers. Restored around each test: a run a test
+launches gets the user's environment, not an allocator or library path the tested code never asked
+for (and the warm interpreter can serve it: tests/warm.py starts runs with changed LD_* fresh)."""
+_SESSION_ENV = {key: os.environ.get(key) for key in ENGINE_WRITES}
+
+
+def _restore_engine_writes() -> None:
+    for key, value in _SESSION_ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def _undo_engine_env_writes():
+    _restore_engine_writes()
+    yield
+    _restore_engine_writes()
+
 
 def _guarded() -> bool:
     return os.environ.get(guards.ENV) == "1"
@@ -46,6 +69,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
+    _restore_engine_writes()  # what the test modules' imports wrote, before any fixture launches a run
     if not _guarded():
         return
     short = guards.below_floor(_COLLECTED)

@@ -8,12 +8,14 @@ tests.warm``) imports them once; ``run`` asks it to fork a child that becomes th
 its own session, with the request's environment, working directory and output files. From there
 the child runs the real code: the CLI's checks, the launcher forking the ranks, engines, MLflow.
 
-What it does not exercise is a fresh interpreter's start, so only ``tests/e2e/runs.train`` and
-``tests/helpers.torchrun`` use it; every test about start-up, imports, ``--help`` or refusals
-"before torch loads" starts a fresh process (``run_group``), and so do the SLURM, setup and
-launch-line tests. ``MGTPO_TEST_WARM=0`` turns it off (every run a fresh process). A request whose
-environment differs from the server's in a variable that libraries read when imported (``HF_*``,
-``TORCH*``, ``VLLM_*``, ...) runs fresh too.
+What it does not exercise is a fresh interpreter's start, so only the training runs of
+``tests/e2e/runs.train``, the gloo worlds of ``tests/helpers.torchrun``, the probe and eval CLI runs
+and the learning bench's quick check (``python -m bench.learning --quick``) use it. Every test about
+start-up, imports, ``--help`` or refusals "before torch loads" starts a fresh process
+(``run_group``), and so do the SLURM, setup and launch-line tests. ``MGTPO_TEST_WARM=0`` turns it
+off (every run a fresh process). A request whose environment differs from the server's in a
+variable that libraries read when imported (``HF_*``, ``OMP_*``, ``LD_*``, ...: ``IMPORT_TIME``)
+runs fresh too.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ENV = "MGTPO_TEST_WARM"
-MODULES = ("megatron_gtpo.cli", "megatron_gtpo.cli.eval", "megatron_gtpo.parallel.launch")
+MODULES = ("megatron_gtpo.cli", "megatron_gtpo.cli.eval", "megatron_gtpo.parallel.launch", "bench.learning")
 """What a warm child may become (``python -m`` one of these)."""
 PRELOAD = ("megatron_gtpo.cli", "megatron_gtpo.cli.train", "megatron_gtpo.config", "megatron_gtpo.plan.preflight",
            "megatron_gtpo.trainer", "megatron.core.dist_checkpointing", "transformers", "vllm", "vllm.entrypoints.llm",
@@ -69,7 +72,8 @@ def _become(req: dict, rank_main) -> None:
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
     out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    err = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # One file for both (runs.start): one descriptor, one offset, as Popen's stderr=STDOUT.
+    err = out if req["stderr"] == req["stdout"] else os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     for src, dst in ((null, 0), (out, 1), (err, 2)):
         os.dup2(src, dst)
     os.closerange(3, 256)  # the server's reply pipe among them
@@ -83,6 +87,9 @@ class Warm:
 
     def __init__(self):
         self.proc: subprocess.Popen | None = None
+        self._buf = b""
+        self.background: WarmProc | None = None
+        """The runs.start child not waited for yet: the server serves one child at a time."""
         self.env: dict[str, str] = {}
         self.dir = Path(tempfile.mkdtemp(prefix="mgtpo-warm-"))
         self.broken = False
@@ -93,7 +100,7 @@ class Warm:
     def _start(self, env: dict[str, str], cwd: Path) -> bool:
         self.env = {k: v for k, v in env.items() if k != THREADS}  # torch's default, as in a fresh start
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=self.env, cwd=cwd, text=True, start_new_session=True)
+                                     env=self.env, cwd=cwd, bufsize=0, start_new_session=True)
         atexit.register(self.stop)
         if "ready" not in self._reply(timeout=300):  # e.g. an import failed: every run starts fresh
             self.broken = True
@@ -107,11 +114,30 @@ class Warm:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _reply(self, timeout: float) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], max(timeout, 0.0))
-        if not ready:
-            return {}
-        line = self.proc.stdout.readline()
-        return json.loads(line) if line else {"eof": True}
+        """The server's next reply line; {} when none came within ``timeout`` s. Read from the raw
+        descriptor into our own buffer: a buffered reader could hold the next line where select
+        does not see it."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                return {}
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return {"eof": True}
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def _request(self, req: dict) -> int:
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        self.proc.stdin.flush()
+        pid = self._reply(timeout=30).get("pid")
+        if pid is None:
+            self.broken = True
+            raise AssertionError(f"tests.warm server did not fork {req['module']} {req['args'][:4]}")
+        return pid
 
     def eligible(self, cmd: list[str], env: dict[str, str]) -> str | None:
         """None when ``cmd`` can be forked from the server, else why not."""
@@ -119,6 +145,8 @@ class Warm:
             return f"{ENV}=0"
         if self.broken:
             return "the warm server failed"
+        if self.background is not None and self.background.poll() is None:
+            return "a background run (runs.start) is still running"
         if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or cmd[2] not in MODULES:
             return "not python -m " + "|".join(MODULES)
         changed = sorted(k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k) and k != THREADS
@@ -145,13 +173,8 @@ class Warm:
         if self.proc is None and not self._start(env, cwd):
             return None
         out, err = self.dir / "stdout", self.dir / "stderr"  # one request at a time, removed after it
-        req = {"module": cmd[2], "args": cmd[3:], "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        pid = self._reply(timeout=30).get("pid")
-        if pid is None:
-            self.broken = True
-            raise AssertionError(f"tests.warm server did not fork {cmd[:6]}")
+        pid = self._request({"module": cmd[2], "args": cmd[3:], "env": env, "cwd": str(cwd), "stdout": str(out),
+                             "stderr": str(err)})
         done = self._reply(timeout=timeout)
         timed_out = "rc" not in done
         if timed_out:
@@ -166,6 +189,51 @@ class Warm:
             raise AssertionError(f"{cmd[:6]} timed out after {timeout} s (warm child {pid}); process group "
                                  f"killed:\n{(stdout + stderr)[-8000:]}")
         return subprocess.CompletedProcess(cmd, done["rc"], stdout, stderr)
+
+    def start(self, cmd: list[str], *, env: dict[str, str], cwd: Path, log: Path) -> WarmProc | None:
+        """``cmd`` forked in the background with stdout and stderr into ``log`` (``runs.start``, for
+        runs a test signals or kills); None when it cannot be (the caller starts it fresh, and
+        ``note_fresh`` was told why)."""
+        why = self.eligible(cmd, env)
+        if why is None and self.proc is None and not self._start(env, cwd):
+            why = "the warm server failed"
+        if why is not None:
+            self.note_fresh(why)
+            return None
+        log.write_bytes(b"")  # exists on return, as Popen's: the caller may read it before the child opens it
+        pid = self._request({"module": cmd[2], "args": cmd[3:], "env": env, "cwd": str(cwd), "stdout": str(log),
+                             "stderr": str(log)})
+        self.served += 1
+        self.background = WarmProc(self, pid, cmd)
+        return self.background
+
+
+class WarmProc:
+    """A background warm child as the tests use a ``Popen``: ``pid`` (its own session, so
+    ``kill_tree`` reaches its ranks), ``poll``, ``wait``, ``send_signal``, ``returncode`` (-9 after
+    SIGKILL: the server reports ``os.waitstatus_to_exitcode``)."""
+
+    def __init__(self, warm: Warm, pid: int, args: list[str]):
+        self.warm, self.pid, self.args = warm, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.wait(timeout=0.0, raise_timeout=False)
+
+    def wait(self, timeout: float | None = None, *, raise_timeout: bool = True) -> int | None:
+        if self.returncode is None:
+            done = self.warm._reply(timeout=1e9 if timeout is None else timeout)
+            if "rc" in done:
+                self.returncode = done["rc"]
+            elif "eof" in done:
+                raise AssertionError(f"the tests.warm server died while serving {self.args[:6]}")
+            elif raise_timeout:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
 
 
 WARM = Warm()

@@ -12,7 +12,9 @@ import logging
 import os
 from typing import Any
 
+from megatron_gtpo.models.smollm2 import default_cache_dir
 from megatron_gtpo.tracking.journal import TERMINAL, Journal, JournalState, held, superseded
+from megatron_gtpo.tracking.sqlite_seed import seed_sqlite_store
 from megatron_gtpo.tracking.uri import redact_uri
 from megatron_gtpo.utils.atomic import write_text_atomic
 
@@ -39,6 +41,7 @@ class Publisher:
         from mlflow.tracking import MlflowClient
 
         self.journal = journal
+        seed_sqlite_store(journal.snapshot().uri, default_cache_dir())
         self.client = MlflowClient(tracking_uri=journal.snapshot().uri)
         # SQL stores (sqlite, postgresql, mysql) can delete the metrics of re-run steps, so they
         # publish every step at once; other stores (an HTTP server) publish a step once a

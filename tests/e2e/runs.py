@@ -83,15 +83,21 @@ def train(out: Path, *args: str, steps: int, timeout: float = RUN_TIMEOUT_S, ok:
     return Run(out, text, proc.returncode)
 
 
-def start(out: Path, *args: str, steps: int, log: Path, env: dict | None = None) -> subprocess.Popen:
-    """The same CLI in the background (its own session), output to ``log``: for runs a test kills."""
+def start(out: Path, *args: str, steps: int, log: Path, env: dict | None = None):
+    """The same CLI in the background (its own session), stdout and stderr to ``log``: for runs a
+    test signals or kills. Forked from the warm interpreter when it can be (tests/warm.py: a
+    ``WarmProc``, which the tests use as the ``Popen`` it is otherwise)."""
+    from tests.warm import WARM
+
+    cmd, env = [*CLI, "--output-dir", str(out), "--steps", str(steps), *args], child_env(**(env or {}))
+    proc = WARM.start(cmd, env=env, cwd=REPO, log=log)
+    if proc is not None:
+        return proc
     with open(log, "w") as handle:
-        return subprocess.Popen([*CLI, "--output-dir", str(out), "--steps", str(steps), *args], stdout=handle,
-                                stderr=subprocess.STDOUT, env=child_env(**(env or {})), cwd=REPO,
-                                start_new_session=True)
+        return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
 
 
-def wait_for(proc: subprocess.Popen, log: Path, text: str, *, timeout: float = RUN_TIMEOUT_S,
+def wait_for(proc, log: Path, text: str, *, timeout: float = RUN_TIMEOUT_S,
              poll: float = 0.02) -> None:
     """Until ``text`` appears in ``log``; fails (and kills the run) if the run exits or time runs out."""
     deadline = time.monotonic() + timeout

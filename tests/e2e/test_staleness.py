@@ -18,13 +18,11 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import time
 
 import pytest
 
-from tests.e2e.runs import CLI, history, train
-from tests.helpers import REPO, child_env, expected_versions, kill_tree
+from tests.e2e.runs import history, start, train, wait_for
+from tests.helpers import expected_versions, kill_tree
 
 pytestmark = pytest.mark.slow
 
@@ -71,19 +69,15 @@ def test_colocated_completions_are_one_version_old(colocated):
 
 def test_preempted_then_resumed_regenerates_the_batch_in_flight(colocated, tmp_path):
     out, log_path = tmp_path / "preempted", tmp_path / "preempted.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([*CLI, "--output-dir", str(out), "--steps", str(STEPS), *STALE], stdout=log,
-                                stderr=subprocess.STDOUT, env=child_env(), cwd=REPO, start_new_session=True)
-        try:
-            deadline = time.time() + 900
-            while "ready:" not in log_path.read_text():  # signal handlers installed on every rank
-                assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-6000:]
-                time.sleep(0.5)
-            proc.send_signal(signal.SIGUSR1)  # what SLURM sends before a preemption: checkpoint and exit
-            assert proc.wait(timeout=540) == 0, log_path.read_text()[-6000:]
-        finally:
-            if proc.poll() is None:
-                kill_tree(proc.pid)
+    proc = start(out, *STALE, steps=STEPS, log=log_path)
+    try:
+        wait_for(proc, log_path, "ready:", poll=0.5)  # signal handlers installed on every rank
+        proc.send_signal(signal.SIGUSR1)  # what SLURM sends before a preemption: checkpoint and exit
+        assert proc.wait(timeout=540) == 0, log_path.read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.wait()
     saved = re.search(r"preempted: checkpoint of step (\d+) saved", log_path.read_text())
     assert saved and 1 <= int(saved.group(1)) < STEPS, log_path.read_text()[-6000:]
     resumed_at = int(saved.group(1))  # step resumed_at + 1 was in flight when the run stopped

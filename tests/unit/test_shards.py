@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from tests import shards
-from tests.helpers import child_env, run_group
+from tests.helpers import child_env, kill_tree, run_group
 from tests.warm import WARM
 
 
@@ -91,3 +92,31 @@ def test_a_warm_command_matches_a_fresh_one(tmp_path):
         got[warm] = (proc.returncode, line, "to stderr" in proc.stderr, "rank 0 failed (exit code 3)" in proc.stderr)
     assert got[True] == got[False] == (1, [[["a", "b"], "x", str(tmp_path)]], True, True)
     assert WARM.proc is not None and WARM.proc.poll() is None, "the warm server did not serve it"
+
+
+def test_a_background_warm_run_is_signalled_and_reaped_as_a_popen(tmp_path):
+    """runs.start's warm path. Catches a background child whose stdout and stderr overwrite each
+    other in the shared log (two descriptors on one file), that a signal does not reach, whose
+    SIGKILL is reported as another code, or a second warm request sent while it runs (the server
+    serves one child at a time: that request would wait for the first to end)."""
+    script = tmp_path / "bg.py"
+    script.write_text("import sys, time\nprint('out 1', flush=True)\nprint('err 2', file=sys.stderr, flush=True)\n"
+                      "print('out 3', flush=True)\ntime.sleep(600)\n")
+    cmd = [sys.executable, "-m", "megatron_gtpo.parallel.launch", "--nproc=1", "--preload=", str(script)]
+    log, env = tmp_path / "bg.log", child_env(MGTPO_LAUNCHER="fork")
+    proc = WARM.start(cmd, env=env, cwd=tmp_path, log=log)
+    assert proc is not None, WARM.fresh
+    try:
+        deadline = time.monotonic() + 120
+        while "out 3" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert "background run" in WARM.eligible(cmd, env)
+        kill_tree(proc.pid)
+        assert proc.wait(timeout=60) == -9 and proc.poll() == -9
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.wait()
+    assert [ln for ln in log.read_text().splitlines() if ln[:4] in ("out ", "err ")] == ["out 1", "err 2", "out 3"]
+    assert WARM.eligible(cmd, env) is None
