@@ -92,9 +92,12 @@ def _groups(runs: list[str], tracking_uri: str | None, names: list[str]) -> list
     return out
 
 
-def _smoothed(values: list[float], window: int) -> list[float]:
-    """Trailing moving average over ``window`` points (1: unchanged)."""
-    return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+def _smoothed(steps: list[int], values: list[float], window: int) -> list[float]:
+    """Trailing moving average over the last ``window`` steps (1: unchanged). Over steps, not
+    points: a metric logged every 20 steps (the held-out accuracy) is not averaged with the
+    evaluation 20 steps before it by a 5-step window."""
+    return [sum(v for s, v in zip(steps, values) if step - window < s <= step)
+            / sum(1 for s in steps if step - window < s <= step) for step in steps]
 
 
 def _draw(ax, histories: list[dict], key: str, name: str, smooth: int) -> bool:
@@ -107,11 +110,11 @@ def _draw(ax, histories: list[dict], key: str, name: str, smooth: int) -> bool:
     if not by_step:
         return False
     steps = sorted(by_step)
-    means = _smoothed([sum(by_step[s]) / len(by_step[s]) for s in steps], smooth)
+    means = _smoothed(steps, [sum(by_step[s]) / len(by_step[s]) for s in steps], smooth)
     (line,) = ax.plot(steps, means, marker="o", markersize=3, label=name)
     if len(histories) > 1:
-        low = _smoothed([min(by_step[s]) for s in steps], smooth)
-        high = _smoothed([max(by_step[s]) for s in steps], smooth)
+        low = _smoothed(steps, [min(by_step[s]) for s in steps], smooth)
+        high = _smoothed(steps, [max(by_step[s]) for s in steps], smooth)
         ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
     return True
 

@@ -127,7 +127,9 @@ def test_grouped_lines_are_the_mean_over_runs_with_a_band():
     assert list(line.get_xdata()) == [1, 2] and list(line.get_ydata()) == [0.5, 2.0]
     assert len(ax.collections) == 1  # the min-max band of the two runs
     plt.close(fig)
-    assert _smoothed([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
+    assert _smoothed([1, 2, 3], [1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
+    # A window of steps, not of points: evaluations 20 steps apart are not averaged together.
+    assert _smoothed([20, 40], [0.2, 0.1], 5) == [0.2, 0.1]
 
 
 def test_summaries_of_seeds_run_apart_merge_into_one_table(capsys, tmp_path):
