@@ -130,13 +130,16 @@ class Warm:
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
 
-    def _request(self, req: dict) -> int:
+    def _request(self, cmd: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path) -> int:
+        """Asks the server to fork ``cmd`` (``[python, -m, MODULE, *args]``); the child's pid."""
+        req = {"module": cmd[2], "args": cmd[3:], "env": env, "cwd": str(cwd), "stdout": str(stdout),
+               "stderr": str(stderr)}
         self.proc.stdin.write((json.dumps(req) + "\n").encode())
         self.proc.stdin.flush()
         pid = self._reply(timeout=30).get("pid")
         if pid is None:
             self.broken = True
-            raise AssertionError(f"tests.warm server did not fork {req['module']} {req['args'][:4]}")
+            raise AssertionError(f"tests.warm server did not fork {cmd[:6]}")
         return pid
 
     def eligible(self, cmd: list[str], env: dict[str, str]) -> str | None:
@@ -173,8 +176,7 @@ class Warm:
         if self.proc is None and not self._start(env, cwd):
             return None
         out, err = self.dir / "stdout", self.dir / "stderr"  # one request at a time, removed after it
-        pid = self._request({"module": cmd[2], "args": cmd[3:], "env": env, "cwd": str(cwd), "stdout": str(out),
-                             "stderr": str(err)})
+        pid = self._request(cmd, env, cwd, out, err)
         done = self._reply(timeout=timeout)
         timed_out = "rc" not in done
         if timed_out:
@@ -201,8 +203,7 @@ class Warm:
             self.note_fresh(why)
             return None
         log.write_bytes(b"")  # exists on return, as Popen's: the caller may read it before the child opens it
-        pid = self._request({"module": cmd[2], "args": cmd[3:], "env": env, "cwd": str(cwd), "stdout": str(log),
-                             "stderr": str(log)})
+        pid = self._request(cmd, env, cwd, log, log)
         self.served += 1
         self.background = WarmProc(self, pid, cmd)
         return self.background
