@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from types import SimpleNamespace
@@ -120,3 +121,17 @@ def test_a_background_warm_run_is_signalled_and_reaped_as_a_popen(tmp_path):
             proc.wait()
     assert [ln for ln in log.read_text().splitlines() if ln[:4] in ("out ", "err ")] == ["out 1", "err 2", "out 3"]
     assert WARM.eligible(cmd, env) is None
+
+
+def test_library_paths_an_engine_writes_are_restored_for_later_runs(monkeypatch):
+    """Catches the pytest process passing on what importing vLLM (OpenCV's LD_LIBRARY_PATH) or an
+    in-process engine (LD_PRELOAD of tcmalloc) wrote into os.environ: every later launched run would
+    get that allocator and library path, and start fresh instead of warm."""
+    from tests import conftest
+
+    for key in conftest.ENGINE_WRITES:
+        monkeypatch.setitem(conftest._SESSION_ENV, key, None if key == "LD_PRELOAD" else "/the/user/lib")
+        monkeypatch.setenv(key, "/written/by/an/engine")
+    conftest._restore_engine_writes()
+    assert "LD_PRELOAD" not in os.environ and os.environ["LD_LIBRARY_PATH"] == "/the/user/lib"
+    assert "LD_PRELOAD" not in child_env() and child_env()["LD_LIBRARY_PATH"] == "/the/user/lib"
