@@ -123,3 +123,30 @@ def expected_versions(steps, *, start: int, staleness: int) -> list[int]:
     """The policy version of the completions each of ``steps`` trains on in a run that started (or
     resumed) at step ``start`` and updates at every step: ``max(step - 1 - staleness, start)``."""
     return [max(step - 1 - staleness, start) for step in steps]
+
+
+def resident_block(nbytes: int):
+    """``nbytes`` of fresh memory, every page written (an anonymous mapping; ``.close()`` frees it).
+
+    Not a tensor or a bytearray: the C allocator serves those from freed heap that is still
+    resident when earlier in-process tests (vLLM, Megatron) left enough of it, so the resident set
+    would not grow and a peak meter would see nothing (CI once saw 4 KiB of a 128 MiB tensor)."""
+    import mmap
+
+    block = mmap.mmap(-1, nbytes)
+    for offset in range(0, nbytes, mmap.PAGESIZE):
+        block[offset] = 1
+    return block
+
+
+def leave_freed_resident_heap(mib: int):
+    """Puts this process in the state a long pytest process reaches: ``mib`` MiB freed in glibc's
+    heap, still resident, below a live block (so no automatic trim returns it). Returns that block."""
+    import torch
+
+    lift = torch.ones(2 << 20, dtype=torch.uint8)  # freed mmapped block: lifts glibc's mmap threshold
+    del lift
+    blocks = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(mib)]
+    pin = torch.ones(1024)
+    del blocks
+    return pin

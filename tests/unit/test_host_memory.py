@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatron_gtpo.utils.runtime import host_peak_rss_bytes, host_rss_bytes, reset_host_peak_rss
-from tests.helpers import REPO
+from tests.helpers import REPO, leave_freed_resident_heap, resident_block
 
 CHILD = """
 import json, resource
@@ -21,13 +21,14 @@ print(json.dumps({"ru_maxrss": inherited, "before": before, "peak": host_peak_rs
 
 
 def test_peak_follows_an_allocation_and_resets():
+    pin = leave_freed_resident_heap(200)  # a long test process's heap: must not hide the block
     before = reset_host_peak_rss()
-    block = bytearray(128 * 2**20)
-    block[::4096] = b"\x01" * len(block[::4096])  # touch every page: resident
+    block = resident_block(128 * 2**20)
     assert host_peak_rss_bytes() - before >= 120 * 2**20
-    del block
+    block.close()
     now = reset_host_peak_rss()
     assert host_peak_rss_bytes() - now < 16 * 2**20 and abs(host_rss_bytes() - now) < 16 * 2**20
+    del pin
 
 
 def test_a_child_of_a_large_parent_measures_its_own_peak():

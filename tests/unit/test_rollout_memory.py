@@ -20,6 +20,7 @@ from megatron_gtpo.rollout.engine import RolloutEngine
 from megatron_gtpo.rollout.memory import Choreography, TrainerOffload
 from megatron_gtpo.utils.memory import PeakMemory
 from megatron_gtpo.types import Prompt
+from tests.helpers import leave_freed_resident_heap, resident_block
 
 
 class RecordingLLM:
@@ -140,12 +141,11 @@ def test_trainer_offload_frees_and_restores_optimizer_state_and_grad_buffers():
 def test_peak_memory_sees_a_block_that_allocates_and_frees():
     with PeakMemory() as quiet:
         pass
+    pin = leave_freed_resident_heap(100)  # a long test process's heap: must not hide the block
     with PeakMemory() as busy:
-        # 64 MiB, touched: above glibc's largest dynamic mmap threshold (32 MiB), so it is fresh
-        # memory even late in a long test process whose heap already holds freed blocks
-        block = torch.ones(64 << 20, dtype=torch.uint8)
-        del block
+        resident_block(64 << 20).close()
     assert busy.extra_bytes >= 63 << 20 and quiet.extra_bytes < 4 << 20
+    del pin
 
 
 def test_release_host_memory_returns_freed_heap_blocks_to_the_os():
