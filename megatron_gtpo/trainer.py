@@ -38,8 +38,7 @@ from megatron_gtpo.train.learner import Learner
 from megatron_gtpo.train.snapshot import ParamSnapshot
 from megatron_gtpo.train.step import StepSettings
 from megatron_gtpo.utils.configuration import to_dict
-from megatron_gtpo.utils.runtime import (PreemptionFlag, setup_logging, signals_blocked, start_checkpoint_helpers,
-                                         startup_report)
+from megatron_gtpo.utils.runtime import PreemptionFlag, setup_logging, signals_blocked, startup_report
 
 log = logging.getLogger("megatron_gtpo")
 
@@ -167,7 +166,6 @@ def build(cfg, *, resume: bool | str) -> Parts:
     if offload is not None:
         offload.reload()  # a checkpoint restore writes into the optimizer state
     dataset = build_dataset(cfg.data, tokenizer=engines.tokenizer, progress=dims.rank == 0)
-    start_checkpoint_helpers()
     rows_unit = dims.dp * cfg.train.rows_per_micro_batch
     collector = RolloutCollector(
         engines, dataset, scorer, sampling=cfg.rollout.sampling(), seed=cfg.rollout.seed,

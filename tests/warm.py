@@ -50,8 +50,11 @@ def _serve() -> None:
     """The server: preloads, then one request per stdin line -> ``{"pid"}`` then ``{"rc"}``."""
     from megatron_gtpo.parallel.launch import run_rank  # noqa: PLC0415 -- after the env is final
 
+    from megatron_gtpo.utils.runtime import freeze_imported_heap  # noqa: PLC0415
+
     for name in PRELOAD:
         importlib.import_module(name)
+    freeze_imported_heap()  # as the launcher does before it forks the ranks
     requests, replies = sys.stdin.buffer, os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # what the server itself prints goes to stderr, never into the reply pipe
     replies.write(json.dumps({"ready": os.getpid()}) + "\n")

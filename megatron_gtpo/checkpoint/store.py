@@ -25,6 +25,7 @@ save/load/prepare_resume.
 from __future__ import annotations
 
 import logging
+import queue
 import random
 import shutil
 import time
@@ -175,6 +176,22 @@ def _full_state(model_chunks, optimizer, *, is_loading: bool, adapters_only: boo
     return state
 
 
+def _write_results_in_process() -> None:
+    """Megatron's checkpoint writer hands each save's write results back through a queue that it
+    creates on first use in a spawned multiprocessing Manager (``filesystem_async._results_queue``):
+    one more interpreter per rank, which imports torch when the first results reach it. Every
+    rank's first save waited ~3.3 s for that (tiny recipe, 2 ranks on 2 cores: 3.8 s, later saves
+    0.4 s), and the Manager lived on as a process in the rank's group that a preemption signal
+    could kill. The queue has to cross processes only for Megatron's asynchronous saves (written by
+    a process of their own); these saves are synchronous, in the rank, so the results go through
+    an in-process queue (``put`` / ``get_nowait`` are the calls Megatron makes on either).
+    tests/unit/test_checkpoint_files.py guards that Megatron still reads this global."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_checkpoint(root: str | Path, *, step: int, model_chunks: list[torch.nn.Module], optimizer,
                     extra_state: dict, keep_last: int, lora: dict | None = None) -> Path:
     """Saves model, optimizer, RNG, ``step`` and ``extra_state`` as ``root/step_<step>``
@@ -197,6 +214,7 @@ def save_checkpoint(root: str | Path, *, step: int, model_chunks: list[torch.nn.
     state = _full_state(model_chunks, optimizer, is_loading=False, adapters_only=lora is not None)
     # Plain values: written once, to common.pt.
     state.update(step=step, extra_state=extra_state, layout=_layout(model_chunks), lora=lora)
+    _write_results_in_process()
     dist_checkpointing.save(state, str(tmp))
     barrier()
     records, cost = _hash_written(tmp, rank)

@@ -30,6 +30,8 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from megatron_gtpo.utils.runtime import freeze_imported_heap
+
 LAUNCHER_ENV = "MGTPO_LAUNCHER"
 """``fork`` / ``torchrun`` / unset (fork on a host without CUDA, torchrun with CUDA)."""
 TRAINER_PRELOAD = ("megatron_gtpo.trainer", "megatron.core.dist_checkpointing", "vllm")
@@ -108,6 +110,7 @@ def _fork_ranks(target: str, args: list[str], world: int, preload: Sequence[str]
             pass
     if "vllm" in sys.modules:
         importlib.import_module("vllm.entrypoints.llm")  # the engine classes `vllm.LLM` loads lazily
+    freeze_imported_heap()  # the ranks' collections then skip what they inherit (utils/runtime.py)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", str(free_port())),
            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
            "ROLE_WORLD_SIZE": str(world), "TORCHELASTIC_RUN_ID": f"fork-{os.getpid()}",

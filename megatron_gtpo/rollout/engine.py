@@ -47,6 +47,7 @@ from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.rollout.routing import (completion_routing, install_capture, routing_kwargs, routing_source,
                                            take_capture)
 from megatron_gtpo.types import Completion, Prompt
+from megatron_gtpo.utils.runtime import freeze_imported_heap
 from megatron_gtpo.utils.vllm_reload import reload_model
 
 _SEED_SPACE = 2**31 - 1
@@ -163,6 +164,9 @@ class RolloutEngine:
     def _make_llm(kwargs: dict):
         from vllm import LLM
 
+        # vLLM freezes the heap itself at the end of its start-up; freezing what is imported and
+        # built so far first spares its start-up collections from scanning it (utils/runtime.py).
+        freeze_imported_heap()
         return LLM(**kwargs)
 
     # ----------------------------------------------------------------------------- properties

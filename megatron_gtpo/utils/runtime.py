@@ -1,9 +1,10 @@
-"""Run-time helpers of the driver: preemption signals, logging set-up, this process's
-host memory (resident set and its peak)."""
+"""Run-time helpers of the driver: preemption signals, logging set-up, the collector's view of
+the imported heap, this process's host memory (resident set and its peak)."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -48,13 +49,20 @@ def signals_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def start_checkpoint_helpers() -> None:
-    """Starts Megatron's checkpoint-writer Manager process now, with preemption signals blocked
-    (it is otherwise started lazily by the first save, inside the signalled process group)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+def freeze_imported_heap() -> int:
+    """Moves every object the garbage collector tracks now into its permanent generation
+    (``gc.freeze``) and returns how many were tracked: after the imports of torch, Megatron-Core,
+    transformers and vLLM, ~740k objects that live as long as the process.
 
-    with signals_blocked():
-        filesystem_async._get_write_results_queue()
+    Why: vLLM's engine start runs full collections (after loading the weights, and before it
+    freezes its own heap at the end of start-up), and each one scans every tracked object. With the
+    imports frozen first, the tiny engine starts in 2.4-2.5 s instead of 4.0-5.4 s (1 rank, 2-core
+    machine). Before a fork it also keeps the ranks' collections from writing into the memory
+    pages they share with their parent (the use CPython's ``gc.freeze`` documentation describes).
+    Objects frozen here are never collected: call it once the imports are done, not in a loop."""
+    tracked = len(gc.get_objects())
+    gc.freeze()
+    return tracked
 
 
 def setup_logging(rank: int, level: str = "INFO") -> logging.Logger:

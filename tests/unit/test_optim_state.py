@@ -169,3 +169,24 @@ def test_te_optimizer_state_gpu_smoke_part_on_cpu(tmp_path):
     assert report["rules"] == optim_state.TE.name and report["step_in"] == "param group"
     assert report["state_keys"] == ["exp_avg", "exp_avg_sq"] and report["optimizer"].endswith("TEFusedAdam")
     assert report["abs_loss_resumed_vs_uninterrupted"] == 0.0 and report["adam_norm_loaded"] == report["adam_norm_saved"]
+
+
+def test_a_save_keeps_megatron_write_results_in_this_process(tmp_path):
+    """Catches every run's first save waiting on a spawned multiprocessing Manager (~3.3 s per rank
+    of the tiny recipe while it imported torch, and one more process per rank) that Megatron's
+    writer creates for its results queue on first use: the save must hand Megatron an in-process
+    queue (checkpoint/store.py) and leave no helper process behind. A Megatron that stopped reading
+    ``filesystem_async._results_queue`` would start the Manager again: this fails then too."""
+    import queue
+
+    import psutil
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    chunks, optimizer = _policy()
+    _step(chunks, optimizer, seed=1)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    save_checkpoint(tmp_path / "ckpt", step=1, model_chunks=chunks, optimizer=optimizer, extra_state={}, keep_last=1)
+    assert isinstance(filesystem_async._get_write_results_queue(), queue.Queue)
+    helpers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+               and p.status() != psutil.STATUS_ZOMBIE]
+    assert helpers == [], [p.cmdline() for p in helpers]
