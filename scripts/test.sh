@@ -29,8 +29,11 @@ else
     pids+=("$!")
   done
   echo "scripts/test.sh: $shards shards running (test-results/shard-K.log); each is printed when it ends"
+  running=("${pids[@]}")
   for _ in "${pids[@]}"; do
-    rc=0; wait -n -p ended "${pids[@]}" || rc=$?
+    rc=0; wait -n -p ended "${running[@]}" || rc=$?
+    # Only the shards still running: bash's wait -n names an already reaped one "no such job".
+    mapfile -t running < <(for p in "${running[@]}"; do [ "$p" = "$ended" ] || echo "$p"; done)
     for k in $(seq 1 "$shards"); do [ "${pids[$((k - 1))]}" != "$ended" ] || break; done
     echo "================ shard $k/$shards: exit $rc after $((SECONDS / 60)) min $((SECONDS % 60)) s ================"
     cat "test-results/shard-$k.log"
