@@ -66,6 +66,9 @@ GresTypes=gpu
 SlurmdParameters=config_overrides
 # Short timers so requeued jobs and killed steps settle quickly in tests.
 KillWait=10
+# srun's I/O and step messages on 2 loaded cores: the default 10 s once timed out in the full suite
+# ("eio_message_socket_accept ... Socket timed out on send/recv", the step failed).
+MessageTimeout=60
 MinJobAge=600
 SchedulerParameters=bf_interval=1,sched_interval=2
 SlurmctldPort=$CTLD_PORT

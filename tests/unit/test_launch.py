@@ -98,7 +98,12 @@ def test_sigterm_reaches_the_ranks_as_sigusr1(tmp_path):
         say = lambda text: os.write(1, (text + "\\n").encode())  # one write per line: the ranks share the pipe
         signal.signal(signal.SIGUSR1, lambda *a: (say("USR1 " + os.environ["RANK"]), sys.exit(0)))
         say("ready")
-        time.sleep(120)
+        # Short sleeps, as the driver checks its preemption flag between steps: a signal that
+        # arrives between the write above and the start of one long sleep(120) is handled only
+        # when that sleep ends (CPython runs handlers between bytecodes; the kernel already
+        # delivered it, so the sleep is not interrupted): 1 run in 6 hung here, a test race.
+        for _ in range(1200):
+            time.sleep(0.1)
         sys.exit(5)
     """)
     proc = subprocess.Popen([*LAUNCH, "--nproc=2", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
