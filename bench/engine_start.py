@@ -1,8 +1,9 @@
 """vLLM engine start with and without the imported heap frozen (``utils/runtime.freeze_imported_heap``).
 
 In one process that has imported what a training rank imports (the trainer, Megatron-Core's
-dist_checkpointing, vLLM's engine classes), builds the tiny recipe's engine (tiny-char, fp32, 64 MiB
-of KV cache) over and over, alternating two variants:
+dist_checkpointing, vLLM's engine classes), builds a tiny engine over and over
+(``models.tiny.ensure_tiny``: the tests' 2-layer random Qwen2, fp32, 64 MiB of KV cache),
+alternating two variants:
 
     unfrozen  gc.unfreeze() first: vLLM's start-up collections scan every object of the process
               (what each rank paid before the launcher froze the heap)
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         for variant in rows:
             rows[variant].append(start(model_dir, variant))
     med = {v: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for v, runs in rows.items()}
-    print(f"tiny-char engine start, medians of {args.repeats} (load1 {os.getloadavg()[0]:.1f})")
+    print(f"tiny Qwen2 engine start, medians of {args.repeats} (load1 {os.getloadavg()[0]:.1f})")
     print("variant | wall s | CPU s | objects the collector tracks")
     for variant, m in med.items():
         print(f"{variant} | {m['wall_s']:.2f} | {m['cpu_s']:.2f} | {m['tracked']:.0f}")
