@@ -22,11 +22,11 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
+from bench.alternating import alternate  # noqa: E402
 
 VLLM = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20}  # configs/tiny.yaml's rollout.vllm
 
@@ -57,11 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = str(ensure_tiny())
     start(model_dir, "frozen")  # warm-up: file caches, lazy imports of the first engine
-    rows: dict[str, list[dict]] = {"unfrozen": [], "frozen": []}
-    for _ in range(args.repeats):
-        for variant in rows:
-            rows[variant].append(start(model_dir, variant))
-    med = {v: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for v, runs in rows.items()}
+    rows, med = alternate(("unfrozen", "frozen"), args.repeats, lambda variant, _: start(model_dir, variant))
     print(f"tiny Qwen2 engine start, medians of {args.repeats} (load1 {os.getloadavg()[0]:.1f})")
     print("variant | wall s | CPU s | objects the collector tracks")
     for variant, m in med.items():

@@ -20,13 +20,13 @@ import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # this checkout's megatron_gtpo
+from bench.alternating import alternate  # noqa: E402
 READY = re.compile(r"ready: .*\(start-up ([0-9.]+) s, peak host RSS ([0-9.]+) GiB\)")
 
 
@@ -61,11 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="/tmp/bench_startup")
     args = parser.parse_args(argv)
-    rows: dict[str, list[dict]] = {variant: [] for variant in LAUNCHERS}
-    for i in range(args.repeats):
-        for variant in rows:
-            rows[variant].append(run(os.path.join(args.out, f"{variant}-{i}"), variant))
-    med = {variant: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for variant, runs in rows.items()}
+    rows, med = alternate(LAUNCHERS, args.repeats,
+                          lambda variant, i: run(os.path.join(args.out, f"{variant}-{i}"), variant))
     print(f"configs/tiny.yaml, TP=2, medians of {args.repeats} runs each (load1 {os.getloadavg()[0]:.1f})")
     print("launcher | start-up s | peak host RSS GiB | command wall s (1 step)")
     for launcher, m in med.items():
