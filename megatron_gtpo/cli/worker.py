@@ -3,9 +3,9 @@
 Started on every rank by ``megatron-gtpo train`` (parallel/launch.py), ``slurm/train.sbatch`` and
 ``launch/torchrun_node.sh`` with the resolved config that ``megatron-gtpo train`` wrote.
 
-This module imports nothing heavy at the top: the processes a rank spawns (reward workers,
-Megatron's checkpoint-writer manager) re-import the main module, and would otherwise each import
-torch, Megatron and vLLM before doing anything.
+This module imports nothing heavy at the top: the processes a rank spawns (reward workers; a
+checkpoint-writer Manager where Megatron starts one) re-import the main module, and would otherwise
+each import torch, Megatron and vLLM before doing anything.
 """
 
 from __future__ import annotations
@@ -67,8 +67,10 @@ def log_strict_checks() -> None:
 
 def exit_now(code: int) -> None:
     """Ends the process now, skipping the interpreter's teardown (seconds of garbage collection of
-    torch, vLLM and process groups on 2 cores), once its output is out and Megatron's
-    checkpoint-writer manager, the one helper process that would outlive it, is stopped."""
+    torch, vLLM and process groups on 2 cores), once its output is out and a checkpoint-writer
+    Manager, the one helper process that would outlive it, is stopped: Megatron starts one for
+    asynchronous saves; the synchronous saves here keep their results in the rank
+    (checkpoint/store.py), so there is usually none."""
     filesystem_async = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
     queue = getattr(filesystem_async, "_results_queue", None)
     manager = getattr(getattr(queue, "_manager", None), "shutdown", None)

@@ -40,7 +40,7 @@ def signals_blocked():
     """Blocks SIGTERM/SIGUSR1 while helper processes are started, so they inherit a blocked mask.
 
     torchrun and SLURM deliver a preemption signal to a rank's whole process group; helpers
-    (Megatron's checkpoint-writer Manager, reward workers) would die of it mid-save, since only the
+    (reward workers, Megatron's checkpoint writers) would die of it mid-save, since only the
     rank itself handles it. A blocked mask survives fork and exec; the rank's own mask is restored.
     """
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(PreemptionFlag.SIGNALS))
