@@ -185,7 +185,7 @@ def _write_results_in_process() -> None:
     could kill. The queue has to cross processes only for Megatron's asynchronous saves (written by
     a process of their own); these saves are synchronous, in the rank, so the results go through
     an in-process queue (``put`` / ``get_nowait`` are the calls Megatron makes on either).
-    tests/unit/test_checkpoint_files.py guards that Megatron still reads this global."""
+    tests/unit/test_optim_state.py guards that Megatron still reads this global."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:

@@ -50,10 +50,10 @@ def signals_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def freeze_imported_heap() -> int:
+def freeze_imported_heap() -> None:
     """Moves every object the garbage collector tracks now into its permanent generation
-    (``gc.freeze``) and returns how many were tracked: after the imports of torch, Megatron-Core,
-    transformers and vLLM, ~740k objects that live as long as the process.
+    (``gc.freeze``): after the imports of torch, Megatron-Core, transformers and vLLM, ~740k
+    objects that live as long as the process.
 
     Why: vLLM's engine start runs full collections (after loading the weights, and before it
     freezes its own heap at the end of start-up), and each one scans every tracked object. With the
@@ -66,12 +66,10 @@ def freeze_imported_heap() -> int:
     vLLM) would otherwise print a screen of leak warnings over the end of the log, where a failed
     start's error is read (a rollout server's log tail)."""
     global _UNFREEZE_AT_EXIT
-    tracked = len(gc.get_objects())
     gc.freeze()
     if not _UNFREEZE_AT_EXIT:
         atexit.register(gc.unfreeze)
         _UNFREEZE_AT_EXIT = True
-    return tracked
 
 
 _UNFREEZE_AT_EXIT = False
