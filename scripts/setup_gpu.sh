@@ -23,7 +23,9 @@ PY=${PYTHON:-python3.12}
 LOCK=requirements/gpu.lock
 TE_TORCH="transformer-engine-torch==2.11.0"
 STAMP="$VENV/.megatron-gtpo-gpu-lock"
-want=$(cat "$LOCK" pyproject.toml "$0" | sha256sum | cut -c1-16)
+# EXCLUDED, lock_without_excluded: packages of the lock deliberately not installed (requirements/excluded.txt).
+source scripts/excluded.sh
+want=$(cat "$LOCK" "$EXCLUDED_FILE" pyproject.toml "$0" | sha256sum | cut -c1-16)
 # NGC containers export PIP_CONSTRAINT to pin their own torch build; this venv installs the lock's instead.
 unset PIP_CONSTRAINT
 
@@ -43,8 +45,10 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q "pip==26.3" "setuptools==80.10.2" "wheel==0.48.0"
-  echo "[setup_gpu] installing $LOCK (--no-deps: it is the complete resolved set)"
-  "$VENV/bin/python" -m pip install -q --no-deps -r "$LOCK"
+  echo "[setup_gpu] installing $LOCK (--no-deps: it is the complete resolved set), less ${EXCLUDED[*]} ($EXCLUDED_FILE)"
+  lock_without_excluded "$LOCK" >"$VENV/.requirements.txt"
+  "$VENV/bin/python" -m pip install -q --no-deps -r "$VENV/.requirements.txt"
+  "$VENV/bin/python" -m pip uninstall -q -y "${EXCLUDED[@]}" >/dev/null 2>&1 || true  # left by an older list
   echo "[setup_gpu] building $TE_TORCH against $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
   # --no-build-isolation: the extension must be compiled against the torch installed above, not a fresh one.
   # Without NVIDIA_PRODUCT_NAME, TE's setup.py looks for a prebuilt wheel for *this* torch (inside an NGC
