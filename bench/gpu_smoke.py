@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"would run: {', '.join(result['would_run'])}")
         emit(result, opts.json_out)
         return 0
+    if cfg.workdir is not None and not Path(cfg.workdir).is_dir():
+        print(f"gpu_smoke.py: --workdir {cfg.workdir} is not an existing directory; create it or leave the option out",
+              file=sys.stderr)
+        return 2
     if cfg.device == "cuda" and not torch.cuda.is_available():
         print("gpu_smoke.py: CUDA is not available; use --dry (plan only) or --device cpu (CPU check)", file=sys.stderr)
         return 2

@@ -213,33 +213,27 @@ def token_stats(chunks: list, batch, settings, dims):
 
 
 @torch.no_grad()
-def greedy_tokens(chunks: list, prompts: list[list[int]], max_new_tokens: int, dims, *, eos_id: int,
-                  vocab_size: int) -> list[list[int]]:
-    """Greedy continuation of each prompt with full Megatron forwards through the forward-only
-    schedule (no KV cache, O(n^2)); one pipeline stage (the smoke's world of 1). Stops after EOS."""
+def next_token_logits(chunks: list, sequences: list[list[int]], dims, *, vocab_size: int) -> list[torch.Tensor]:
+    """Megatron's fp32 logits ``[len(seq), vocab_size]`` at every position of each sequence (one
+    full forward each, the forward-only schedule; row j predicts token j + 1). One pipeline stage
+    and one tensor-parallel rank (the smoke's world of 1): the whole vocabulary is here."""
     from megatron_gtpo.parallel.collectives import comm_device
     from megatron_gtpo.train.batching import MicroBatch
-    from megatron_gtpo.train.logprobs import vocab_parallel_argmax
-    from megatron_gtpo.train.step import process_groups, run_schedule
+    from megatron_gtpo.train.step import run_schedule
 
-    if dims.pp != 1:
-        raise ValueError(f"greedy_tokens runs one pipeline stage, got pp={dims.pp}")
-    tp_group, device, out = process_groups().tp, comm_device(), []
+    if dims.pp != 1 or dims.tp != 1:
+        raise ValueError(f"next_token_logits runs a world of 1, got tp={dims.tp} pp={dims.pp}")
+    device, out = comm_device(), []
 
-    def next_token(mb, logits):
-        nxt = vocab_parallel_argmax(logits[:, -1], group=tp_group, vocab_start=dims.tp_rank * logits.shape[-1],
-                                    vocab_size=vocab_size)
-        return logits.new_zeros(()), {"next": nxt}
+    def keep(mb, logits):
+        return logits.new_zeros(()), {"logits": logits[0, :, :vocab_size].float().cpu()}
 
-    for prompt in prompts:
-        new: list[int] = []
-        while len(new) < max_new_tokens and new[-1:] != [eos_id]:
-            ids = torch.tensor([list(prompt) + new], dtype=torch.long, device=device)
-            one = torch.ones(1, dtype=torch.long, device=device)
-            mb = MicroBatch(rows=torch.zeros(1, dtype=torch.long), input_ids=ids, start=one, lengths=one, width=1,
-                            position_ids=torch.arange(ids.shape[1], device=device)[None, :])
-            new.append(int(run_schedule(chunks, [mb], next_token, forward_only=True)[0]["next"][0]))
-        out.append(new)
+    for seq in sequences:
+        ids = torch.tensor([seq], dtype=torch.long, device=device)
+        one = torch.ones(1, dtype=torch.long, device=device)
+        mb = MicroBatch(rows=torch.zeros(1, dtype=torch.long), input_ids=ids, start=one, lengths=one, width=1,
+                        position_ids=torch.arange(ids.shape[1], device=device)[None, :])
+        out.append(run_schedule(chunks, [mb], keep, forward_only=True)[0]["logits"])
     return out
 
 

@@ -7,8 +7,14 @@ placement matters) and Dr. GRPO (its constant normaliser) run
 ``train_step`` from the same weights once padded (micro-batches of 2 rows) and once packed (a
 36-token budget: 2-3 rows of different prompt groups per packed row, fewer micro-batches). The packed
 step's loss, grad norm, gradients, updated parameters and every metric must equal the padded
-step's up to fp32 rounding (1e-6 relative for the loss and gradients of one update), and so must the
-no-grad log-probs and entropies.
+step's up to fp32 rounding, and so must the no-grad log-probs and entropies.
+
+The bounds (ONE_UPDATE, TWO_UPDATES, ...) sit 5x above the largest rounding measured on two hosts:
+the earlier CI host (below 1e-6 for one update) and an AMD Zen 5 one with AVX-512 (torch and oneDNN
+pick their kernels by the CPU's vector units: up to 2.0e-6 for one update's loss and parameters,
+6.4e-6 for mu = 2's gradients, 1.2e-6 for entropies). A packing bug moves values by far more: with one packed row's
+first two sequences in one attention segment (injected into ``cu_seqlens``) GTPO's loss at TP=2 is
+-0.0225 against 0.0113.
 """
 
 from __future__ import annotations
@@ -28,16 +34,20 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
+ONE_UPDATE = 1e-5
+TWO_UPDATES = 5e-5  # mu = 2's second update starts from weights that already differ by the first's rounding
+METRICS = 1e-4  # every logged metric, ratios of small sums included (measured up to 1.0e-5)
+LOGP, ENTROPY = 1e-6, 1e-5  # no-grad pass: log-probs (measured 1.9e-7), entropies over the vocabulary (1.2e-6)
+
+
 def _check_step(r: dict) -> None:
-    # one update: 1e-6; the second update of mu = 2 starts from weights that already differ by the
-    # first update's rounding, so its values drift a little further (still 1e-5)
-    tol = 1e-5 if r["case"].endswith("_mu2") else 1e-6
+    tol = TWO_UPDATES if r["case"].endswith("_mu2") else ONE_UPDATE
     # relative to the loss's scale, not its value: GRPO's loss is a near-cancelling sum (~0.002 here)
     assert abs(r["loss"] - r["loss_ref"]) <= tol * max(abs(r["loss_ref"]), 0.01), r
     assert _rel(r["grad_norm"], r["grad_norm_ref"]) <= tol, r
     assert r["grad_err"] <= tol, r  # ||g_packed - g_padded|| / ||g_padded|| over this rank's parameters
     assert r["grad_err_max"] <= 10 * tol and r["param_err"] <= 10 * tol, r  # the worst single tensor
-    assert r["metric_only_one"] == [] and r["metric_err"] <= 2e-5, r
+    assert r["metric_only_one"] == [] and r["metric_err"] <= METRICS, r
 
 
 def _check_packing(r: dict, pp: int) -> None:
@@ -80,7 +90,7 @@ def test_packed_train_step_equals_padded_in_every_layout():
         stats = [r for r in records if r["check"] == "forward_stats" and r["layout"] == layout]
         assert len(stats) == 2 // pp, stats  # the last stage of every (TP, DP) coordinate
         for r in stats:
-            assert r["logp_err"] <= 1e-6 and r["entropy_err"] <= 1e-6 and r["mean_entropy_err"] <= 1e-6, r
+            assert r["logp_err"] <= LOGP and r["entropy_err"] <= ENTROPY and r["mean_entropy_err"] <= ENTROPY, r
             assert r["masked_nonzero"] == 0.0, r
     counts = {tuple(r["packing"]["count"] for r in records if r.get("layout") == "tp1_pp1_dp2" and r["rank"] == k
                     and r["check"] == "train_step") for k in range(2)}

@@ -162,7 +162,7 @@ def run_learn_grpo(tmp_path_factory) -> runs.Run:
 
 @pytest.fixture(scope="session")
 def run_dapo_bf16(tmp_path_factory) -> runs.Run:
-    """runs.DAPO_BF16, 3 steps: DAPO's refill loop, a bf16 engine with TIS (cap 1.002), the fp32 head
+    """runs.DAPO_BF16, 3 steps: DAPO's refill loop, a bf16 engine with TIS (cap 1.0005), the fp32 head
     in the engines, and the default packed micro-batches."""
     out = tmp_path_factory.mktemp("dapo") / "bf16"
     return runs.train(out, *runs.DAPO_BF16, steps=3)

@@ -39,7 +39,7 @@ step count after a resume moves the LR), GTPO's entropy filter and gamma shift o
 DAPO_BF16 = ["algo.name=dapo", "algo.overlong_buffer_len=8", "algo.dynamic_sampling_max_tries=6",
              "algo.dynamic_sampling_metric=accuracy", "reward.fn=tests.e2e.dapo_reward.half_constant_reward",
              "rollout.vllm.dtype=bfloat16", "model.lm_head_fp32=true", "algo.mismatch_correction=tis",
-             "algo.mismatch_cap=1.002", "train.micro_batch_tokens=null"]
+             "algo.mismatch_cap=1.0005", "train.micro_batch_tokens=null"]
 """DAPO with refills (a scripted reward makes some groups all-equal), a bf16 engine against the fp32
 trainer with truncated importance sampling, and the default packed micro-batches."""
 PACKED_TOKENS = 600

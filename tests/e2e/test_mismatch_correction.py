@@ -2,8 +2,10 @@
 bf16 vLLM engine against the fp32 Megatron trainer, real engines, 2 gloo ranks, packed micro-batches).
 
 The engine's bf16 log-probs differ from the trainer's by ~1e-3 per token, so with a tight cap
-(C = 1.002) truncated importance sampling is active on some tokens and every weight is min(r, C);
-the first update's loss still equals the D2 decomposition once the weights' part is counted.
+(C = 1.0005) truncated importance sampling is active on some tokens in every step and every weight
+is min(r, C); the first update's loss still equals the D2 decomposition once the weights' part is
+counted. (C = 1.002 left one step with no cut token on an AVX-512 Zen 5 host, where the largest ratio of
+that step was 1.0019; C = 1.0005 keeps a 4x margin in log r.)
 ``model.lm_head_fp32`` reaches the engines as vLLM's ``hf_overrides: {head_dtype: float32}``
 (whether vLLM honours it is checked on a real engine in test_rollout_engine.py).
 """
@@ -16,7 +18,7 @@ import pytest
 
 from tests.e2e.runs import per_step
 
-CAP = 1.002
+CAP = 1.0005
 STEPS = 3
 
 

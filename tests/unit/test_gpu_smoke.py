@@ -75,6 +75,37 @@ def test_without_cuda_the_real_run_refuses_and_points_to_dry(capsys):
     assert "--dry" in capsys.readouterr().err
 
 
+def test_a_missing_workdir_is_refused_before_any_work(capsys, tmp_path):
+    from bench import gpu_smoke
+
+    assert gpu_smoke.main(["--tiny", "--device", "cpu", "--workdir", str(tmp_path / "absent")]) == 2
+    assert "--workdir" in capsys.readouterr().err
+
+
+def test_greedy_check_tells_a_flipped_near_tie_from_other_weights():
+    """The vllm part's judgement (bench/gpu_smoke_parts.py): vLLM's greedy tokens against Megatron's
+    logits of the same sequences. A near-tie flipped by rounding passes; tokens chosen by other
+    weights (what a failed or partial push serves) do not."""
+    from bench.gpu_smoke_parts import NEAR_TIE, greedy_against_megatron
+
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(12, 50, generator=gen) for _ in range(2)]  # prompts of 4, 8 generated tokens
+    best = [lg[3:11].argmax(dim=-1).tolist() for lg in logits]
+    same = greedy_against_megatron(best, logits, [4, 4])
+    assert same["greedy_tokens_agreeing"] == [8, 8] and same["logit_gap_max"] == 0.0
+
+    flipped = [best[0][:], best[1]]
+    runner_up = int(logits[0][3 + 5].topk(2).indices[1])
+    logits[0][3 + 5, runner_up] = logits[0][3 + 5].max() - 1e-3  # a near-tie at position 5, vLLM took the other
+    flipped[0][5] = runner_up
+    near = greedy_against_megatron(flipped, logits, [4, 4])
+    assert near["greedy_tokens_agreeing"] == [5, 8] and 0 < near["logit_gap_max"] <= NEAR_TIE * near["logit_spread_min"]
+
+    other = [torch.randn(12, 50, generator=gen) for _ in range(2)]  # the engine's own, unrelated weights
+    wrong = greedy_against_megatron([lg[3:11].argmax(dim=-1).tolist() for lg in other], logits, [4, 4])
+    assert wrong["logit_gap_max"] > NEAR_TIE * wrong["logit_spread_min"], wrong
+
+
 def test_tiny_dry_uses_the_tiny_sizes_and_honours_skip(capsys):
     from bench import gpu_smoke
 
