@@ -5,7 +5,11 @@ this invocation so that both see the same machine load. A third row forks too bu
 the cached empty MLflow store (megatron_gtpo/tracking/sqlite_seed.py), so that run migrates a new
 store as every run did before the cache (and as an installation's first run does).
 
-    python bench/startup.py [--repeats 3] [--out /tmp/bench_startup]
+    python bench/startup.py [--repeats 3] [--out /tmp/bench_startup] [--against CHECKOUT] [--only fork,against]
+
+``--against CHECKOUT`` adds the variant ``against``: another checkout of the project (its own ``.venv`` set up,
+e.g. ``git worktree add /tmp/before HEAD~1 && make -C /tmp/before setup``) started the same way as ``fork``,
+in the same rounds, so a change is measured against the code before it (``fork_over_against``).
 
 Each run is 1 step (the step itself is not timed). Prints per launcher the median over repeats of
 the rank's own ``start-up`` figure (wall time from the ``megatron-gtpo train`` command to the
@@ -35,18 +39,19 @@ LAUNCHERS = {"fork_store_migrated": "fork", "torchrun": "torchrun", "fork": "for
 is the cache the other two copy from."""
 
 
-def run(out: str, variant: str) -> dict[str, float]:
+def run(out: str, variant: str, *, repo: str = REPO) -> dict[str, float]:
+    """One 1-step run of ``repo``'s tiny recipe; ``variant`` chooses the launcher (``against``: fork)."""
     shutil.rmtree(out, ignore_errors=True)
-    launcher = LAUNCHERS[variant]
+    launcher = LAUNCHERS.get(variant, "fork")
     if variant == "fork_store_migrated":
         from megatron_gtpo.models.smollm2 import default_cache_dir
         from megatron_gtpo.tracking.sqlite_seed import template_path
 
         template_path(default_cache_dir()).unlink(missing_ok=True)
-    cmd = [os.path.join(REPO, ".venv", "bin", "megatron-gtpo"), "train", os.path.join(REPO, "configs", "tiny.yaml"),
+    cmd = [os.path.join(repo, ".venv", "bin", "megatron-gtpo"), "train", os.path.join(repo, "configs", "tiny.yaml"),
            "--output-dir", out, "--steps", "1", "train.checkpoint_every=1"]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True,
                           env={**os.environ, "MGTPO_LAUNCHER": launcher})
     wall = time.perf_counter() - start
     text = proc.stdout + proc.stderr
@@ -60,18 +65,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="/tmp/bench_startup")
+    parser.add_argument("--against", metavar="CHECKOUT", help="another checkout, run as the variant `against`")
+    parser.add_argument("--only", help="comma-separated variants to run (default: all)")
     args = parser.parse_args(argv)
-    rows, med = alternate(LAUNCHERS, args.repeats,
-                          lambda variant, i: run(os.path.join(args.out, f"{variant}-{i}"), variant))
+    variants = list(LAUNCHERS) + (["against"] if args.against else [])
+    if args.only:
+        unknown = sorted(set(args.only.split(",")) - set(variants))
+        if unknown:
+            parser.error(f"--only: unknown variant(s) {','.join(unknown)}; choose from {','.join(variants)}"
+                         + ("" if args.against else " (`against` needs --against CHECKOUT)"))
+        variants = [v for v in variants if v in args.only.split(",")]
+    repos = {"against": os.path.abspath(args.against)} if args.against else {}
+    rows, med = alternate(variants, args.repeats, lambda variant, i: run(
+        os.path.join(args.out, f"{variant}-{i}"), variant, repo=repos.get(variant, REPO)))
     print(f"configs/tiny.yaml, TP=2, medians of {args.repeats} runs each (load1 {os.getloadavg()[0]:.1f})")
     print("launcher | start-up s | peak host RSS GiB | command wall s (1 step)")
     for launcher, m in med.items():
         print(f"{launcher} | {m['startup_s']:.1f} | {m['peak_rss_gib']:.2f} | {m['wall_s']:.1f}")
-    print(json.dumps({"bench": "startup", "repeats": args.repeats, "medians": med,
-                      "fork_over_torchrun": round(med["fork"]["startup_s"] / med["torchrun"]["startup_s"], 3),
-                      "copied_over_migrated_store": round(med["fork"]["startup_s"]
-                                                          / med["fork_store_migrated"]["startup_s"], 3),
-                      "all": rows}))
+    ratios = {f"fork_over_{base}": round(med["fork"]["startup_s"] / med[base]["startup_s"], 3)
+              for base in ("torchrun", "against") if "fork" in med and base in med}
+    if "fork" in med and "fork_store_migrated" in med:
+        ratios["copied_over_migrated_store"] = round(med["fork"]["startup_s"] / med["fork_store_migrated"]["startup_s"], 3)
+    print(json.dumps({"bench": "startup", "repeats": args.repeats, "against": args.against, "medians": med,
+                      **ratios, "all": rows}))
     return 0
 
 
