@@ -102,7 +102,7 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600,
     preload = ["megatron_gtpo.trainer"] + (["vllm"] if "vllm" in Path(script).read_text() else [])
     cmd = [sys.executable, "-m", "megatron_gtpo.parallel.launch", f"--nproc={nproc}", f"--preload={','.join(preload)}",
            str(script), *args]
-    full_env = child_env(OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()), **(env or {}))
+    full_env = child_env(**{"OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()), **(env or {})})
     proc = run_group(cmd, timeout=timeout, env=full_env, cwd=REPO, warm=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"launch {script} (nproc={nproc}) failed rc={proc.returncode}:\n{out[-8000:]}"

@@ -31,6 +31,7 @@ import traceback
 from collections.abc import Sequence
 
 from megatron_gtpo.utils.runtime import freeze_imported_heap
+from megatron_gtpo.utils.vllm_shm import remove_world_segments
 
 LAUNCHER_ENV = "MGTPO_LAUNCHER"
 """``fork`` / ``torchrun`` / unset (fork on a host without CUDA, torchrun with CUDA)."""
@@ -131,6 +132,7 @@ def _fork_ranks(target: str, args: list[str], world: int, preload: Sequence[str]
         raise
     finally:
         _restore(previous)
+        remove_world_segments(env)  # what killed ranks' vLLM engines left in /dev/shm (utils/vllm_shm.py)
 
 
 def run_rank(target: str, args: list[str], env: dict[str, str]) -> None:

@@ -49,6 +49,7 @@ from megatron_gtpo.rollout.routing import (completion_routing, install_capture, 
 from megatron_gtpo.types import Completion, Prompt
 from megatron_gtpo.utils.runtime import freeze_imported_heap
 from megatron_gtpo.utils.vllm_reload import reload_model
+from megatron_gtpo.utils.vllm_shm import install_world_names
 
 _SEED_SPACE = 2**31 - 1
 _REQUIRED_LOGPROBS_MODE = "processed_logprobs"
@@ -164,6 +165,8 @@ class RolloutEngine:
     def _make_llm(kwargs: dict):
         from vllm import LLM
 
+        if kwargs.get("distributed_executor_backend") == "external_launcher" and not torch.cuda.is_available():
+            install_world_names()  # CPU TP all-reduce segments named per world, not per host (utils/vllm_shm.py)
         # vLLM freezes the heap itself at the end of its start-up; freezing what is imported and
         # built so far first spares its start-up collections from scanning it (utils/runtime.py).
         freeze_imported_heap()

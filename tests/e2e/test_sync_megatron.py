@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import REPO, torchrun
+from megatron_gtpo.utils.vllm_shm import SHM_DIR, world_tag
+from tests.helpers import REPO, free_port, torchrun
 
 SCRIPT = REPO / "tests/e2e/scripts/sync_roundtrip.py"
 LOGPROB_TOL = {"fp32": 1e-4, "bf16": 2e-2}
@@ -30,9 +31,9 @@ def by_check(results: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
-def check_roundtrip(transport: str, dtype: str, engine_tp: int = 1) -> None:
+def check_roundtrip(transport: str, dtype: str, engine_tp: int = 1, env: dict[str, str] | None = None) -> None:
     checks = by_check(torchrun(SCRIPT, 2, "--transport", transport, "--dtype", dtype, "--engine-tp", str(engine_tp),
-                               timeout=540))
+                               timeout=540, env=env))
     for name in ("push_v1", "bad_push", "broken_pushes", "train_step", "logprobs_v2"):
         assert len(checks.get(name, [])) == 2, f"{name} missing from a rank: {checks.get(name)}"
     mode = {"separate": "senders"}.get(transport, "local" if engine_tp == 2 else "full")
@@ -84,8 +85,25 @@ def test_push_roundtrip_colocated(dtype: str):
 @pytest.mark.slow
 def test_engine_tp2_colocated_push_roundtrip():
     """One vLLM engine of TP=2 spanning the 2 trainer ranks (vLLM external_launcher), aligned with
-    Megatron's TP=2: each rank hands its engine rank only its own shards (no gather)."""
-    check_roundtrip("colocated", "fp32", engine_tp=2)
+    Megatron's TP=2: each rank hands its engine rank only its own shards (no gather).
+
+    It starts beside shared-memory segments a killed run would have left, under vLLM's own names
+    and under this world's (utils/vllm_shm.py). Catches the bug that failed a suite run: vLLM names
+    them the same for every external-launcher engine of a host and creates them with O_EXCL, so the
+    engine failed with ``create shm in SHMManager failed. errno: 17``; and a world that leaves its
+    segments behind."""
+    port = str(free_port())
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    stale = [SHM_DIR / f"{prefix}-tp:0-[0-1]-cpushm_{rank}" for prefix in ("", world_tag(world)) for rank in (0, 1)]
+    planted = [path for path in stale if not path.exists()]
+    for path in planted:
+        path.write_bytes(b"\0" * 4096)
+    try:
+        check_roundtrip("colocated", "fp32", engine_tp=2, env={"MASTER_PORT": port})
+        assert not list(SHM_DIR.glob(world_tag(world) + "-*")), "the world's segments were left behind"
+    finally:
+        for path in planted:
+            path.unlink(missing_ok=True)
 
 
 @pytest.mark.slow

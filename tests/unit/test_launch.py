@@ -171,3 +171,29 @@ def test_forked_ranks_start_with_the_parents_heap_frozen(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     frozen = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("frozen ")]
     assert len(frozen) == 2 and min(frozen) > 1000, proc.stdout  # even a bare interpreter tracks thousands
+
+
+def test_a_killed_worlds_vllm_segments_are_removed(tmp_path):
+    """Catches a launcher that leaves a killed world's vLLM shared-memory segments in /dev/shm
+    (utils/vllm_shm.py: ~4 MiB per rank of a TP>1 CPU engine, never freed until reboot): each rank
+    writes one under its world's name, then one rank is killed."""
+    from megatron_gtpo.utils.vllm_shm import SHM_DIR, world_tag
+
+    if not SHM_DIR.is_dir():
+        pytest.skip("no /dev/shm on this host")
+    proc = _launch(tmp_path, """
+        import os, signal, time
+        name = f"mgtpo-{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}-tp:0-[0-1]-cpushm_{os.environ['RANK']}"
+        with open(os.path.join("/dev/shm", name), "wb") as f:
+            f.write(bytes(4096))
+        os.write(1, f"wrote {name}\\n".encode())
+        time.sleep(0.5)
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+    """)
+    assert proc.returncode == 1 and "signal SIGKILL" in proc.stderr, proc.stdout + proc.stderr
+    written = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("wrote ")]
+    assert len(written) == 2 and all(name.startswith(world_tag({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": ""}))
+                                     for name in written), proc.stdout
+    assert not [name for name in written if (SHM_DIR / name).exists()], written
