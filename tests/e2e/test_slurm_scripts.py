@@ -106,7 +106,11 @@ def test_train_usr1_checkpoints_requeues_and_resumes(cluster, job_dir):
     cluster.run("scancel", "--signal=USR1", "--batch", str(job))
     info = cluster.wait(job, timeout=300, restarts=1)
     text = batch_log(job_dir, job)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text
+    # A full-suite run (2026-12-02, once; the test alone passed 3 of 3 after) saw the requeued run
+    # end FAILED 1:0 without a line in its batch log: slurmctld's and slurmd's own words are in the
+    # message for the next time.
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        f"{info}\n{text}\n{cluster.logs()}"
     # Both ranks got the signal; the stand-in's ranks do not agree on a step (the real driver does), so
     # rank 0's checkpoint is the one to resume from.
     stops = {r["env"]["RANK"]: r["step"] for r in records(job_dir, "checkpoint")}
