@@ -11,10 +11,11 @@ store as every run did before the cache (and as an installation's first run does
 e.g. ``git worktree add /tmp/before HEAD~1 && make -C /tmp/before setup``) started the same way as ``fork``,
 in the same rounds, so a change is measured against the code before it (``fork_over_against``).
 
-Each run is 1 step (the step itself is not timed). Prints per launcher the median over repeats of
-the rank's own ``start-up`` figure (wall time from the ``megatron-gtpo train`` command to the
-``ready:`` line) and of the peak host RSS it reports, the wall time of the whole command, then one
-JSON line with ``fork_over_torchrun`` (start-up ratio; below 1 is faster).
+Each run is 1 step. Prints per launcher the median over repeats of the rank's own ``start-up``
+figure (wall time from the ``megatron-gtpo train`` command to the ``ready:`` line), of the time
+until the first step's log line (``step 1/1 | ...``, start-up plus one tiny step, whose rollout
+includes vLLM's first generation) and of the peak host RSS it reports, the wall time of the whole
+command, then one JSON line with ``fork_over_torchrun`` (start-up ratio; below 1 is faster).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # this checkout's megatron_gtpo
 from bench.alternating import alternate  # noqa: E402
 READY = re.compile(r"ready: .*\(start-up ([0-9.]+) s, peak host RSS ([0-9.]+) GiB\)")
+FIRST_STEP = re.compile(r"\bstep 1/\d+ \|")  # the first step's log line
 
 
 LAUNCHERS = {"fork_store_migrated": "fork", "torchrun": "torchrun", "fork": "fork"}
@@ -50,15 +52,22 @@ def run(out: str, variant: str, *, repo: str = REPO) -> dict[str, float]:
         template_path(default_cache_dir()).unlink(missing_ok=True)
     cmd = [os.path.join(repo, ".venv", "bin", "megatron-gtpo"), "train", os.path.join(repo, "configs", "tiny.yaml"),
            "--output-dir", out, "--steps", "1", "train.checkpoint_every=1"]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True,
-                          env={**os.environ, "MGTPO_LAUNCHER": launcher})
+    start, first_step, lines = time.perf_counter(), None, []
+    # One stream, read as it comes: the first step's line is timed here (the ranks print unbuffered).
+    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "MGTPO_LAUNCHER": launcher, "PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:
+        lines.append(line)
+        if first_step is None and FIRST_STEP.search(line):
+            first_step = time.perf_counter() - start
+    proc.wait()
     wall = time.perf_counter() - start
-    text = proc.stdout + proc.stderr
+    text = "".join(lines)
     match = READY.search(text)
-    if proc.returncode or match is None:
+    if proc.returncode or match is None or first_step is None:
         sys.exit(f"run failed ({launcher}: {' '.join(cmd)}):\n{text[-4000:]}")
-    return {"startup_s": float(match.group(1)), "peak_rss_gib": float(match.group(2)), "wall_s": wall}
+    return {"startup_s": float(match.group(1)), "first_step_s": first_step, "peak_rss_gib": float(match.group(2)),
+            "wall_s": wall}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     rows, med = alternate(variants, args.repeats, lambda variant, i: run(
         os.path.join(args.out, f"{variant}-{i}"), variant, repo=repos.get(variant, REPO)))
     print(f"configs/tiny.yaml, TP=2, medians of {args.repeats} runs each (load1 {os.getloadavg()[0]:.1f})")
-    print("launcher | start-up s | peak host RSS GiB | command wall s (1 step)")
+    print("launcher | start-up s | first step line s | peak host RSS GiB | command wall s (1 step)")
     for launcher, m in med.items():
-        print(f"{launcher} | {m['startup_s']:.1f} | {m['peak_rss_gib']:.2f} | {m['wall_s']:.1f}")
+        print(f"{launcher} | {m['startup_s']:.1f} | {m['first_step_s']:.1f} | {m['peak_rss_gib']:.2f} | "
+              f"{m['wall_s']:.1f}")
     ratios = {f"fork_over_{base}": round(med["fork"]["startup_s"] / med[base]["startup_s"], 3)
               for base in ("torchrun", "against") if "fork" in med and base in med}
     if "fork" in med and "fork_store_migrated" in med:

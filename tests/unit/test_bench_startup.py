@@ -17,7 +17,8 @@ def fake_runs(monkeypatch) -> list[tuple[str, str]]:
 
     def run(out, variant, *, repo=startup.REPO):
         calls.append((variant, repo))
-        return {"startup_s": seconds[variant], "peak_rss_gib": 0.8, "wall_s": seconds[variant] + 3}
+        return {"startup_s": seconds[variant], "first_step_s": seconds[variant] + 2, "peak_rss_gib": 0.8,
+                "wall_s": seconds[variant] + 3}
 
     monkeypatch.setattr(startup, "run", run)
     return calls
@@ -50,3 +51,9 @@ def test_only_refuses_an_unknown_variant(monkeypatch, capsys):
     with pytest.raises(SystemExit) as stop:
         startup.main(["--only", "fork,against"])
     assert stop.value.code == 2 and "`against` needs --against CHECKOUT" in capsys.readouterr().err
+
+
+def test_the_first_step_line_is_recognised_and_no_later_one():
+    assert startup.FIRST_STEP.search("12:03:05 [rank0] INFO step 1/2 | reward 0.305 acc 0.00 | len 22.0")
+    assert not startup.FIRST_STEP.search("12:03:05 [rank0] INFO step 11/20 | reward 0.305")
+    assert not startup.FIRST_STEP.search("ready: 22 prompts, starting at step 0 of 2 (start-up 10.9 s, ...)")
