@@ -39,6 +39,9 @@ FIRST_STEP = re.compile(r"\bstep 1/\d+ \|")  # the first step's log line
 LAUNCHERS = {"fork_store_migrated": "fork", "torchrun": "torchrun", "fork": "fork"}
 """Variant -> MGTPO_LAUNCHER. The migrating variant runs first in each round: the store it builds
 is the cache the other two copy from."""
+RATIOS = {"fork_over_torchrun": "torchrun", "fork_over_against": "against",
+          "copied_over_migrated_store": "fork_store_migrated"}
+"""Printed ratio -> the variant whose start-up divides ``fork``'s."""
 
 
 def run(out: str, variant: str, *, repo: str = REPO) -> dict[str, float]:
@@ -79,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     variants = list(LAUNCHERS) + (["against"] if args.against else [])
     if args.only:
-        unknown = sorted(set(args.only.split(",")) - set(variants))
-        if unknown:
-            parser.error(f"--only: unknown variant(s) {','.join(unknown)}; choose from {','.join(variants)}"
-                         + ("" if args.against else " (`against` needs --against CHECKOUT)"))
-        variants = [v for v in variants if v in args.only.split(",")]
+        only = set(args.only.split(","))
+        if only - set(variants):
+            parser.error(f"--only: unknown variant(s) {','.join(sorted(only - set(variants)))}; choose from "
+                         f"{','.join(variants)}" + ("" if args.against else " (`against` needs --against CHECKOUT)"))
+        variants = [v for v in variants if v in only]
     repos = {"against": os.path.abspath(args.against)} if args.against else {}
     rows, med = alternate(variants, args.repeats, lambda variant, i: run(
         os.path.join(args.out, f"{variant}-{i}"), variant, repo=repos.get(variant, REPO)))
@@ -92,10 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     for launcher, m in med.items():
         print(f"{launcher} | {m['startup_s']:.1f} | {m['first_step_s']:.1f} | {m['peak_rss_gib']:.2f} | "
               f"{m['wall_s']:.1f}")
-    ratios = {f"fork_over_{base}": round(med["fork"]["startup_s"] / med[base]["startup_s"], 3)
-              for base in ("torchrun", "against") if "fork" in med and base in med}
-    if "fork" in med and "fork_store_migrated" in med:
-        ratios["copied_over_migrated_store"] = round(med["fork"]["startup_s"] / med["fork_store_migrated"]["startup_s"], 3)
+    ratios = {name: round(med["fork"]["startup_s"] / med[base]["startup_s"], 3) for name, base in RATIOS.items()
+              if "fork" in med and base in med}  # only the ratios whose two variants ran
     print(json.dumps({"bench": "startup", "repeats": args.repeats, "against": args.against, "medians": med,
                       **ratios, "all": rows}))
     return 0

@@ -5,9 +5,10 @@ Megatron with the CPU stand-in CP attention, MLflow; then a resume from its step
 One CP run of 3 steps and its resume (the only CP=2 CLI runs of the suite). The CP=1 run it is
 compared with is the stored one: tests/assets/tiny_reference.json holds configs/tiny.yaml's metrics
 as recorded at CP=1, which tests/e2e/test_reference_values.py reproduces (its samples exactly, its
-fp32 values within 1e-5), so no second CLI run is needed. The first step samples the same completions (per-request seeds, the same
-initial weights in both engines) and trains on them with each sequence split over two ranks: its
-metrics equal the CP=1 run's within 1e-5 (CP changes only fp32 summation order).
+fp32 values within 1e-5), so no second CLI run is needed. The first step samples the same
+completions (per-request seeds, the same initial weights in both engines) and trains on them with
+each sequence split over two ranks: its metrics equal the CP=1 run's within 1e-5 (CP changes only
+fp32 summation order).
 """
 
 from __future__ import annotations
