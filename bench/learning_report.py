@@ -18,13 +18,17 @@ CURVES = ("reward/accuracy", "reward/mean", "eval/accuracy", "entropy/mean", "gt
           "gtpo/conflict_tokens_per_completion", "gtpo/lambda_zero_share", "gtpo/lambda_ge2_share",
           "bias/prefix_wagg_common", "bias/prefix_wagg_len_corr", "bias/prefix_wagg_abs_mean", "bias/prefix_common_len",
           "bias/surrogate_adv_term", "bias/surrogate_cov",
-          "bias/surrogate_loss_gap", "completion/length_mean", "time/step_s", "rollout/tries", "batch/active_frac")
+          "bias/surrogate_loss_gap", "completion/length_mean", "time/step_s", "rollout/tries", "batch/active_frac",
+          "gtpo/shift_share", "bias/length_drift", "batch/equal_groups_frac", "completion/truncated_frac",
+          "optim/grad_norm")
 """Metric histories a run summary reads."""
 MEANS = {"filtered_frac": "gtpo/filtered_frac", "conflict_tokens_per_completion": "gtpo/conflict_tokens_per_completion",
          "lambda_zero_share": "gtpo/lambda_zero_share", "lambda_ge2_share": "gtpo/lambda_ge2_share",
          "d1_wagg_common": "bias/prefix_wagg_common", "d1_wagg_len_corr": "bias/prefix_wagg_len_corr",
          "d1_wagg_abs_mean": "bias/prefix_wagg_abs_mean", "d1_common_prefix_len": "bias/prefix_common_len",
-         "d2_adv_term": "bias/surrogate_adv_term", "d2_cov": "bias/surrogate_cov", "active_frac": "batch/active_frac"}
+         "d2_adv_term": "bias/surrogate_adv_term", "d2_cov": "bias/surrogate_cov", "active_frac": "batch/active_frac",
+         "shift_share": "gtpo/shift_share", "length_drift": "bias/length_drift",
+         "equal_groups_frac": "batch/equal_groups_frac", "truncated_frac": "completion/truncated_frac"}
 """Summary key -> metric averaged over the run's steps (absent when the algorithm does not log it)."""
 
 
@@ -72,7 +76,21 @@ def summarise_run(run_dir: Path, *, steps: int) -> dict:
     times = [v for _, v in h.get("time/step_s", [])]
     out["step_s_median"] = statistics.median(times) if times else None
     out["rollout_tries"] = sum(v for _, v in h.get("rollout/tries", []))
+    out["truncated_first"], out["truncated_last"] = _ends(h.get("completion/truncated_frac", []), w)
+    out.update(grad_norm_split(h))
     return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+def grad_norm_split(history: dict) -> dict:
+    """The pre-clip grad norm averaged over steps whose groups were all equal-reward (only GTPO's
+    shift can act there) and over the others; with one prompt per step each step is one or the other."""
+    equal = dict(history.get("batch/equal_groups_frac", []))
+    norms = history.get("optim/grad_norm", [])
+    out = {}
+    for name, pick in (("grad_norm_equal_steps", lambda s: equal.get(s) == 1.0),
+                       ("grad_norm_mixed_steps", lambda s: equal.get(s, 1.0) < 1.0)):
+        out[name] = _mean(v for s, v in norms if pick(s))
+    return out
 
 
 def spread(values: list[float | None]) -> dict | None:

@@ -213,7 +213,7 @@ def eval_argv(*, model: str, hf_config: str, study: Study, data: StudyData, outp
     argv = ["eval", "--model", model, "--benchmarks", HELD_OUT_BENCHMARK, "--data-root", str(data.held_out_root),
             "--n", str(ev.n), "--k", ",".join(map(str, ev.k)), "--temperature", str(ev.temperature),
             "--max-tokens", str(shared_rollout["max_tokens"]), "--template", study.shared["data"]["template"],
-            "--seed", "0", "--workers", "1", "--output", str(output)]
+            "--seed", "0", "--workers", "1", "--output", str(output), "--save-samples"]
     argv += [f"--vllm={k}={v}" for k, v in vllm.items()]
     if hf_config:
         argv += ["--hf-config", hf_config]

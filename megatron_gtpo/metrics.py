@@ -30,6 +30,13 @@ ROWS: list[tuple[tuple[str, ...], str]] = [
     (("gtpo/conflict_tokens_per_completion",), "conflict tokens per completion (forward + backward runs)"),
     (("gtpo/lambda_zero_share", "gtpo/lambda_ge2_share"), "share of loss tokens with lambda = 0 / lambda >= 2"),
     (("batch/active_frac",), "share of completions with a non-zero advantage"),
+    (("batch/equal_groups_frac",), "share of groups whose rewards are all equal (every A_i = 0: only GTPO's shift acts)"),
+    (("gtpo/shift_share",),
+     "GTPO regime guard: share of the completions' coefficient mass carried by the entropy shift gamma <H>_i "
+     "(sum \\|delta gamma <H> w\\| over that plus sum \\|delta A w\\|; 0 for the others); > 0.5 for 5 steps warns"),
+    (("bias/length_drift",),
+     "D5: first-order direction in which the step moves the expected completion length, sum_i c_i (\\|o_i\\| - "
+     "group mean) / sum_i \\|c_i\\| with c_i the per-token coefficient; < 0 shorter, > 0 longer (algo/regime.py)"),
     (("loss",), "the loss value (at rho = 1 a covariance-like statistic, not a progress measure: spec 6, Prop. 4)"),
     (("clip/low_frac", "clip/high_frac"), "share of tokens clipped below / above (non-zero only for mu > 1)"),
     (("train/ratio_mean", "train/ratio_min", "train/ratio_max"), "importance ratio pi_theta / pi_old"),

@@ -16,7 +16,8 @@ frozen ``AlgoSpec`` (resolved once per run: ``RunConfig.algorithm``) and tensors
 ``prepare_batch(..., mean_entropy=<H> [B])`` does both preparation steps on a whole batch at once.
 
 Diagnostics of the hidden objective biases (spec 6, D1-D4) live in ``diagnostics.py`` (omega, D2-D4)
-and ``prefix.py`` (D1); train-inference mismatch weights in ``importance.py``.
+and ``prefix.py`` (D1); the regime guards' inputs (GTPO's shift share, the length drift D5) in
+``regime.py``; train-inference mismatch weights in ``importance.py``.
 """
 
 from megatron_gtpo.algo.advantage import (completion_mean_entropy, entropy_filter, group_advantages, group_index,
@@ -36,6 +37,7 @@ from megatron_gtpo.algo.losses import TokenInputs, compute_loss, validate_loss_i
 from megatron_gtpo.algo.prefix import SharedPrefixes, prefix_bias, prefix_bias_metrics, shared_prefixes
 from megatron_gtpo.algo.prepare import (PreparedBatch, check_shaped, gtpo_seq_scale, prepare_batch,
                                         prepare_groups, shape_batch, shape_rows)
+from megatron_gtpo.algo.regime import completion_coefficients, regime_metrics
 from megatron_gtpo.algo.spec import AlgoSpec
 
 __all__ = [
@@ -45,6 +47,6 @@ __all__ = [
     "conflict_runs", "conflict_weights", "dapo_group_filter", "entropy_filter", "entropy_from_logits",
     "favoured_clip_mask", "group_advantages", "group_index", "gtpo_seq_scale", "kl_k3", "kl_penalty", "masked_extremum",
     "mismatch_weights", "momentum_step_ratio", "momentum_step_ratio_limit", "prefix_bias", "prefix_bias_metrics",
-    "prepare_batch", "prepare_groups", "shape_advantages", "shape_batch", "shape_rows", "shared_prefixes",
+    "prepare_batch", "prepare_groups", "regime_metrics", "completion_coefficients", "shape_advantages", "shape_batch", "shape_rows", "shared_prefixes",
     "small_second_moment_counts", "surrogate_decomposition", "token_omega", "validate_loss_inputs",
 ]

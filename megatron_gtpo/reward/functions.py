@@ -80,11 +80,58 @@ def gtpo_reward(completion: str, gold: str, task: str) -> RewardOutput:
     """The GTPO paper's 10+10 scheme: ``paper_format_score`` plus 10 for a correct answer, the
     latter only when the format score is 10; values in {0, 1, 1.5, 10, 20}.
 
+    Transcribed from the authors' ``reward_math.py`` (github.com/winstonsmith1897/GTPO, commit
+    ddbcca1, the file the reference ``train_model.py`` imports): ``compute_format_reward`` gives 10 for
+    ``<reasoning>.*?</reasoning>`` plus ``<answer>.*?</answer>$``, else 1.0 per complete block (1.5
+    with a stray tag of the other kind), and ``final_reward`` adds ``compute_correctness_reward``
+    (10 or 0) only when the format reward is 10.
+
     Deviation from the reference code: correctness is ``is_correct`` (math-verify, exact numbers)
     instead of "float within 1e-2 or gold is a substring of the answer", which also paid "10" for
     gold "1". ``correct`` reports answer correctness whatever the format, for the accuracy metric.
     """
     fmt = paper_format_score(completion)
+    correct = _judge_cached(completion, gold, task).correct
+    bonus = FORMAT_FULL if fmt == FORMAT_FULL and correct else 0.0
+    return RewardOutput(reward=fmt + bonus, correct=correct)
+
+
+_BOX_TAIL = " \t\n.$\\]"
+"""What may follow the final box and still count as "the box ends the text": whitespace, a full
+stop, and the closing ``$``/``\\]`` of the math mode the box sits in."""
+
+
+def boxed_format_score(text: str) -> float:
+    """The paper's format term for ``\\boxed{}`` answers (the ``boxed`` template), one of {10, 1, 0}:
+    10 when a closed ``\\boxed{...}`` ends the text (the analogue of ``<answer>...</answer>$``), 1.0
+    when a closed box is present but text follows it (the paper's credit for one complete block), 0
+    without a closed box (a truncated completion cannot earn the 10, as in the paper)."""
+    end = _last_box_end(text)
+    if end is None:
+        return 0.0
+    return FORMAT_FULL if text[end:].strip(_BOX_TAIL) == "" else 1.0
+
+
+def _last_box_end(text: str) -> int | None:
+    """Index just past the closing brace of the last ``\\boxed{...}``/``\\fbox{...}``; None when
+    there is none or its braces never close."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(text.index("{", start), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    return None
+
+
+def gtpo_boxed_reward(completion: str, gold: str, task: str) -> RewardOutput:
+    """The GTPO paper's reward structure (``gtpo_reward``) for the ``boxed`` template:
+    ``boxed_format_score`` plus 10 for a correct answer when the format score is 10; values in
+    {0, 1, 10, 20}. For models that do not produce the paper's XML tags (SmolLM2-135M: 0 of 256
+    base samples at 128 tokens, docs/results.md), so that the format term still rewards finishing."""
+    fmt = boxed_format_score(completion)
     correct = _judge_cached(completion, gold, task).correct
     bonus = FORMAT_FULL if fmt == FORMAT_FULL and correct else 0.0
     return RewardOutput(reward=fmt + bonus, correct=correct)
@@ -100,9 +147,20 @@ REWARDS: dict[str, Callable[[str, str, str], RewardOutput]] = {
     "correctness": correctness_reward,
     "format": format_reward,
     "gtpo": gtpo_reward,
+    "gtpo_boxed": gtpo_boxed_reward,
     "dapo": dapo_reward,
 }
 """Built-in reward functions by name: the only place a reward name is resolved."""
+
+REWARD_RANGES: dict[str, float] = {"correctness": 1.0, "format": 1.0, "gtpo": 20.0, "gtpo_boxed": 20.0, "dapo": 2.0}
+"""Spread (max - min) of each built-in reward's values: the scale GTPO's entropy shift is measured
+against (``algo.entropy_gamma_relative``; docs/algorithms.md "Reward scale")."""
+
+
+def reward_range(name: str, declared: float | None) -> float | None:
+    """The spread of the reward ``name``: ``declared`` (``reward.range``) when given, else the
+    built-in's; None for a user function that declares none."""
+    return declared if declared is not None else REWARD_RANGES.get(name)
 
 
 @dataclass(frozen=True, kw_only=True)

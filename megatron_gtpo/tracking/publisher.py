@@ -150,6 +150,8 @@ class Publisher:
                 self.client.log_batch(run_id, params=items[start:start + MAX_PARAMS])
         elif kind == "text":
             self.client.log_text(run_id, record["text"], record["path"])
+        elif kind == "tag":
+            self.client.set_tag(run_id, record["key"], record["value"])
         elif kind == "file":
             self.client.log_artifact(run_id, str(self.journal.root / record["file"]), record.get("dir"))
         elif kind == "rewind" and self.can_delete:

@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 from megatron_gtpo.parallel.control import broadcast_object
+from megatron_gtpo.tracking.guards import RegimeGuards
 from megatron_gtpo.tracking.tracker import Tracker
 from megatron_gtpo.utils.atomic import write_text_atomic
 from megatron_gtpo.utils.configuration import write_yaml_atomic
@@ -32,6 +33,7 @@ class Reporter:
         self.config, self.run_dir, self.rank, self.total_steps = config, Path(run_dir), rank, total_steps
         self.tracker: Tracker | None = None
         self.committed = -1
+        self.guards = RegimeGuards()
         if rank == 0:
             was = private_directory(self.run_dir)
             if was is not None:
@@ -59,11 +61,16 @@ class Reporter:
         self.reward_errors(step, rollout.reward_errors)
         self.tracker.log_metrics(metrics, step)
         get = lambda k: metrics.get(k, float("nan"))  # noqa: E731
-        log.info("step %d/%d | reward %.3f acc %.2f | len %.1f | H %.3f | conflicts %.2f | gnorm %.3f | "
-                 "rollout %.1fs reward %.1fs train %.1fs sync %.1fs = %.1fs", step, self.total_steps,
-                 get("reward/mean"), get("reward/accuracy"), get("completion/length_mean"), get("entropy/mean"),
-                 get("gtpo/conflict_tokens_per_completion"), get("optim/grad_norm"), get("time/rollout_s"),
-                 get("time/reward_s"), get("time/train_s"), get("time/sync_s"), get("time/step_s"))
+        log.info("step %d/%d | reward %.3f acc %.2f | len %.1f trunc %.2f drift %+.1f | H %.3f | conflicts %.2f | "
+                 "shift %.2f filtered %.2f | gnorm %.3f | rollout %.1fs reward %.1fs train %.1fs sync %.1fs = %.1fs",
+                 step, self.total_steps, get("reward/mean"), get("reward/accuracy"), get("completion/length_mean"),
+                 get("completion/truncated_frac"), get("bias/length_drift"), get("entropy/mean"),
+                 get("gtpo/conflict_tokens_per_completion"), get("gtpo/shift_share"), get("gtpo/filtered_frac"),
+                 get("optim/grad_norm"), get("time/rollout_s"), get("time/reward_s"), get("time/train_s"),
+                 get("time/sync_s"), get("time/step_s"))
+        for name, warning in self.guards.check(metrics):
+            log.warning("step %d: regime guard %s", step, warning)
+            self.tracker.set_tag(f"guard/{name}", f"step {step}: {warning}")
         every = self.config.samples_every
         if every and (step % every == 0 or step == 1):
             self.tracker.log_json(sample_table(rollout.groups, limit=self.config.num_samples),

@@ -91,6 +91,12 @@ class Tracker:
                              "m": {k: float(v) for k, v in metrics.items()}})
         self.worker.notify()
 
+    def set_tag(self, key: str, value: str) -> None:
+        """Sets the run's tag ``key`` (MLflow's 5000-character limit applies to ``value``)."""
+        if self.enabled:
+            self.journal.append({"t": "tag", "key": key, "value": str(value)[:5000]})
+            self.worker.notify()
+
     def log_artifact(self, path: str | os.PathLike, subdir: str | None = None) -> None:
         """Logs a file (copied into the journal now: it may change before it is sent)."""
         if self.enabled:

@@ -4,6 +4,7 @@ Where each one is computed (the pure functions are in ``algo/diagnostics.py`` an
 
     D1  batch_bias          last stage, once per step, whole batch on CPU: the loss's own token
                             weights omega (global normalisers) x A on every shared-prefix trie node
+    D5  batch_bias          the same omega: length drift, GTPO's shift share (algo/regime.py)
     D2  batch_bias + loss   sum_i A_i Omega_i, Cov(A, Omega) and the entropy part before the update;
                             the KL part and the mismatch-weight part from the first update's micro-
                             batches (train/loss.py); BatchBias.metrics compares with that loss
@@ -46,6 +47,8 @@ class BatchBias:
 
     prefix: dict[str, float]
     """D1 metrics (``algo.prefix_bias_metrics``)."""
+    regime: dict[str, float]
+    """D5 and the regime guards' inputs (``algo.regime_metrics``): shift share, length drift, equal groups."""
     surrogate: SurrogateDecomposition
     """D2 before the loss is known (its KL part is filled in from the first update)."""
 
@@ -55,7 +58,7 @@ class BatchBias:
         is_term = first_update.get("bias/surrogate_is_term", 0.0)
         kl = torch.tensor(first_update.get("bias/surrogate_kl_term", 0.0), dtype=F64)
         d2 = dataclasses.replace(self.surrogate, kl_term=kl).metrics(first_update["loss"], is_term)
-        out = {**self.prefix, **{name: float(value) for name, value in d2.items()}}
+        out = {**self.prefix, **self.regime, **{name: float(value) for name, value in d2.items()}}
         if "bias/surrogate_is_term" in first_update:
             out["bias/surrogate_is_term"] = is_term
         return out
@@ -69,7 +72,9 @@ def batch_bias(spec: AlgoSpec, batch: Batch, prepared: PreparedBatch, *, num_tok
     coefficients = omega * prepared.advantages.double()[:, None]
     prefix = algo.prefix_bias(batch.token_ids, batch.mask, batch.group_ids, prepared.raw_advantages, coefficients,
                               runs=prepared.runs)
+    regime = algo.regime_metrics(omega, prepared, batch.group_ids, batch.lengths)
     return BatchBias(prefix={name: float(value) for name, value in prefix.items()},
+                     regime={name: float(value) for name, value in regime.items()},
                      surrogate=algo.surrogate_decomposition(omega, prepared, batch.group_ids))
 
 
