@@ -21,7 +21,7 @@ from megatron_gtpo.models.config import ModelConfig
 from megatron_gtpo.parallel.cp_index import cp_padded_length
 from megatron_gtpo.parallel.dims import ParallelConfig
 from megatron_gtpo.parallel.layout import batch_split_problem
-from megatron_gtpo.reward.config import RewardConfig
+from megatron_gtpo.reward.config import RewardConfig, reward_range
 from megatron_gtpo.rollout.config import RolloutConfig
 from megatron_gtpo.rollout.routing import replay_problem
 from megatron_gtpo.rollout.staleness import staleness_problem
@@ -87,10 +87,13 @@ class RunConfig:
     @functools.cached_property
     def algorithm(self) -> AlgoSpec:
         """The algorithm of the run, resolved once (at construction): ``algo``'s None fields take the
-        chosen algorithm's defaults, rollout.max_tokens is Dr. GRPO's L and DAPO's L_max. Every part of
+        chosen algorithm's defaults, rollout.max_tokens is Dr. GRPO's L and DAPO's L_max, the reward's
+        range x reward.scale turns GTPO's entropy_gamma_relative into gamma. Every part of
         the run receives this record, never ``algo`` itself. Not a field: it is not written to the
         resolved config.yaml (the recipe's own values are)."""
-        return self.algo.resolve(max_completion_tokens=self.rollout.max_tokens)
+        spread = reward_range(self.reward.fn, self.reward.range)
+        return self.algo.resolve(max_completion_tokens=self.rollout.max_tokens,
+                                 reward_range=None if spread is None else spread * self.reward.scale)
 
     @property
     def longest_row(self) -> int:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_gtpo.algo.config import filter_rule
 from megatron_gtpo.checkpoint.adapters import lora_start
 from megatron_gtpo.checkpoint.store import Checkpointer, prepare_resume
 from megatron_gtpo.data.dataset import build_dataset
@@ -101,6 +102,8 @@ def one_step(parts: Parts, step: int, *, version: int, prompts_per_step: int, af
     batch = collate(rollout.groups, pad_id=parts.pad_id)
     parts.memory.after_rollout()  # colocated engines sleep; the trainer gets the GPU memory back
     t1 = time.perf_counter()
+    if learner.settings.spec.entropy_threshold is None:  # GTPO's entropy_threshold: auto, decided once
+        decide_entropy_filter(parts, batch)
     train = learner.step(batch)
     if after_train is not None:
         after_train(parts)
@@ -175,6 +178,8 @@ def build(cfg, *, resume: bool | str) -> Parts:
                                 every=cfg.train.checkpoint_every, keep_last=cfg.train.keep_last,
                                 total_steps=cfg.train.steps, preempt=preempt)
     start_step, run_id = checkpointer.restore(point) if point is not None else (0, None)
+    if "entropy_threshold" in checkpointer.run_state:  # an auto filter decided before the restart stays
+        set_entropy_threshold(learner, checkpointer.run_state["entropy_threshold"])
     reporter = Reporter(cfg.tracking, run_dir=Path(cfg.output_dir), rank=dims.rank, total_steps=cfg.train.steps,
                         run_id=run_id, resume_step=start_step if resume else None)
     reporter.start(to_dict(cfg))
@@ -190,6 +195,26 @@ def build(cfg, *, resume: bool | str) -> Parts:
              startup_report())
     return Parts(learner=learner, collector=collector, weight_sync=weight_sync, checkpointer=checkpointer,
                  reporter=reporter, memory=memory, scorer=scorer, held_out=held_out, pad_id=int(pad_id), start_step=start_step)
+
+
+def decide_entropy_filter(parts: Parts, batch) -> None:
+    """GTPO's ``algo.entropy_threshold: auto``: the authors' rule (``algo.config.filter_rule``) on
+    <H>_ini, the initial policy's mean <H>_i over the first batch; logged, tagged in MLflow and kept in
+    the checkpoints' run state, so a resume never decides again."""
+    initial = parts.learner.mean_entropy(batch)
+    threshold = filter_rule(initial)
+    parts.checkpointer.run_state.update(entropy_threshold=threshold, initial_mean_entropy=initial)
+    set_entropy_threshold(parts.learner, threshold)
+    parts.reporter.decision("gtpo.entropy_threshold",
+                            f"entropy_threshold auto: initial mean entropy {initial:.3f} nats "
+                            f"{'>' if threshold == math.inf else '<='} ln 2 = 0.693, so "
+                            f"{'no filter' if threshold == math.inf else 'threshold ln 2'} (the authors' rule)")
+
+
+def set_entropy_threshold(learner: Learner, threshold: float) -> None:
+    """The learner's algorithm with its GTPO filter threshold decided."""
+    spec = dataclasses.replace(learner.settings.spec, entropy_threshold=float(threshold))
+    learner.settings = dataclasses.replace(learner.settings, spec=spec)
 
 
 @dataclass(frozen=True, kw_only=True)

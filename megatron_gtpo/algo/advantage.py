@@ -93,7 +93,7 @@ def completion_mean_entropy(entropy: Tensor, mask: Tensor, *, check: bool = True
     return ent.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
 
 
-def entropy_filter(mean_entropy: Tensor, *, threshold: float, check: bool = True) -> Tensor:
+def entropy_filter(mean_entropy: Tensor, *, threshold: float | None, check: bool = True) -> Tensor:
     """GTPO's trajectory filter ``delta_i = 1[<H>_i <= threshold]`` (code form of spec 5.5).
 
     Returns a float tensor [B] of 0/1. ``threshold`` = 0.7 in the official code (ln 2 in the README);
@@ -105,6 +105,9 @@ def entropy_filter(mean_entropy: Tensor, *, threshold: float, check: bool = True
                          f"{tuple(mean_entropy.shape)}")
     if check:
         check_finite(mean_entropy, name="mean_entropy")
+    if threshold is None:
+        raise ValueError("threshold is None: algo.entropy_threshold 'auto' must be decided (config.filter_rule, "
+                         "the driver does it at the first step) before any completion is filtered")
     if threshold != threshold:
         raise ValueError("threshold is NaN; pass a number such as 0.7")
     return (mean_entropy.detach() <= threshold).to(mean_entropy.dtype)

@@ -90,16 +90,29 @@ class AlgoConfig:
     """Where a positive completion's forward and backward conflict runs overlap: product = W*W as the
     official code (lambda_fwd * lambda_bwd), union = W as a plain reading of the paper (spec 5.4)."""
 
-    entropy_threshold: float = 0.7
+    entropy_threshold: float | Literal["auto"] = 0.7
     """GTPO entropy filter: completions with mean entropy <H>_i above this (nats) get delta = 0. 0.7 in
     the official code (ln 2 in the README; a huge value such as 777 disables the filter) (spec 5.5).
+    ``auto`` (configs/gtpo.yaml's choice) applies the authors' README rule (spec 5.5, ``filter_rule``): ``<H>_ini``, the mean <H>_i
+    of the initial policy over the first step's completions (one extra no-grad forward, once per run),
+    decides: no filter when ``<H>_ini > ln 2``, else ln 2. The decision is logged, tagged in MLflow
+    and saved in every checkpoint (a resume keeps it).
     <H>_i always comes from the trainer's policy before the update (its logits in the no-grad pre-pass),
     also when the completion was sampled by an older engine (``rollout.staleness: 1``): the filter
     judges the policy being updated, not the one that sampled."""
 
-    entropy_gamma: float = 0.1
-    """GTPO entropy shift gamma in A~ = delta (A - gamma <H>); ENT_SCALE = 0.1 at the code's HEAD,
-    1e-3 in its first commit (spec 5.6)."""
+    entropy_gamma: float | None = None
+    """GTPO entropy shift gamma in A~ = delta (A - gamma <H>); None = ``entropy_gamma_relative`` x the
+    reward's range when that is set, else 0.1 (ENT_SCALE at the code's HEAD, 1e-3 in its first commit;
+    spec 5.6). A value here wins over ``entropy_gamma_relative`` (an override of gamma means it). gamma is in
+    reward units: 0.1 is the paper's value on its 0-20 reward, and on a 0/1 reward the same 0.1 makes
+    the shift most of the update (docs/algorithms.md "Reward scale and the entropy shift")."""
+
+    entropy_gamma_relative: float | None = None
+    """gamma as a share of the reward's range: gamma = this x (reward.range or the built-in reward's
+    spread, e.g. 20 for ``gtpo``) x reward.scale. 0.005 is the paper's 0.1 on its 0-20 reward, so a
+    recipe that changes its reward keeps the shift's weight against the advantages (configs/gtpo.yaml;
+    spec 5.6 for gamma, docs/algorithms.md 5.6a). Used only while ``entropy_gamma`` is null."""
 
     gtpo_normalization: GtpoNormalization = "code"
     """GTPO per-completion normaliser: code = (1/|o_i|) / max(1, n_i) summed over completions (official
@@ -178,10 +191,15 @@ class AlgoConfig:
         require(_is_int(self.mu) and self.mu >= 1, "mu", self.mu, "an integer >= 1")
         require(_finite(self.conflict_weight) and self.conflict_weight > 0, "conflict_weight",
                 self.conflict_weight, "a finite number > 0 (2.0 in the official code)")
-        require(_finite(self.entropy_threshold) and self.entropy_threshold > 0, "entropy_threshold",
-                self.entropy_threshold, "a finite number > 0 in nats (0.7; 777 disables the filter)")
-        require(_finite(self.entropy_gamma) and self.entropy_gamma >= 0, "entropy_gamma", self.entropy_gamma,
-                "a finite number >= 0")
+        require(self.entropy_threshold == "auto" or (_finite(self.entropy_threshold) and self.entropy_threshold > 0),
+                "entropy_threshold", self.entropy_threshold,
+                "'auto' (the authors' rule) or a finite number > 0 in nats (0.7; 777 disables the filter)")
+        require(self.entropy_gamma is None or (_finite(self.entropy_gamma) and self.entropy_gamma >= 0),
+                "entropy_gamma", self.entropy_gamma, "null (0.1) or a finite number >= 0")
+        require(self.entropy_gamma_relative is None or (_finite(self.entropy_gamma_relative)
+                                                        and self.entropy_gamma_relative >= 0),
+                "entropy_gamma_relative", self.entropy_gamma_relative, "null or a finite number >= 0 (0.005)")
+
         require(_finite(self.mismatch_cap) and self.mismatch_cap > 1, "mismatch_cap", self.mismatch_cap,
                 "a finite number > 1 (2.0 is common)")
         require(self.mismatch_cap_low is None or (_finite(self.mismatch_cap_low) and 0 <= self.mismatch_cap_low < 1),
@@ -205,15 +223,19 @@ class AlgoConfig:
         for name, hint in typing.get_type_hints(type(self)).items():
             options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
             allowed = tuple(v for o in options if typing.get_origin(o) is Literal for v in typing.get_args(o))
-            if allowed:
+            others = [o for o in options if typing.get_origin(o) is not Literal and o is not type(None)]
+            if allowed and not (others and not isinstance(getattr(self, name), str)):  # 0.7 for float | "auto"
                 nullable, value = type(None) in options, getattr(self, name)
                 require(value in allowed or (nullable and value is None), name, value,
                         f"{'null or ' if nullable else ''}one of {allowed}")
 
-    def resolve(self, *, max_completion_tokens: int) -> AlgoSpec:
+    def resolve(self, *, max_completion_tokens: int, reward_range: float | None = None) -> AlgoSpec:
         """The algorithm with every default filled in: None fields take ``DEFAULTS[name]``;
         ``max_completion_tokens`` (rollout.max_tokens) is Dr. GRPO's L unless drgrpo_constant is set,
-        and DAPO's L_max of the overlong punishment. ``RunConfig`` calls it once per run."""
+        and DAPO's L_max of the overlong punishment; ``reward_range`` (the reward's spread times
+        reward.scale; None when unknown) turns ``entropy_gamma_relative`` into gamma. ``entropy_threshold:
+        auto`` resolves to None (decided at the first step: ``filter_rule``). ``RunConfig`` calls it
+        once per run."""
         default = DEFAULTS[self.name]
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for name, value in default.items():
@@ -227,7 +249,31 @@ class AlgoConfig:
         values["overlong_max_tokens"] = max_completion_tokens if values["overlong_buffer_len"] else 0
         if values["mismatch_cap_low"] is None:  # two-sided, as IcePop
             values["mismatch_cap_low"] = 1.0 / self.mismatch_cap
+        values["entropy_gamma"] = self._gamma(reward_range)
+        del values["entropy_gamma_relative"]
+        if values["entropy_threshold"] == "auto":
+            values["entropy_threshold"] = None
         return AlgoSpec(**values)
+
+    def _gamma(self, reward_range: float | None) -> float:
+        if self.entropy_gamma is not None:
+            return self.entropy_gamma
+        if self.entropy_gamma_relative is None:
+            return DEFAULT_GAMMA
+        require(reward_range is not None, "entropy_gamma_relative", self.entropy_gamma_relative,
+                "set with a reward of known range: give the user reward function's spread as reward.range "
+                "(max - min of its values), or set algo.entropy_gamma instead")
+        return self.entropy_gamma_relative * reward_range
+
+
+DEFAULT_GAMMA = 0.1
+"""ENT_SCALE at the official code's HEAD (spec 5.6): gamma when neither gamma field is set."""
+
+
+def filter_rule(initial_mean_entropy: float) -> float:
+    """The authors' README rule for GTPO's filter (spec 5.5), from ``<H>_ini``, the initial policy's
+    mean completion entropy: no filter (``inf``) when ``<H>_ini > ln 2``, else the threshold ln 2."""
+    return math.inf if initial_mean_entropy > math.log(2) else math.log(2)
 
 
 def _is_int(x: Any) -> bool:

@@ -38,8 +38,11 @@ class AlgoSpec:
     conflict_weight: float
     conflict_overlap: ConflictOverlap
     pad_id: int | None
-    entropy_threshold: float
+    entropy_threshold: float | None
+    """GTPO's filter threshold; None while ``auto`` is undecided (the driver sets it at the first step:
+    ``config.filter_rule``); ``inf`` = no filter."""
     entropy_gamma: float
+    """gamma in reward units (``entropy_gamma_relative`` x reward range already applied)."""
     gtpo_normalization: GtpoNormalization
     gtpo_prompt_reduction: PromptReduction
     entropy_logits: EntropyLogits

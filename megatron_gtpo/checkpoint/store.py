@@ -375,6 +375,9 @@ class Checkpointer:
         self.preempt = preempt
         """Set by SIGTERM/SIGUSR1; installed by the driver before anything slow starts."""
         self.last_saved = -1
+        self.run_state: dict = {}
+        """Decisions a run makes once and must keep on resume (GTPO's ``entropy_threshold: auto``):
+        saved with every checkpoint, restored by ``restore`` (JSON-able values only)."""
 
     def restore(self, point: ResumePoint) -> tuple[int, str | None]:
         """Loads ``point`` (chosen and verified by ``prepare_resume``) into the policy and the
@@ -383,6 +386,7 @@ class Checkpointer:
                                       optimizer=self.policy.optimizer, step=point.step, verify=False)
         self.dataset.load_state_dict(extra["data"])
         self.policy.scheduler.load_state_dict(extra["scheduler"])
+        self.run_state = dict(extra.get("run_state") or {})
         self.last_saved = step
         log.info("resumed from step %d (MLflow run %s)", step, extra.get("run_id"))
         return step, extra.get("run_id")
@@ -402,7 +406,8 @@ class Checkpointer:
     def save(self, step: int, *, run_id: str | None) -> None:
         if self.last_saved == step:
             return
-        extra = {"data": self.dataset.state_dict(), "scheduler": self.policy.scheduler.state_dict(), "run_id": run_id}
+        extra = {"data": self.dataset.state_dict(), "scheduler": self.policy.scheduler.state_dict(), "run_id": run_id,
+                 "run_state": dict(self.run_state)}
         base = self.policy.base
         path = save_checkpoint(self.root, step=step, model_chunks=self.policy.chunks, optimizer=self.policy.optimizer,
                                extra_state=extra, keep_last=self.keep_last,

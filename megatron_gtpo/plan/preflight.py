@@ -165,8 +165,10 @@ def _summary(cfg, *, model_dir, hf_config: dict, context: int, stats) -> str:
         f"layout     tp={par.tp} cp={par.cp} pp={par.pp} vpp={par.vpp} dp={par.dp} -> {par.world_size} rank(s), "
         f"{'CUDA' if torch.cuda.is_available() else 'CPU/gloo'}" + _cp_note(par.cp),
         f"algorithm  {algo.name}: agg={algo.agg_mode} adv_std_scale={algo.adv_std_scale} kl_beta={algo.kl_beta} mu={algo.mu}"
-        + (f" W={algo.conflict_weight} overlap={algo.conflict_overlap} H*={algo.entropy_threshold} "
-           f"gamma={algo.entropy_gamma} norm={algo.gtpo_normalization}" if algo.conflict_aware else ""),
+        + (f" W={algo.conflict_weight} overlap={algo.conflict_overlap} "
+           f"H*={'auto (the authors rule, decided at step 1)' if algo.entropy_threshold is None else algo.entropy_threshold} "
+           f"gamma={algo.entropy_gamma:g} (reward {cfg.reward.fn}) norm={algo.gtpo_normalization}"
+           if algo.conflict_aware else ""),
         f"batch      {cfg.train.prompts_per_step} prompts x {cfg.rollout.n} completions = {rows} rows; "
         f"{per_rank} per DP rank " + (f"packed into micro-batches of <= {cfg.token_budget} tokens" if cfg.token_budget
                                       else f"in {per_rank // cfg.train.micro_batch_size} micro-batch(es) of "

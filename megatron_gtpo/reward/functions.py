@@ -152,17 +152,6 @@ REWARDS: dict[str, Callable[[str, str, str], RewardOutput]] = {
 }
 """Built-in reward functions by name: the only place a reward name is resolved."""
 
-REWARD_RANGES: dict[str, float] = {"correctness": 1.0, "format": 1.0, "gtpo": 20.0, "gtpo_boxed": 20.0, "dapo": 2.0}
-"""Spread (max - min) of each built-in reward's values: the scale GTPO's entropy shift is measured
-against (``algo.entropy_gamma_relative``; docs/algorithms.md "Reward scale")."""
-
-
-def reward_range(name: str, declared: float | None) -> float | None:
-    """The spread of the reward ``name``: ``declared`` (``reward.range``) when given, else the
-    built-in's; None for a user function that declares none."""
-    return declared if declared is not None else REWARD_RANGES.get(name)
-
-
 @dataclass(frozen=True, kw_only=True)
 class OverlongPunishment:
     """DAPO's soft overlong punishment settings (spec 4.4), resolved from the algorithm config."""

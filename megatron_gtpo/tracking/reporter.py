@@ -76,6 +76,13 @@ class Reporter:
             self.tracker.log_json(sample_table(rollout.groups, limit=self.config.num_samples),
                                   f"samples/step_{step:06d}.json", step=step)
 
+    def decision(self, key: str, text: str) -> None:
+        """A choice the run made by itself (GTPO's auto filter): a log line and the MLflow tag ``key``."""
+        if self.tracker is None:
+            return
+        log.info(text)
+        self.tracker.set_tag(key, text)
+
     def skipped(self, step: int, metrics: dict[str, float], rollout) -> None:
         """A step whose dynamic sampling kept no group: no update, the counters are still logged."""
         if self.tracker is None:

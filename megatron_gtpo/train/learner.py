@@ -164,6 +164,29 @@ class Learner:
         """One rollout step's updates; metrics identical on every rank."""
         return train_step(self.policy, batch, self.settings, self.dims, ref_logp=self.reference_logprobs(batch))
 
+    def mean_entropy(self, batch: Batch) -> float:
+        """The policy's mean <H>_i over every completion of ``batch`` (GTPO's filter statistic: its
+        probability floor and temperature), on every rank: one no-grad forward of this rank's rows,
+        then one all-reduce of (sum, count) over the world. Every row is counted by each of its
+        TP x CP ranks on the last pipeline stage alike, so the ratio is the batch mean. The driver's
+        ``entropy_threshold: auto`` rule reads it once per run."""
+        import torch.distributed as dist
+
+        from megatron_gtpo.parallel import collectives
+
+        spec = self.settings.spec
+        _, mbs = rank_micro_batches(batch, self.settings, self.dims)
+        chunks = self.policy.chunks
+        lp_settings = logprob_settings(self.settings, self.dims, process_groups(), chunks)
+        stats = forward_stats(chunks, batch, mbs, lp_settings, entropy_prob_floor=spec.entropy_prob_floor,
+                              entropy_temperature=spec.entropy_temperature(self.settings.temperature))
+        totals = torch.zeros(2, dtype=torch.float64, device=collectives.comm_device())
+        if stats is not None:
+            totals[0], totals[1] = stats.mean_entropy.double().sum(), stats.mean_entropy.numel()
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        return float(totals[0] / totals[1])
+
     def reference_logprobs(self, batch: Batch) -> torch.Tensor | None:
         """The reference model's log-probs of this rank's rows [local B, T] (last pipeline stage;
         None elsewhere and without a reference model): they never leave the rank that computed them."""

@@ -79,6 +79,13 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
+def _describe(hint: Any) -> str:
+    """A union member in an error message: ``float``, ``one of 'auto'``."""
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    return getattr(hint, "__name__", str(hint))
+
+
 def _coerce(hint: Any, value: Any, path: str) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
@@ -93,7 +100,8 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
                 return _coerce(arg, value, path)
             except ConfigError as err:
                 errors.append(str(err))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {hint}")
+        kinds = " or ".join(_describe(a) for a in args if a is not type(None))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}={value!r} is not allowed: expected {kinds}")
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{path}={value!r} is not allowed: expected one of {', '.join(map(repr, args))}")

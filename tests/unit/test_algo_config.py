@@ -22,8 +22,9 @@ def test_every_field_is_documented_snake_case_and_cites_a_source():
 
 def test_defaults_follow_the_spec():
     cfg = AlgoConfig()
-    assert (cfg.name, cfg.conflict_weight, cfg.entropy_gamma, cfg.conflict_overlap, cfg.mu) == ("gtpo", 2.0, 0.1,
-                                                                                                 "product", 1)
+    spec = cfg.resolve(max_completion_tokens=16)
+    assert (cfg.name, cfg.conflict_weight, spec.entropy_gamma, cfg.conflict_overlap, cfg.mu) == ("gtpo", 2.0, 0.1,
+                                                                                                  "product", 1)
     dapo = AlgoConfig(name="dapo").resolve(max_completion_tokens=20480)
     assert (dapo.clip_eps_high, dapo.agg_mode, dapo.dynamic_sampling, dapo.overlong_buffer_len, dapo.kl_beta,
             dapo.adv_std_scale, dapo.overlong_max_tokens) == (0.28, "token-mean", True, 4096, 0.0, True, 20480)
@@ -85,3 +86,25 @@ def test_build_from_yaml_like_data():
     assert cfg.entropy_threshold == 777.0 and cfg.adv_eps == 1e-6 and cfg.agg_mode is None
     with pytest.raises(TypeError):
         AlgoConfig("gtpo")  # keyword-only
+
+
+def test_gamma_on_the_reward_scale_and_the_authors_filter_rule():
+    """entropy_gamma_relative x reward range (the paper's 0.1 on 0-20 is 0.005); a set entropy_gamma
+    wins; a relative gamma without a known range names reward.range; auto resolves to an undecided
+    threshold and the README rule decides it (no filter above ln 2, else ln 2).
+    Injected bug, seen failing once: the range ignored (gamma = the relative value itself)."""
+    import math
+
+    from megatron_gtpo.algo.config import filter_rule
+    from megatron_gtpo.utils.configuration import ConfigError
+
+    rel = AlgoConfig(entropy_gamma_relative=0.005)
+    assert rel.resolve(max_completion_tokens=8, reward_range=20.0).entropy_gamma == pytest.approx(0.1)
+    assert rel.resolve(max_completion_tokens=8, reward_range=1.0).entropy_gamma == pytest.approx(0.005)
+    both = AlgoConfig(entropy_gamma=0.3, entropy_gamma_relative=0.005)
+    assert both.resolve(max_completion_tokens=8, reward_range=20.0).entropy_gamma == 0.3
+    with pytest.raises(ConfigError, match="reward.range"):
+        rel.resolve(max_completion_tokens=8, reward_range=None)
+    assert AlgoConfig(entropy_threshold="auto").resolve(max_completion_tokens=8).entropy_threshold is None
+    assert filter_rule(1.6) == math.inf and filter_rule(0.5) == pytest.approx(math.log(2))
+    assert filter_rule(math.log(2)) == pytest.approx(math.log(2))   # "above ln 2" is strict

@@ -23,14 +23,16 @@ def test_every_recipe_loads(name):
     assert isinstance(cfg, RunConfig)
 
 
-def spec_of_recipe(name: str):
-    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+def spec_of_recipe(name: str, overrides=()):
+    cfg = load_config(REPO / "configs" / f"{name}.yaml", list(overrides))
     return cfg.algorithm
 
 
 def test_recipes_carry_the_spec_defaults():
     gtpo = spec_of_recipe("gtpo")
-    assert (gtpo.conflict_weight, gtpo.entropy_threshold, gtpo.entropy_gamma, gtpo.kl_beta, gtpo.mu) == (2.0, 0.7, 0.1, 0.0, 1)
+    # the paper's regime: the authors' filter rule (decided at step 1), gamma 0.005 x the 10+10 reward's range 20
+    assert (gtpo.conflict_weight, gtpo.entropy_threshold, gtpo.entropy_gamma, gtpo.kl_beta, gtpo.mu) == (2.0, None, 0.1, 0.0, 1)
+    assert spec_of_recipe("gtpo", ["reward.fn=correctness"]).entropy_gamma == pytest.approx(0.005)
     assert gtpo.adv_std_scale is False and gtpo.conflict_overlap == "product"
     grpo = spec_of_recipe("grpo")
     assert (grpo.adv_std_scale, grpo.kl_beta, grpo.agg_mode) == (True, 0.04, "seq-mean-token-mean")
@@ -69,7 +71,7 @@ def test_overrides_are_typed_and_nested():
 
 @pytest.mark.parametrize("override, fragment", [
     ("algo.entropy_treshold=0.7", "unknown key algo.entropy_treshold"),
-    ("algo.entropy_threshold=abc", "algo.entropy_threshold: expected float, got str 'abc'"),
+    ("algo.entropy_threshold=abc", "algo.entropy_threshold='abc' is not allowed: expected float or one of 'auto'"),
     ("algo.entropy_threshold=-1", "algo.entropy_threshold=-1.0 is not allowed"),
     ("algo.name=ppo", "algo.name='ppo' is not allowed: expected one of"),
     ("rollout.n=1", "rollout.n=1 is not allowed"),
@@ -104,7 +106,7 @@ def test_base_inheritance_and_resolved_dump(tmp_path):
     assert cfg.rollout.n == 6 and cfg.algo.name == "gtpo" and cfg.reward.fn == "gtpo"
     path = dump_resolved(cfg)
     data = yaml.safe_load(path.read_text())
-    assert data["rollout"]["n"] == 6 and data["algo"]["entropy_threshold"] == 0.7
+    assert data["rollout"]["n"] == 6 and data["algo"]["entropy_threshold"] == "auto"
     assert load_config(path).rollout.n == 6  # the resolved file is itself a valid recipe
     assert not list(path.parent.glob(".*.tmp"))
 
