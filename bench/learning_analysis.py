@@ -12,11 +12,13 @@ JSON line:
   difference, a 95% paired-bootstrap interval, and how many prompts each side wins (a sign test's
   counts and its two-sided p-value);
 * ``vs_base``: each algorithm's per-prompt pass@1 against the base model's, the same way;
+* ``sizing``: the base model's samples at the study's cap (stage 0): share cut off, share fully
+  formatted (the paper's tags; a final ``\\boxed{}``), accuracy, mean length;
 * ``power``: the pooled seed-to-seed std of the held-out greedy accuracy after training and the
   seeds per arm a difference of 0.1 (and 0.05) needs at 80% power, two-sided alpha 0.05
   (``n = 2 (z_0.975 + z_0.8)^2 s^2 / d^2``).
 
-Pure Python on the files (no torch): it runs in a second and in the suite's ``--quick`` check.
+Pure Python on the files (no torch): it runs in seconds and in the suite's ``--quick`` check.
 """
 
 from __future__ import annotations
@@ -89,6 +91,25 @@ def load(outs: list[Path]) -> tuple[dict, dict, dict]:
     return runs, base, greedy
 
 
+def sizing(samples: Path) -> dict | None:
+    """Stage 0 of a study: the base model's sampled answers at the study's cap: the share cut off
+    (finish reason ``length``), the share whose format term is full in either form (the paper's tags,
+    ``paper_format_score``; a final box, ``boxed_format_score``) and the accuracy."""
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    if not rows or "text" not in rows[0]:
+        return None
+    from megatron_gtpo.reward.functions import FORMAT_FULL, boxed_format_score, paper_format_score
+
+    def share(pick) -> float:
+        return round(sum(1 for r in rows if pick(r)) / len(rows), 4)
+
+    return {"samples": len(rows), "truncated": share(lambda r: r.get("finish_reason") == "length"),
+            "tags_formatted": share(lambda r: paper_format_score(r["text"]) == FORMAT_FULL),
+            "boxed_formatted": share(lambda r: boxed_format_score(r["text"]) == FORMAT_FULL),
+            "accuracy": share(lambda r: r["correct"]),
+            "mean_tokens": round(statistics.fmean(r.get("num_tokens", 0) for r in rows), 1)}
+
+
 def seed_mean(by_seed: dict[int, dict[str, float]]) -> dict[str, float]:
     uids = set.intersection(*(set(v) for v in by_seed.values()))
     return {u: statistics.fmean(v[u] for v in by_seed.values()) for u in uids}
@@ -98,6 +119,9 @@ def analyse(outs: list[Path], against: str = "gtpo") -> dict:
     runs, base, greedy = load(outs)
     means = {algo: seed_mean(v) for algo, v in runs.items() if v}
     out: dict = {"paired": {}, "vs_base": {}}
+    base_samples = [o / "base_pass.samples.jsonl" for o in outs if (o / "base_pass.samples.jsonl").is_file()]
+    if base_samples:
+        out["sizing"] = sizing(base_samples[-1])
     if against in means:
         out["paired"] = {f"{against}-{o}": paired(means[against], m) for o, m in means.items() if o != against}
     if base:
