@@ -68,6 +68,9 @@ def parse_args(argv=None):
     parser.add_argument("--timeout-s", type=float, default=4 * 3600, help="limit per child process (default 4 h)")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep each run's last checkpoint (1.6 GB)")
     parser.add_argument("--in-process", action="store_true", help="run every train in this process (--quick does)")
+    parser.add_argument("--reuse-base", default="", metavar="DIR",
+                        help="take the base model's evaluation from an earlier invocation's DIR (same held-out set, "
+                             "template, cap and eval settings: its base_*.json and samples are copied, not rerun)")
     return parser.parse_args(argv)
 
 
@@ -101,8 +104,14 @@ def launch(argv: list[str], *, log_path: Path, args, run_dir: Path | None = None
     return {"code": got.code, "wall_s": got.wall_s, "cpu_s": got.cpu_s, "cpu_per_step": per_step}
 
 
-def evaluate_model(model: str, *, study, data, out: Path, args, hf_config: str = "", mlflow=None) -> dict:
-    """``megatron-gtpo eval`` of ``model`` on the held-out prompts; its pass@k (or the failure)."""
+def evaluate_model(model: str, *, study, data, out: Path, args, hf_config: str = "", mlflow=None,
+                   reuse: Path | None = None) -> dict:
+    """``megatron-gtpo eval`` of ``model`` on the held-out prompts; its pass@k (or the failure).
+    ``reuse``: an earlier invocation's directory holding the same evaluation, copied instead."""
+    if reuse is not None:
+        for suffix in (".json", ".samples.jsonl"):
+            shutil.copyfile((reuse / out.name).with_suffix(suffix), out.with_suffix(suffix))
+        return {"pass": pass_at_k(out.with_suffix(".json")), "wall_s": 0.0, "cpu_s": 0.0, "reused": str(reuse)}
     got = launch(eval_argv(model=model, hf_config=hf_config, study=study, data=data, output=out.with_suffix(".json"),
                            shared_rollout=study.shared["rollout"], mlflow=mlflow),
                  log_path=out.with_suffix(".log"), args=args)
@@ -120,10 +129,12 @@ def base_eval(study, data, out: Path, args) -> dict:
     from megatron_gtpo.models.smollm2 import ensure_smollm2
 
     model = str(ensure_smollm2())
+    reuse = Path(args.reuse_base) if args.reuse_base else None
     greedy_study = dataclasses.replace(study, eval=dataclasses.replace(study.eval, n=1, k=(1,), temperature=0.0))
-    got = {"greedy": evaluate_model(model, study=greedy_study, data=data, out=out / "base_greedy", args=args)}
+    got = {"greedy": evaluate_model(model, study=greedy_study, data=data, out=out / "base_greedy", args=args,
+                                    reuse=reuse)}
     if study.eval.n:
-        got["pass"] = evaluate_model(model, study=study, data=data, out=out / "base_pass", args=args)
+        got["pass"] = evaluate_model(model, study=study, data=data, out=out / "base_pass", args=args, reuse=reuse)
     return {"greedy": (got["greedy"].get("pass") or {}).get("pass@1"), "pass": (got.get("pass") or {}).get("pass"),
             "errors": [e["error"] for e in got.values() if "error" in e],
             "wall_s": round(sum(e["wall_s"] for e in got.values()), 1),

@@ -54,14 +54,17 @@ def last_boxed(text: str) -> str | None:
         return token[0].rstrip(".$") if token else None
     if not rest.startswith("{"):
         return None
+    close = matching_brace(rest, 0)
+    return None if close is None else rest[1:close].strip()
+
+
+def matching_brace(text: str, opened: int) -> int | None:
+    """Index of the ``}`` that closes the ``{`` at ``opened``; None when it never closes."""
     depth = 0
-    for i, char in enumerate(rest):
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return rest[1:i].strip()
+    for i in range(opened, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
     return None
 
 

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from megatron_gtpo.reward.extract import matching_brace
 from megatron_gtpo.reward.verify import _judge_cached
 
 
@@ -103,27 +104,26 @@ stop, and the closing ``$``/``\\]`` of the math mode the box sits in."""
 
 def boxed_format_score(text: str) -> float:
     """The paper's format term for ``\\boxed{}`` answers (the ``boxed`` template), one of {10, 1, 0}:
-    10 when a closed ``\\boxed{...}`` ends the text (the analogue of ``<answer>...</answer>$``), 1.0
-    when a closed box is present but text follows it (the paper's credit for one complete block), 0
-    without a closed box (a truncated completion cannot earn the 10, as in the paper)."""
-    end = _last_box_end(text)
-    if end is None:
+    10 when a closed, non-empty ``\\boxed{...}`` ends the text (the analogue of
+    ``<answer>...</answer>$``), 1.0 when such a box is present but text follows it (the paper's credit
+    for one complete block), 0 without one (a truncated completion cannot earn the 10, as in the paper).
+    An empty ``\\boxed{}`` is no answer: the boxed template's own instruction contains one, and the
+    first paper-reward study's policies learned to end with it within 10 steps (docs/results.md)."""
+    box = _last_box(text)
+    if box is None or not box[0].strip():
         return 0.0
-    return FORMAT_FULL if text[end:].strip(_BOX_TAIL) == "" else 1.0
+    return FORMAT_FULL if text[box[1]:].strip(_BOX_TAIL) == "" else 1.0
 
 
-def _last_box_end(text: str) -> int | None:
-    """Index just past the closing brace of the last ``\\boxed{...}``/``\\fbox{...}``; None when
-    there is none or its braces never close."""
+def _last_box(text: str) -> tuple[str, int] | None:
+    """``(content, end)`` of the last ``\\boxed{...}``/``\\fbox{...}``, ``end`` just past its closing
+    brace; None when there is none or its braces never close."""
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
     if start < 0:
         return None
-    depth = 0
-    for i in range(text.index("{", start), len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return i + 1
-    return None
+    opened = text.index("{", start)
+    close = matching_brace(text, opened)
+    return None if close is None else (text[opened + 1:close], close + 1)
 
 
 def gtpo_boxed_reward(completion: str, gold: str, task: str) -> RewardOutput:
