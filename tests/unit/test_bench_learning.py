@@ -152,3 +152,18 @@ def test_summaries_of_seeds_run_apart_merge_into_one_table(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "0.5 [0.25, 0.75]" in out and json.loads(out.splitlines()[-1])["algorithms"]["gtpo"]["seeds"] == [0, 1]
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_reuse_base_copies_an_earlier_evaluation_instead_of_running_it(tmp_path):
+    """--reuse-base: the base model's report and samples are copied and read, no eval runs (args=None
+    would fail on any launch). Injected bug, seen failing once: the samples file not copied."""
+    from bench.learning import evaluate_model
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir(), new.mkdir()
+    report = {"benchmarks": {"gsm8k": {"metrics": {"pass@1": 0.125, "maj@1": 0.125}}}}
+    (old / "base_greedy.json").write_text(json.dumps(report))
+    (old / "base_greedy.samples.jsonl").write_text('{"uid": "gsm8k:0", "correct": true}\n')
+    got = evaluate_model("m", study=None, data=None, out=new / "base_greedy", args=None, reuse=old)
+    assert got["pass"] == {"pass@1": 0.125} and got["reused"] == str(old)
+    assert (new / "base_greedy.samples.jsonl").read_text() == (old / "base_greedy.samples.jsonl").read_text()
