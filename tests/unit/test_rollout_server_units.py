@@ -95,7 +95,7 @@ def test_generate_codec_round_trip_sends_only_token_ids():
     args, blobs = msg.encode_generate(prompts, [11, 13], sampling)
     check(args, msg.GENERATE)
     assert "private text" not in repr(args) and "secret-uid" not in repr(args) and "42" not in repr(args)
-    got, seeds, back = msg.decode_generate(args, blobs)
+    got, seeds, back = msg.decode_generate(args, blobs, LIMITS)
     assert [p.token_ids for p in got] == [[5, 6, 7], [9]] and seeds == [11, 13] and back == sampling
     completions = [Completion(prompt_index=i // 2, prompt_token_ids=got[i // 2].token_ids, token_ids=[i, 3],
                               logprobs=[-0.1 * i, -1e-300], text=f"t{i}", weight_version=4) for i in range(4)]
@@ -105,9 +105,29 @@ def test_generate_codec_round_trip_sends_only_token_ids():
     assert version == 4 and [c.logprobs for c in decoded] == [c.logprobs for c in completions]  # float64 exact
     assert decoded[3].prompt_token_ids is prompts[1].token_ids  # the trainer's own prompt
     with pytest.raises(SchemaError):
-        msg.decode_generate({**args, "seeds": [1]}, blobs)
+        msg.decode_generate({**args, "seeds": [1]}, blobs, LIMITS)
     with pytest.raises(SchemaError):
-        msg.decode_generate(args, [bytes(blobs[0])[:-4]])
+        msg.decode_generate(args, [bytes(blobs[0])[:-4]], LIMITS)
+
+
+LIMITS = msg.GenerateLimits(max_model_len=64, vocab_size=100)
+
+
+def test_security_generate_requests_are_capped_by_what_the_engine_can_serve():
+    """Caps on a request an authenticated peer could use to exhaust the server's memory or reach past
+    its vocabulary (injected: ``_check_limits`` not called -> every case decodes, the test fails)."""
+    prompt = [Prompt(uid="a", token_ids=[1, 2])]
+    ok = Sampling(n=2, temperature=1.0, max_tokens=64, stop=("x",) * 32)
+    msg.decode_generate(*msg.encode_generate(prompt, [1], ok), LIMITS)  # at every limit: served
+    for bad, match in [({"n": (1 << 16) + 1}, "completions"), ({"max_tokens": 65}, "max_model_len"),
+                       ({"stop": ("x",) * 33}, "stop strings"), ({"stop": ("x" * 257,)}, "stop strings")]:
+        args, blobs = msg.encode_generate(prompt, [1], dataclasses.replace(ok, **bad))
+        with pytest.raises(SchemaError, match=match):
+            msg.decode_generate(args, blobs, LIMITS)
+    for tokens in ([1, 100], [-1, 2], [1] * 65):
+        args, blobs = msg.encode_generate([Prompt(uid="a", token_ids=tokens)], [1], ok)
+        with pytest.raises(SchemaError, match=r"lie in \[0, 100\)|max_model_len"):
+            msg.decode_generate(args, blobs, LIMITS)
 
 
 def test_rollout_server_from_a_recipe_samples_from_the_trainers_fp32_head(tmp_path, monkeypatch):
@@ -158,7 +178,7 @@ def test_sampling_crosses_the_wire_as_its_checked_fields():
         forged = {**args, "sampling": {**args["sampling"], **bad}}
         check(forged, msg.GENERATE)  # the types are right: the record's own checks refuse it
         with pytest.raises(SchemaError, match="Sampling"):
-            msg.decode_generate(forged, blobs)
+            msg.decode_generate(forged, blobs, LIMITS)
     with pytest.raises(SchemaError):
         check({**args, "sampling": {**args["sampling"], "logprobs": 5}}, msg.GENERATE)  # an unknown field
 
