@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 HELLO = b"MGTPO-H1"
 NONCE_BYTES = 32
 MAC_BYTES = 32
-HANDSHAKE_TIMEOUT_S = 5.0
+HANDSHAKE_TIMEOUT_S = 10.0
 """Longest a connection may take to authenticate, all of it (a peer that stalls or trickles is dropped)."""
 MAX_HEADER_BYTES = 16 << 20
 """Largest JSON header of one frame (16 MiB)."""

@@ -67,6 +67,48 @@ def test_pool_staging_area_is_one_shared_mapping():
         area.close()
 
 
+def test_security_a_bucket_corrupted_in_flight_is_refused_and_the_engine_keeps_its_version():
+    """The server checks every staged bucket against the digest its sender sent over the authenticated
+    channel before a commit may load it; a byte changed on the way (the transfer group is not
+    authenticated) drops the push and the engine keeps serving its version (injected: ``_on_verify``
+    comparing nothing -> the corrupted push verifies and commits, the test fails)."""
+    from megatron_gtpo.errors import WeightPushError
+    from megatron_gtpo.sync.receiver import PushReceiver
+    from megatron_gtpo.sync.staging import StagedBucket
+    from megatron_gtpo.sync.wire import bucket_digest
+
+    rpcs: list[str] = []
+    engine = SimpleNamespace(weight_version=3, rpc=lambda name, **kw: rpcs.append(name),
+                             loaded=lambda version, ok: rpcs.append(f"loaded v{version}"))
+    receiver = PushReceiver()
+    receiver.ctx = SimpleNamespace(engine=engine)
+    sent = [bytes(range(64)), bytes(range(64, 192))]
+    buckets = [StagedBucket(owner=0, start=0, nbytes=64, tensors=()), StagedBucket(owner=0, start=64, nbytes=128,
+                                                                                    tensors=())]
+    receiver._area = SharedArea(192, generation=1)
+    try:
+        staged = map_area(receiver._area.path, 192)
+        for arrived in (b"".join(sent), b"".join(sent)[:100] + b"\xff" + b"".join(sent)[101:]):
+            staged[:] = torch.frombuffer(bytearray(arrived), dtype=torch.uint8)
+            receiver.session, receiver._staged, receiver._verified = True, (4, buckets), None
+            digests = {"version": 4, "digests": [bucket_digest(torch.frombuffer(bytearray(b), dtype=torch.uint8))
+                                                 for b in sent]}
+            if arrived == b"".join(sent):
+                assert receiver._on_verify(digests, []) == {"buckets": 2}
+                continue
+            with pytest.raises(WeightPushError, match=r"buckets \[1\] arrived corrupted.*still serving v3"):
+                receiver._on_verify(digests, [])
+            assert rpcs[-2:] == ["mgtpo_discard_staged", "finish_weight_update"]  # dropped, nothing loaded
+            with pytest.raises(WeightPushError, match="without a complete transfer"):
+                receiver._on_commit({"version": 4}, [])
+            receiver.session = True  # even with an open update, an unverified push never commits
+            with pytest.raises(WeightPushError, match="before its digests were verified"):
+                receiver._on_commit({"version": 4}, [])
+        assert not any(r.startswith("loaded") for r in rpcs)
+    finally:
+        receiver._area.close()
+
+
 class RecordingGroup:
     def __init__(self):
         self.sends = []
