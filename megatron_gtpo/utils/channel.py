@@ -276,6 +276,8 @@ def client_handshake(sock: socket.socket, secret: bytes, *, peer: str) -> Channe
     try:
         sock.sendall(_mac(secret, b"mgtpo client", cn, sn))
         proof = _read_exact(sock, MAC_BYTES, deadline=deadline)
+    except ChannelTimeout as err:  # a slow server, not a refusal (that closes): a caller may retry
+        raise ConnectionError(f"{peer} did not answer the handshake in time ({err})") from None
     except ChannelError as err:
         raise AuthenticationError(f"{peer} refused this job's secret ({err})") from None
     except OSError as err:

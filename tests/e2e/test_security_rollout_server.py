@@ -337,6 +337,12 @@ def _recorded_handshake(server: Server) -> bytes:
     return b"".join(sent)
 
 
+def early(seconds: float) -> bool:
+    """Ended before the handshake deadline could have ended it (the server refused the input itself;
+    seconds, not milliseconds, on 2 busy cores)."""
+    return seconds < ch.HANDSHAKE_TIMEOUT_S - 0.5
+
+
 def deadline(seconds: float) -> bool:
     """Ended by the handshake deadline: not before it, and well before the client's own timeout."""
     return ch.HANDSHAKE_TIMEOUT_S - 0.5 <= seconds <= ch.HANDSHAKE_TIMEOUT_S + 3
@@ -354,8 +360,8 @@ def _unauthenticated_phase(server: Server, health: Health, trainer: ServerLink, 
             batch = list(pool.map(lambda ic: fz.send_raw(host, port, ic[0], *ic[1]),
                                   enumerate(cases[start:start + 100], start)))
             for (kind, _, half_closed), out in zip(cases[start:start + 100], batch):
-                # refused by the server: at once, or (an unfinished handshake left open) at its deadline
-                assert out.ended and (out.seconds < 3.0 or not half_closed and deadline(out.seconds)), (kind, out)
+                # refused by the server: before its deadline, or (an unfinished handshake left open) at it
+                assert out.ended and (early(out.seconds) or not half_closed and deadline(out.seconds)), (kind, out)
                 assert out.reply == b"" or (len(out.reply) == 40 and out.reply[:8] == ch.HELLO), (kind, out)
             health.check(trainer, f"outsiders {start}-{start + 100}")
         for future in held:
@@ -379,7 +385,7 @@ def _authenticated_phase(server: Server, health: Health, trainer: ServerLink, rn
         with ThreadPoolExecutor(6) as pool:
             outs = list(pool.map(one, range(round_ * kinds, (round_ + 1) * kinds)))
         for kind, out in outs:
-            assert out.ended and out.seconds < 5.0, (kind, out)
+            assert out.ended and early(out.seconds), (kind, out)
         count += len(outs)
         if round_ % 3 == 2:
             health.check(trainer, f"authenticated round {round_}")
@@ -407,7 +413,7 @@ def _control_phase(server: Server, health: Health, rng: random.Random) -> int:
         channel = _control(server, 3000 + index)
         kind, data = fz.bad_frames(random.Random(index), channel._send_key, 1)[index % kinds]
         out = fz.send_frame(channel, kind, data)
-        assert out.ended and out.seconds < 5.0, (kind, out)
+        assert out.ended and early(out.seconds), (kind, out)
         count += 1
     health.check(None, "bad frames on the control connection")
     vocab = AutoConfig.from_pretrained(ensure_tiny()).vocab_size
@@ -431,9 +437,10 @@ def test_security_fuzz_a_real_server_survives_a_thousand_bad_inputs(server):
     is the same process, serves its trainer the same greedy tokens, and its memory and open files are
     back near where they were. Each refusal is timed here with a client timeout far above the server's
     limits: an outsider is refused at once, a silent or trickling one at the handshake deadline.
-    Injected, each fails it: ``_serve`` catching only ChannelError (deep JSON kills the server); the
-    listener's route catching only ChannelError (a store-role frame of deep JSON leaks the connection);
-    a per-read handshake timeout (the tricklers hold on past the deadline)."""
+    Injected, each fails it: the header parser catching only ValueError and ``_serve`` only
+    ChannelError, as before this test (a deep-JSON frame on the trainer's connection kills the
+    server); a per-read handshake timeout (the silent and trickling outsiders are not refused at the
+    deadline)."""
     rng = random.Random(34)
     health = Health(server)
     trainer = server.relink()

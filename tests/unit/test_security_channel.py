@@ -334,7 +334,7 @@ def test_security_the_handshake_has_one_deadline_however_the_peer_trickles(monke
     took = ch.time.monotonic() - start
     stop.set()
     thread.join(5)
-    assert 0.9 < took < 1.6, took
+    assert 0.9 < took < 5.0, took  # the trickle itself lasts 14 s (slack for 2 busy cores)
 
 
 def _stalled(host: str, port: int, source: str) -> socket.socket:
@@ -346,9 +346,9 @@ def _stalled(host: str, port: int, source: str) -> socket.socket:
 
 
 def _refused_at_once(sock: socket.socket) -> bool:
-    """True when the server closed ``sock`` unanswered within 1 s (measured here; the server's
+    """True when the server closed ``sock`` unanswered within 5 s (measured here; the server's
     handshake limit is 20 s in these tests, so only a refusal by the accept loop ends it this fast)."""
-    sock.settimeout(3.0)
+    sock.settimeout(8.0)
     start = ch.time.monotonic()
     try:
         data = sock.recv(100)
@@ -356,7 +356,7 @@ def _refused_at_once(sock: socket.socket) -> bool:
         return False
     except ConnectionResetError:
         data = b""
-    return data == b"" and ch.time.monotonic() - start < 1.0
+    return data == b"" and ch.time.monotonic() - start < 5.0
 
 
 def test_security_pending_handshakes_are_capped_per_address_and_in_all(monkeypatch):
@@ -374,7 +374,7 @@ def test_security_pending_handshakes_are_capped_per_address_and_in_all(monkeypat
         assert _refused_at_once(_stalled("127.0.0.1", port, "127.0.0.2"))  # a 5th of the same address
         other = _stalled("127.0.0.1", port, "127.0.0.3")
         other.sendall(ch.HELLO + bytes(32))
-        other.settimeout(3.0)
+        other.settimeout(8.0)
         assert other.recv(100)[:8] == ch.HELLO  # another address is greeted
         held.append(other)
         sources = [f"127.0.1.{i}" for i in range(1, 10)]
