@@ -81,9 +81,9 @@ def test_train_two_nodes_rendezvous_and_pass_through(cluster, job_dir):
     assert prep["argv"] == ["train", "configs/tiny.yaml", "train.seed=7", "--output-dir", str(out_dir),
                             "--world-size", "2", "--prepare-only", "--steps", "3"]  # 2 nodes x 1 rank
     starts = sorted(records(job_dir, "start"), key=lambda r: r["env"]["RANK"])
-    # the static rendezvous numbers the nodes by SLURM_NODEID: rank 0 on the first node, its store's host
+    # c10d numbers the nodes in the order their agents join, so rank 0 may be on either node.
     assert [(r["env"]["RANK"], r["env"]["WORLD_SIZE"]) for r in starts] == [("0", "2"), ("1", "2")]
-    assert [r["env"]["SLURMD_NODENAME"] for r in starts] == ["node1", "node2"]
+    assert {r["env"]["SLURMD_NODENAME"] for r in starts} == {"node1", "node2"}
     assert all(r["allreduce"] == 1 for r in starts)  # 0 + 1 over gloo across the two nodes
     assert all(r["argv"] == [str(out_dir / "config.yaml")] for r in starts)  # no --resume on a first run
     assert all(r["env"]["MLFLOW_TRACKING_URI"] == "http://mlflow.example:5000" for r in starts)
