@@ -202,6 +202,16 @@ class RolloutEngine:
         return self._llm.llm_engine.model_config.dtype
 
     @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + completion) the engine holds."""
+        return int(self._llm.llm_engine.model_config.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the engine's embedding covers."""
+        return int(self._llm.llm_engine.model_config.get_vocab_size())
+
+    @property
     def tensor_parallel_size(self) -> int:
         """Ranks this engine spans (``vllm.tensor_parallel_size``)."""
         return self._tp

@@ -23,7 +23,7 @@ record travels as its fields (``asdict``) and is rebuilt, validated, on the serv
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -54,9 +54,25 @@ def encode_generate(prompts: Sequence[Prompt], seeds: Sequence[int], sampling: S
     return args, [tokens.tobytes()]
 
 
-def decode_generate(args: dict, blobs: list) -> tuple[list[Prompt], list[int], Sampling]:
+@dataclass(frozen=True, kw_only=True)
+class GenerateLimits:
+    """What one ``generate`` request may ask of a server's engine (the server fills it from its
+    engine), so that no request can exhaust its memory or reach past its vocabulary."""
+
+    max_model_len: int
+    """Longest sequence the engine holds: caps ``max_tokens`` and every prompt."""
+    vocab_size: int
+    """Prompt token ids must lie in [0, vocab_size)."""
+    max_sequences: int = 1 << 16
+    """Most completions (prompts x n) of one request."""
+    max_stop: int = 32
+    """Most stop strings of one request, each of at most 256 characters."""
+
+
+def decode_generate(args: dict, blobs: list, limits: GenerateLimits) -> tuple[list[Prompt], list[int], Sampling]:
     """A checked ``generate`` request (args already match :data:`GENERATE`): prompts, seeds, and the
-    sampling record (its own checks refuse out-of-range values as a malformed request)."""
+    sampling record (its own checks refuse out-of-range values as a malformed request, ``limits``
+    what the engine cannot serve)."""
     lengths = args["lengths"]
     if len(blobs) != 1 or len(args["seeds"]) != len(lengths) or min(lengths, default=1) < 1:
         raise SchemaError("generate: one token blob, one seed and at least one token per prompt")
@@ -65,11 +81,25 @@ def decode_generate(args: dict, blobs: list) -> tuple[list[Prompt], list[int], S
     except (TypeError, ValueError) as err:
         raise SchemaError(f"generate.sampling: {err}") from None
     tokens = _array(blobs[0], _TOKENS, sum(lengths), "prompt tokens")
+    _check_limits(lengths, tokens, sampling, limits)
     prompts, start = [], 0
     for i, n in enumerate(lengths):
         prompts.append(Prompt(uid=str(i), token_ids=tokens[start:start + n].tolist()))
         start += n
     return prompts, args["seeds"], sampling
+
+
+def _check_limits(lengths: list[int], tokens: np.ndarray, sampling: Sampling, limits: GenerateLimits) -> None:
+    if len(lengths) * sampling.n > limits.max_sequences:
+        raise SchemaError(f"generate: {len(lengths)} prompts x n={sampling.n} completions, more than "
+                          f"{limits.max_sequences} in one request")
+    if sampling.max_tokens > limits.max_model_len or max(lengths, default=0) > limits.max_model_len:
+        raise SchemaError(f"generate: max_tokens {sampling.max_tokens} or a prompt of {max(lengths)} tokens "
+                          f"exceeds the engine's max_model_len {limits.max_model_len}")
+    if len(sampling.stop) > limits.max_stop or any(len(s) > 256 for s in sampling.stop):
+        raise SchemaError(f"generate: at most {limits.max_stop} stop strings of at most 256 characters")
+    if tokens.size and not (0 <= int(tokens.min()) and int(tokens.max()) < limits.vocab_size):
+        raise SchemaError(f"generate: prompt token ids must lie in [0, {limits.vocab_size})")
 
 
 def encode_completions(version: int, completions: Sequence[Completion]) -> tuple[dict, list]:

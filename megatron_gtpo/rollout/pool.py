@@ -165,6 +165,7 @@ class LocalServers:
 
     def __init__(self, count: int, *, model_dir: str, vllm: dict, seed: int):
         self.log_dir = tempfile.mkdtemp(prefix="mgtpo-rollout-")
+        self._own_secret = not os.environ.get(SECRET_ENV)
         self.secret_path = Path(os.environ.get(SECRET_ENV) or make_secret_file(self.log_dir))
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
         env[SECRET_ENV] = str(self.secret_path)
@@ -209,6 +210,8 @@ class LocalServers:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if self._own_secret:  # the servers are gone: a key left behind would only be a key to steal
+            self.secret_path.unlink(missing_ok=True)
 
 
 @dataclass(kw_only=True)

@@ -80,6 +80,7 @@ class RolloutServer:
             self.ops.update(receiver.bind(ServerContext(engine=self.engine, rendezvous=self.rendezvous,
                                                         address=(local, self.port), timeout_s=spec.timeout_s)))
         self.name = f"{socket.gethostname()}:{self.port}"
+        self.limits = msg.GenerateLimits(max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size)
 
     def run(self) -> None:
         """Serves trainer connections until one sends ``close``."""
@@ -105,7 +106,11 @@ class RolloutServer:
         if role == "store" and isinstance(hello.get("join"), str):
             self.rendezvous.serve(channel, hello["join"])
         elif role == "control" and self._busy.acquire(blocking=False):
-            channel.send({"ok": True})
+            try:
+                channel.send({"ok": True})
+            except BaseException:  # gone before its answer: the slot is free again
+                self._busy.release()
+                raise
             self._control.put(channel)
         else:
             reason = "this server already serves a trainer" if role == "control" else f"unknown role {role!r}"
@@ -114,26 +119,36 @@ class RolloutServer:
             channel.close()
 
     def _serve(self, channel: Channel) -> bool:
-        """One trainer connection; True when it asked the server to exit."""
+        """One trainer connection; True when it asked the server to exit. Nothing the connection
+        sends ends the server: a frame that fails, or any exception while reading or answering,
+        ends this connection only (the next trainer may connect)."""
         log.info("serving the trainer at %s", channel.peer)
         try:
             while True:
-                try:
-                    message = channel.recv()
-                except FrameError as err:  # the stream cannot be trusted any more: drop this connection
-                    log.warning("refused %s: %s; connection closed", channel.peer, err)
-                    return False
+                message = channel.recv()
                 op = message.header.get("op")
                 if op == "close":
                     channel.send({"ok": True, "result": {}})
                     return True
                 channel.send(*self._answer(op, message))
+        except FrameError as err:  # the stream cannot be trusted any more: drop this connection
+            log.warning("refused %s: %s; connection closed", channel.peer, err)
         except ChannelError as err:
             log.info("trainer at %s went away (%s)", channel.peer, err)
-            return False
+        except Exception as err:  # noqa: BLE001 - e.g. MemoryError reading a frame, an answer that cannot be sent
+            log.warning("dropped the trainer at %s after %s: %s", channel.peer, type(err).__name__, str(err)[:500])
         finally:
-            if self._receiver is not None:
-                self._receiver.drop()
+            self._drop_push()
+        return False
+
+    def _drop_push(self) -> None:
+        """Forgets the gone trainer's push; a failure here is logged (the engine reports it next)."""
+        if self._receiver is None:
+            return
+        try:
+            self._receiver.drop()
+        except Exception:  # noqa: BLE001 - the next request meets the broken engine and reports it
+            log.exception("dropping the trainer's staged push failed")
 
     def _answer(self, op, message) -> tuple[dict, list]:
         try:
@@ -156,6 +171,6 @@ class RolloutServer:
                 "tp": int(self.spec.vllm.get("tensor_parallel_size", 1)), "model_dir": self.spec.model_dir}
 
     def _on_generate(self, args: dict, blobs: list) -> tuple[dict, list]:
-        prompts, seeds, sampling = msg.decode_generate(args, blobs)
+        prompts, seeds, sampling = msg.decode_generate(args, blobs, self.limits)
         version = self.engine.weight_version
         return msg.encode_completions(version, self.engine.sample(prompts, seeds=seeds, sampling=sampling))

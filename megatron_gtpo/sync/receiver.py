@@ -25,7 +25,9 @@ worker extension class :class:`StagedReceiverExtension` (``worker_extension_cls`
 
 from __future__ import annotations
 
+import hmac
 import logging
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +41,7 @@ import megatron_gtpo.sync.wire as wire
 from megatron_gtpo.sync.checks import WeightSpec, check_plan
 from megatron_gtpo.sync.export import view_of
 from megatron_gtpo.sync.shards import TensorMeta
-from megatron_gtpo.sync.staging import SharedArea, layout, map_area
+from megatron_gtpo.sync.staging import SharedArea, StagedBucket, layout, map_area
 from megatron_gtpo.utils.secret import load_secret
 from megatron_gtpo.utils.vllm_reload import reload_model
 
@@ -160,13 +162,16 @@ class PushReceiver:
         self.ctx: ServerContext | None = None
         self.session = False  # a weight update is open in the workers
         self._plan: tuple[int, list[TensorMeta]] | None = None
+        self._staged: tuple[int, list[StagedBucket]] | None = None  # version, its buckets in the area
+        self._verified: int | None = None  # the version whose staged bytes matched their digests
         self._area: SharedArea | None = None
 
     def bind(self, ctx: ServerContext) -> dict[str, Op]:
         self.ctx = ctx
         self.weights = WeightSpec.from_model_dir(ctx.engine.model_dir, dtype=ctx.engine.dtype)
         return {"join": Op(wire.JOIN, self._on_join), "plan": Op(wire.PLAN, self._on_plan),
-                "receive": Op(wire.RECEIVE, self._on_receive), "commit": Op(wire.COMMIT, self._on_commit),
+                "receive": Op(wire.RECEIVE, self._on_receive), "verify": Op(wire.VERIFY, self._on_verify),
+                "commit": Op(wire.COMMIT, self._on_commit),
                 "abort": Op(wire.ABORT, self._on_abort), "status": Op(wire.STATUS, self._on_status)}
 
     def _on_join(self, args: dict, blobs: list) -> None:
@@ -195,6 +200,7 @@ class PushReceiver:
         if self._plan is None or self._plan[0] != version:
             raise WeightPushError(f"receive of v{version} without its checked plan")
         buckets = layout(self._plan[1], args["buckets"])
+        self._staged, self._verified = (version, buckets), None
         area = self._staging_area(sum(b.nbytes for b in buckets))
         self._end_session()
         engine = self.ctx.engine
@@ -218,10 +224,36 @@ class PushReceiver:
             self._area = SharedArea(nbytes, generation)
         return self._area
 
+    def _on_verify(self, args: dict, blobs: list) -> dict:
+        """Every staged bucket against the digest its sender computed before sending it; a mismatch
+        (bytes injected or corrupted on the transfer group) drops the push."""
+        version = args["version"]
+        if not self.session or self._staged is None or self._staged[0] != version:
+            raise WeightPushError(f"verify of v{version} without a complete transfer")
+        buckets = self._staged[1]
+        if len(args["digests"]) != len(buckets):
+            self.drop()
+            raise WeightPushError(f"verify of v{version}: {len(args['digests'])} digests for {len(buckets)} buckets")
+        with mmap.mmap(self._area.fileno, self._area.nbytes, prot=mmap.PROT_READ) as area:
+            view = memoryview(area)
+            try:
+                bad = [i for i, (b, want) in enumerate(zip(buckets, args["digests"]))
+                       if not hmac.compare_digest(wire.bucket_digest(view[b.start:b.start + b.nbytes]), want)]
+            finally:
+                view.release()
+        if bad:
+            self.drop()
+            raise WeightPushError(f"weight push v{version}: buckets {bad} arrived corrupted (digest mismatch); "
+                                  f"dropped, still serving v{self.ctx.engine.weight_version}")
+        self._verified = version
+        return {"buckets": len(buckets)}
+
     def _on_commit(self, args: dict, blobs: list) -> dict:
         version, engine = args["version"], self.ctx.engine
         if not self.session:
             raise WeightPushError(f"commit of v{version} without a complete transfer")
+        if self._verified != version:
+            raise WeightPushError(f"commit of v{version} before its digests were verified")
         self.session, self._plan = False, None
         try:
             engine.rpc("finish_weight_update")
@@ -243,7 +275,7 @@ class PushReceiver:
         """Forgets the push under way: an open weight update ends without loading (the engine keeps
         its version) and its plan is gone (the next push is checked again)."""
         self._end_session()
-        self._plan = None
+        self._plan = self._staged = self._verified = None
 
     def _end_session(self) -> None:
         if self.session:

@@ -10,9 +10,11 @@
                   servers at once
     servers       stage what arrives once per server in shared host memory (sync/staging.py); every
                   vLLM worker of the server loads its part from there at the commit
-    rank 0        every rank reports its failures (gloo control group); commit everywhere, or abort
-                  everywhere: a push that fails anywhere before the commit leaves every server on
-                  its previous version, and the step fails naming the failed server's host
+    rank 0        every rank reports its failures and its buckets' digests (gloo control group);
+                  ``verify`` on every server (the staged bytes against the digests, which travel
+                  over the authenticated channel); commit everywhere, or abort everywhere: a push
+                  that fails anywhere before the commit (a corrupted bucket included) leaves every
+                  server on its previous version, and the step fails naming the failed server's host
 
 Traffic per push: one copy of the model per server from the senders (the sum of the buckets'
 packed sizes), whatever the engine TP. The pool is reached only through its declared protocol
@@ -91,11 +93,15 @@ class PoolSync(WeightSync):
         self._decide(waited or self._on_servers("plan", wire.plan_args(version, metas)), version)
         timer.phase("plan")
         failures = self._pool.post("receive", wire.receive_args(version, plan)) if self._pool else {}
-        failures.update(self._stream(source, plan, skip=failures))
+        digests: dict[int, str] = {}
+        failures.update(self._stream(source, plan, skip=failures, digests=digests))
         if self._pool is not None:  # every answer, so none is left pending (a dead server's fails at once)
             failures.update(self._pool.collect())
         failures = {k: v for part in control.all_gather_object(failures) for k, v in part.items()}
+        digests = {k: v for part in control.all_gather_object(digests) for k, v in part.items()}
         timer.phase("transfer")  # export, packing, the sends and every server's staging
+        if not failures:  # what arrived over the unauthenticated transfer groups is what was sent
+            failures = self._on_servers("verify", {"version": version, "digests": [digests[b.index] for b in plan]})
         if failures:
             self._on_servers("abort", {}, skip=failures, timeout_s=60)
             self._decide(failures, version, what="aborted on every server; they keep serving the previous version")
@@ -113,8 +119,10 @@ class PoolSync(WeightSync):
             return {"generate call in flight": str(err)}
         return {}
 
-    def _stream(self, source: PushSource, plan: list[BucketPlan], *, skip: dict) -> dict[str, str]:
-        """Packs and sends every bucket (senders), or takes part in the packing gathers."""
+    def _stream(self, source: PushSource, plan: list[BucketPlan], *, skip: dict, digests: dict[int, str]
+                ) -> dict[str, str]:
+        """Packs and sends every bucket (senders), or takes part in the packing gathers; a sender
+        records each bucket's digest (of the bytes it sends) in ``digests``."""
         failures: dict[str, str] = dict(skip)
         mine = [b.nbytes for b in plan if b.owner == self._stage]
         buffer = torch.empty(max(mine), dtype=torch.uint8, device=comm_device()) if mine else None
@@ -125,6 +133,7 @@ class PoolSync(WeightSync):
                 sender = bucket.owner == self._stage
                 failures[f"export on rank {control.world()[0]}"] = f"{type(err).__name__}: {err}"
             if sender:
+                digests[bucket.index] = wire.bucket_digest(buffer[:bucket.nbytes])
                 self._send(buffer[:bucket.nbytes], failures)
         return failures
 

@@ -60,8 +60,8 @@ def layout(plan: list[TensorMeta], buckets: list[dict]) -> list[StagedBucket]:
                              f"{len(plan) - taken} of the checked plan are left")
         end = 0
         for meta in metas:
-            if meta.offset % 64 or meta.offset < end:
-                raise ValueError(f"receive: {meta.name} at offset {meta.offset} overlaps or is not 64-byte aligned")
+            if meta.offset != end:  # packed back to back, 64-byte aligned: a gap would size a huge sparse area
+                raise ValueError(f"receive: {meta.name} at offset {meta.offset}, its bucket packs it at {end}")
             end = aligned(meta.offset + meta.numel * dtype_size(meta.dtype))
         if nbytes != end:
             raise ValueError(f"receive: bucket {i} is {nbytes} bytes, its tensors pack into {end}")
@@ -81,6 +81,11 @@ class SharedArea:
         os.ftruncate(self._fd, max(nbytes, 1))
         self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
         """Where this user's processes on this node open it."""
+
+    @property
+    def fileno(self) -> int:
+        """The file's descriptor in the server process (to read what was staged)."""
+        return self._fd
 
     def close(self) -> None:
         os.close(self._fd)

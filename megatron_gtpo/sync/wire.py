@@ -9,7 +9,11 @@ data only, schema-checked by the server)::
     receive  {version, buckets: [{owner, nbytes, tensors}]}        buckets of the checked plan, in
                                         order (``tensors``: how many of the plan's tensors each
                                         holds); they arrive over the transfer group into staging
-    commit   {version}                  load the staged push (serves ``version``)
+    verify   {version, digests: [hex]}  every staged bucket's BLAKE2b digest (the senders', sent
+                                        here over the authenticated channel) against the bytes that
+                                        arrived over the unauthenticated transfer group; a mismatch
+                                        drops the push (the server keeps its version)
+    commit   {version}                  load the staged, verified push (serves ``version``)
     abort    {}                         drop it (keeps the served version)
     status   {}                         -> {version, staging_bytes (host, the whole server),
                                         received_bytes (per vLLM worker, all pushes so far)}
@@ -25,6 +29,7 @@ sender to worker 0, so every NCCL communicator exists before the store closes. N
 from __future__ import annotations
 
 import datetime
+import hashlib
 from dataclasses import asdict
 
 import torch
@@ -36,6 +41,7 @@ from megatron_gtpo.utils.rendezvous import ChannelStore
 JOIN = {"join": str, "senders": int}
 PLAN = {"version": int, "tensors": [{"name": str, "shape": [int], "dtype": str, "offset": int}]}
 RECEIVE = {"version": int, "buckets": [{"owner": int, "nbytes": int, "tensors": int}]}
+VERIFY = {"version": int, "digests": [str]}
 COMMIT = {"version": int}
 ABORT: dict = {}
 STATUS: dict = {}
@@ -50,6 +56,14 @@ def receive_args(version: int, plan: list[BucketPlan]) -> dict:
     """The ``receive`` request: each bucket's sender stage, size and tensor count."""
     return {"version": version, "buckets": [{"owner": b.owner, "nbytes": b.nbytes, "tensors": len(b.tensors)}
                                             for b in plan]}
+
+
+def bucket_digest(data) -> str:
+    """BLAKE2b-256 of a packed bucket's bytes (a uint8 tensor on any device, or any buffer): what
+    ``verify`` compares (one home for the sender's and the server's side)."""
+    if isinstance(data, torch.Tensor):
+        data = data.detach().to("cpu").contiguous().numpy()
+    return hashlib.blake2b(memoryview(data).cast("B"), digest_size=32).hexdigest()
 
 
 def open_group(store: dist.Store, *, prefix: str, rank: int, world: int, timeout_s: float,

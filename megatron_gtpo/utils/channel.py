@@ -24,9 +24,16 @@ Frame (either direction; ``seq`` counts that direction's frames from 0)::
     mac       HMAC-SHA256(key(dir), seq u64 | the 16 bytes | header | payload), 32 bytes
 
 Limits (:data:`MAX_HEADER_BYTES`, :data:`MAX_PAYLOAD_BYTES`) are checked on the 16 bytes, before
-anything else is read or allocated; the MAC is checked before the JSON is parsed; a frame out of
-order or replayed fails its MAC. Any violation raises :class:`FrameError` and the connection must be
-closed (the stream cannot be trusted after it). The payload is not encrypted: see docs/security.md.
+anything else is read; buffers then grow as bytes arrive (a declared size allocates nothing by
+itself); the MAC is checked before the JSON is parsed; a frame out of order or replayed fails its
+MAC; any failure of the parser (deep nesting, duplicate keys, huge numbers) is a :class:`FrameError`.
+Any violation raises :class:`FrameError` and the connection must be closed (the stream cannot be
+trusted after it). The payload is not encrypted: see docs/security.md.
+
+Listening (:class:`Listener`): a connection has :data:`HANDSHAKE_TIMEOUT_S` in all to authenticate
+(one deadline, however it trickles its bytes), at most :data:`MAX_PENDING` authenticate at once and
+at most :data:`MAX_PENDING_PER_PEER` from one address; an authenticated connection has TCP
+keep-alive (:data:`KEEPALIVE`), so a peer whose host died is noticed and its slot freed.
 
 Schemas (:func:`check`): a type (``int``, ``float``, ``str``, ``bool``), ``None`` (JSON null), a
 list ``[S]`` (every item matches S), a dict ``{"key": S, "opt?": S}`` (exactly these keys) or a
@@ -52,7 +59,7 @@ HELLO = b"MGTPO-H1"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 HANDSHAKE_TIMEOUT_S = 10.0
-"""Longest a connection may take to authenticate (a peer that stalls is dropped)."""
+"""Longest a connection may take to authenticate, all of it (a peer that stalls or trickles is dropped)."""
 MAX_HEADER_BYTES = 16 << 20
 """Largest JSON header of one frame (16 MiB)."""
 MAX_PAYLOAD_BYTES = 1 << 30
@@ -61,6 +68,13 @@ READ_TIMEOUT_S = 120.0
 """Longest silence inside one frame once it started arriving."""
 MAX_PENDING = 32
 """Connections authenticating at once; more are closed at once (a flood cannot starve the server)."""
+MAX_PENDING_PER_PEER = 4
+"""Connections of one address authenticating at once (one host cannot take every slot); a job's own
+clients retry a refused connection."""
+KEEPALIVE = (60, 10, 6)
+"""TCP keep-alive of an authenticated connection: first probe after 60 s idle, then every 10 s, given
+up after 6 unanswered: a half-open connection (the peer's host died) ends within ~2 min."""
+_CHUNK = 1 << 20
 
 _FRAME = struct.Struct(">2sHIQ")
 _SEQ = struct.Struct(">Q")
@@ -102,24 +116,36 @@ def _mac(secret: bytes, label: bytes, client_nonce: bytes, server_nonce: bytes) 
     return hmac.new(secret, label + client_nonce + server_nonce, hashlib.sha256).digest()
 
 
-def _read_exact(sock: socket.socket, nbytes: int, into: memoryview | None = None, *,
-                stall_s: float | None = None) -> bytes | memoryview:
-    """``nbytes`` from ``sock``; ``stall_s`` bounds each wait for more (else the socket's own timeout)."""
-    buffer = into if into is not None else memoryview(bytearray(nbytes))
-    got = 0
-    while got < nbytes:
-        if stall_s is not None and not select.select([sock], [], [], stall_s)[0]:
-            raise ChannelTimeout(f"peer stalled after {got} of {nbytes} bytes")
+def _read_exact(sock: socket.socket, nbytes: int, *, stall_s: float | None = None,
+                deadline: float | None = None) -> bytearray:
+    """``nbytes`` from ``sock``, in a buffer grown as they arrive (a declared size costs no memory
+    until its bytes come). ``stall_s`` bounds each wait for more, ``deadline`` (``time.monotonic``)
+    the whole read; else the socket's own timeout bounds each wait."""
+    buffer = bytearray()
+    while len(buffer) < nbytes:
+        wait = stall_s if deadline is None else deadline - time.monotonic()
+        if wait is not None and (wait <= 0 or not select.select([sock], [], [], wait)[0]):
+            raise ChannelTimeout(f"peer stalled after {len(buffer)} of {nbytes} bytes")
         try:
-            n = sock.recv_into(buffer[got:], nbytes - got)
+            chunk = sock.recv(min(nbytes - len(buffer), _CHUNK))
         except TimeoutError:
-            raise ChannelTimeout(f"peer stalled after {got} of {nbytes} bytes") from None
+            raise ChannelTimeout(f"peer stalled after {len(buffer)} of {nbytes} bytes") from None
         except OSError as err:
             raise ChannelClosed(f"connection lost ({err})") from None
-        if n == 0:
-            raise ChannelClosed(f"connection closed after {got} of {nbytes} bytes")
-        got += n
-    return buffer if into is not None else bytes(buffer)
+        if not chunk:
+            raise ChannelClosed(f"connection closed after {len(buffer)} of {nbytes} bytes")
+        buffer += chunk
+    return buffer
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """TCP keep-alive with :data:`KEEPALIVE`'s timings (Linux options; elsewhere the system's)."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):  # a socketpair (tests) has no TCP
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 class Channel:
@@ -131,6 +157,7 @@ class Channel:
         # Blocking: a send waits as long as the peer takes to read (a trainer reads a generate answer only
         # after its train step); reads bound each stall inside a frame (READ_TIMEOUT_S) with select.
         sock.settimeout(None)
+        _keepalive(sock)
         self._send_key, self._recv_key = send_key, recv_key
         self._sent = self._received = 0
         self._lock = threading.Lock()
@@ -174,8 +201,7 @@ class Channel:
             raise FrameError(f"oversized frame refused: header {header_len} bytes (limit {MAX_HEADER_BYTES}), "
                              f"payload {payload_len} bytes (limit {MAX_PAYLOAD_BYTES})")
         text = _read_exact(self.sock, header_len, stall_s=READ_TIMEOUT_S)
-        payload = memoryview(bytearray(payload_len))
-        _read_exact(self.sock, payload_len, payload, stall_s=READ_TIMEOUT_S)
+        payload = memoryview(_read_exact(self.sock, payload_len, stall_s=READ_TIMEOUT_S))
         mac = _read_exact(self.sock, MAC_BYTES, stall_s=READ_TIMEOUT_S)
         want = hmac.new(self._recv_key, _SEQ.pack(self._received) + fixed + text, hashlib.sha256)
         want.update(payload)
@@ -194,9 +220,9 @@ class Channel:
 
 def _parse_header(text: bytes, payload_len: int) -> dict:
     try:
-        header = json.loads(text, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise FrameError(f"header is not JSON ({err})") from None
+        header = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+    except Exception as err:  # noqa: BLE001 - RecursionError (deep nesting), MemoryError, ...: a bad frame, never more
+        raise FrameError(f"header is not JSON ({type(err).__name__}: {str(err)[:200]})") from None
     if not isinstance(header, dict):
         raise FrameError("header is not a JSON object")
     blobs = header.get("blobs")
@@ -217,6 +243,15 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose keys are all different (``{"op": "generate", "op": "close"}`` is refused,
+    not read as its last key)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate keys in an object")
+    return out
+
+
 # ----------------------------------------------------------------------------- handshake
 
 def _keys(secret: bytes, cn: bytes, sn: bytes) -> tuple[bytes, bytes]:
@@ -225,21 +260,24 @@ def _keys(secret: bytes, cn: bytes, sn: bytes) -> tuple[bytes, bytes]:
 
 def client_handshake(sock: socket.socket, secret: bytes, *, peer: str) -> Channel:
     """Authenticates a connected socket as a client. Raises ConnectionError when nothing greets
-    (a server still starting, or gone), AuthenticationError when the peer refuses this job's secret,
-    does not know it, or does not speak this protocol."""
+    (a server still starting, busy with other handshakes, or gone), AuthenticationError when the
+    peer refuses this job's secret, does not know it, or does not speak this protocol."""
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
     sock.settimeout(HANDSHAKE_TIMEOUT_S)
     cn = os.urandom(NONCE_BYTES)
     try:  # nothing of ours answers (yet): a connection error, which a caller may retry
         sock.sendall(HELLO + cn)
-        reply = _read_exact(sock, len(HELLO) + NONCE_BYTES)
+        reply = _read_exact(sock, len(HELLO) + NONCE_BYTES, deadline=deadline)
     except (ChannelError, OSError) as err:
         raise ConnectionError(f"{peer} did not greet ({err})") from None
     if reply[:len(HELLO)] != HELLO:
         raise AuthenticationError(f"{peer} does not speak this protocol")
-    sn = reply[len(HELLO):]
+    sn = bytes(reply[len(HELLO):])
     try:
         sock.sendall(_mac(secret, b"mgtpo client", cn, sn))
-        proof = _read_exact(sock, MAC_BYTES)
+        proof = _read_exact(sock, MAC_BYTES, deadline=deadline)
+    except ChannelTimeout as err:  # a slow server, not a refusal (that closes): a caller may retry
+        raise ConnectionError(f"{peer} did not answer the handshake in time ({err})") from None
     except ChannelError as err:
         raise AuthenticationError(f"{peer} refused this job's secret ({err})") from None
     except OSError as err:
@@ -251,16 +289,17 @@ def client_handshake(sock: socket.socket, secret: bytes, *, peer: str) -> Channe
 
 
 def server_handshake(sock: socket.socket, secret: bytes, *, peer: str) -> Channel:
-    """Authenticates an accepted socket as the server; raises AuthenticationError before the
-    peer learns anything but a random nonce."""
+    """Authenticates an accepted socket as the server, within :data:`HANDSHAKE_TIMEOUT_S` in all;
+    raises AuthenticationError before the peer learns anything but a random nonce."""
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
     sock.settimeout(HANDSHAKE_TIMEOUT_S)
     try:
-        hello = _read_exact(sock, len(HELLO) + NONCE_BYTES)
+        hello = _read_exact(sock, len(HELLO) + NONCE_BYTES, deadline=deadline)
         if hello[:len(HELLO)] != HELLO:
-            raise AuthenticationError(f"bad greeting {hello[:len(HELLO)]!r}")
-        cn, sn = hello[len(HELLO):], os.urandom(NONCE_BYTES)
+            raise AuthenticationError(f"bad greeting {bytes(hello[:len(HELLO)])!r}")
+        cn, sn = bytes(hello[len(HELLO):]), os.urandom(NONCE_BYTES)
         sock.sendall(HELLO + sn)
-        proof = _read_exact(sock, MAC_BYTES)
+        proof = _read_exact(sock, MAC_BYTES, deadline=deadline)
         if not hmac.compare_digest(proof, _mac(secret, b"mgtpo client", cn, sn)):
             raise AuthenticationError("wrong secret")
         sock.sendall(_mac(secret, b"mgtpo server", cn, sn))
@@ -299,7 +338,8 @@ class Listener:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.create_server((host, port), family=family, backlog=64)
         self.address = self._sock.getsockname()[:2]
-        self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        self._pending: dict[str, int] = {}  # address -> connections authenticating
+        self._pending_lock = threading.Lock()
         self._refusals = _RateLimitedLog(log)
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="channel-accept", daemon=True)
@@ -314,26 +354,44 @@ class Listener:
                     return
                 continue
             peer = f"{addr[0]}:{addr[1]}"
-            if not self._pending.acquire(blocking=False):
-                self._refusals.warn(peer, f"more than {MAX_PENDING} connections authenticating at once")
+            refused = self._take_slot(addr[0])
+            if refused:
+                self._refusals.warn(peer, refused)
                 sock.close()
                 continue
-            threading.Thread(target=self._authenticate, args=(sock, peer), name="channel-auth", daemon=True).start()
+            threading.Thread(target=self._authenticate, args=(sock, peer, addr[0]), name="channel-auth",
+                             daemon=True).start()
 
-    def _authenticate(self, sock: socket.socket, peer: str) -> None:
+    def _take_slot(self, host: str) -> str:
+        """Counts a connection as authenticating; or the reason it may not (then nothing is counted)."""
+        with self._pending_lock:
+            if sum(self._pending.values()) >= MAX_PENDING:
+                return f"more than {MAX_PENDING} connections authenticating at once"
+            if self._pending.get(host, 0) >= MAX_PENDING_PER_PEER:
+                return f"more than {MAX_PENDING_PER_PEER} connections of {host} authenticating at once"
+            self._pending[host] = self._pending.get(host, 0) + 1
+            return ""
+
+    def _free_slot(self, host: str) -> None:
+        with self._pending_lock:
+            self._pending[host] -= 1
+            if not self._pending[host]:
+                del self._pending[host]
+
+    def _authenticate(self, sock: socket.socket, peer: str, host: str) -> None:
         try:
             channel = server_handshake(sock, self._secret, peer=peer)
-        except AuthenticationError as err:
+        except Exception as err:  # noqa: BLE001 - AuthenticationError, or anything else: this connection only
             self._refusals.warn(peer, f"unauthenticated connection refused: {err}")
             sock.close()
             return
         finally:
-            self._pending.release()
+            self._free_slot(host)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             self._route(channel)
-        except ChannelError as err:
-            self._log.warning("connection from %s dropped: %s", peer, err)
+        except Exception as err:  # noqa: BLE001 - whatever one peer's input raises ends its connection only
+            self._log.warning("connection from %s dropped: %s: %s", peer, type(err).__name__, str(err)[:500])
             channel.close()
 
     def refuse(self, peer: str, reason: str) -> None:

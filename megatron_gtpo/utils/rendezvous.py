@@ -35,6 +35,10 @@ OPS = {
 }
 """Store requests and their fields (``set``: one blob, the value; ``compare_set``: two, expected
 and desired)."""
+MAX_KEYS = 4096
+"""Keys of one join's space (a group of up to 1024 senders needs a few per member)."""
+MAX_SPACE_BYTES = 16 << 20
+"""Bytes of keys and values of one join's space (addresses and NCCL ids are a few hundred bytes each)."""
 
 
 class _Space:
@@ -97,8 +101,8 @@ class KeyValueHost:
                 message = channel.recv()
                 try:
                     reply, blobs = _answer(space, message.header, message.blobs)
-                except (SchemaError, RuntimeError, TimeoutError, KeyError) as err:
-                    reply, blobs = {"ok": False, "error": f"{type(err).__name__}: {err}"}, []
+                except Exception as err:  # noqa: BLE001 - a bad request gets an error answer, the store goes on
+                    reply, blobs = {"ok": False, "error": f"{type(err).__name__}: {str(err)[:500]}"}, []
                 channel.send(reply, blobs)
         except ChannelError:
             pass
@@ -118,10 +122,15 @@ def _answer(space: _Space, header: dict, blobs: list) -> tuple[dict, list]:
         space.wait_for([args["key"]] if op == "get" else args["keys"], args.get("timeout_s", space.timeout_s))
     with space.cond:
         data = space.data
+        if op in ("set", "add", "compare_set"):
+            _check_room(data, args["key"], blobs)
         if op == "set":
             data[args["key"]] = bytes(blobs[0])
         elif op == "add":
-            value = int(data.get(args["key"], b"0")) + args["amount"]
+            current = data.get(args["key"], b"0")
+            if not current.isdigit() and not (current[:1] == b"-" and current[1:].isdigit()):
+                raise SchemaError(f"store add: {args['key']!r} holds a value that is not an integer")
+            value = int(current) + args["amount"]
             data[args["key"]] = str(value).encode()
             space.cond.notify_all()
             return {"ok": True, "value": value}, []
@@ -143,6 +152,15 @@ def _answer(space: _Space, header: dict, blobs: list) -> tuple[dict, list]:
     return {"ok": True}, []
 
 
+def _check_room(data: dict[str, bytes], key: str, blobs: list) -> None:
+    """Refuses a write that would take the space past :data:`MAX_KEYS` or :data:`MAX_SPACE_BYTES`."""
+    if key not in data and len(data) >= MAX_KEYS:
+        raise SchemaError(f"store: more than {MAX_KEYS} keys in one transfer-group rendezvous")
+    used = sum(len(k) + len(v) for k, v in data.items())
+    if used + len(key) + sum(len(b) for b in blobs) + 32 > MAX_SPACE_BYTES:
+        raise SchemaError(f"store: more than {MAX_SPACE_BYTES} bytes in one transfer-group rendezvous")
+
+
 class ChannelStore(dist.Store):
     """A member's store (see the module docstring): connects to the server at ``host:port`` with
     the job's ``secret`` and retries until the server opened ``join_id`` (within ``timeout_s``)."""
@@ -153,14 +171,18 @@ class ChannelStore(dist.Store):
         self._lock = threading.Lock()
         deadline, last = time.monotonic() + timeout_s, ""
         while True:
-            channel = connect(host, port, secret)
-            channel.send({"role": "store", "join": join_id})
-            reply = channel.recv(timeout_s=min(timeout_s, 60.0)).header
-            if reply.get("ok") is True:
-                self._channel = channel
-                return
-            channel.close()
-            last = reply.get("error", "refused")
+            try:  # refused before the handshake (the server's per-address cap): retried like a closed window
+                channel = connect(host, port, secret)
+            except ConnectionError as err:
+                channel, last = None, str(err)
+            if channel is not None:
+                channel.send({"role": "store", "join": join_id})
+                reply = channel.recv(timeout_s=min(timeout_s, 60.0)).header
+                if reply.get("ok") is True:
+                    self._channel = channel
+                    return
+                channel.close()
+                last = reply.get("error", "refused")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"transfer-group rendezvous at {host}:{port} did not open within "
                                    f"{timeout_s:.0f} s ({last})")

@@ -89,14 +89,19 @@ def load_secret(path: str | os.PathLike | None = None) -> bytes:
 
 def private_directory(path: str | os.PathLike) -> int | None:
     """Makes ``path`` (and missing parents) a directory only its owner can enter: created 0700, or,
-    when it exists and belongs to this user, its group and other bits cleared. Returns the mode it
-    had when that changed it, else None. Run directories are made so (checkpoints, logs, the
-    config and the tracking journal inside are then out of other users' reach whatever their own
-    modes)."""
+    when it exists, its group and other bits cleared. Returns the mode it had when that changed it,
+    else None. Run directories are made so (checkpoints, logs, the config and the tracking journal
+    inside are then out of other users' reach whatever their own modes). A directory of another
+    user is refused (PermissionError): its owner could read or replace what the run writes there,
+    and a checkpoint is code once loaded."""
     path = Path(path)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = path.stat()
-    if info.st_uid != os.geteuid() or not info.st_mode & 0o077:
+    if info.st_uid != os.geteuid():
+        raise PermissionError(f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}): its "
+                              f"owner could read or replace the run's checkpoints, which are code once loaded; "
+                              f"choose a directory of your own (--output-dir, checkpoint.dir)")
+    if not info.st_mode & 0o077:
         return None
     path.chmod(stat.S_IMODE(info.st_mode) & 0o700)
     return stat.S_IMODE(info.st_mode)

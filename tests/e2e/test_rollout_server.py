@@ -26,7 +26,7 @@ def test_rollout_server_pool_of_two_splits_prompts_versions_pushes_and_survives_
     checks = {}
     for r in results:
         checks.setdefault(r["check"], {})[r["rank"]] = r
-    assert set(checks) == {"pool_up", "split", "push_v1", "kill"}, checks.keys()
+    assert set(checks) == {"pool_up", "split", "push_v1", "corrupt", "kill"}, checks.keys()
     assert [s["tp"] for s in checks["pool_up"][0]["servers"]] == [1, 1]
     # the job secret: 64 hex digits in a 0600 file of a 0700 directory, never in a server's log
     assert checks["pool_up"][0]["secret"] == {"file_mode": "0o600", "dir_mode": "0o700", "in_logs": False,
@@ -39,6 +39,9 @@ def test_rollout_server_pool_of_two_splits_prompts_versions_pushes_and_survives_
     for r in checks["push_v1"].values():
         assert r["version"] == 1 and all(r["equal"]), r  # both servers load it; greedy == Megatron's
     assert sorted(checks["push_v1"][0]["served"].values()) == [2, 3]  # ... and both served the greedy check
+    for r in checks["corrupt"].values():  # a bucket changed in flight: refused everywhere, nothing loaded
+        assert r["error"] and "digest mismatch" in r["error"] and "previous version" in r["error"], r
+    assert checks["corrupt"][0]["served"] == [{"version": 1, "unchanged": True}] * 2
     dead = checks["kill"][0]["dead"]
     for r in checks["kill"].values():
         assert r["error"] and dead in r["error"] and "previous version" in r["error"], r

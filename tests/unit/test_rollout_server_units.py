@@ -67,6 +67,48 @@ def test_pool_staging_area_is_one_shared_mapping():
         area.close()
 
 
+def test_security_a_bucket_corrupted_in_flight_is_refused_and_the_engine_keeps_its_version():
+    """The server checks every staged bucket against the digest its sender sent over the authenticated
+    channel before a commit may load it; a byte changed on the way (the transfer group is not
+    authenticated) drops the push and the engine keeps serving its version (injected: ``_on_verify``
+    comparing nothing -> the corrupted push verifies and commits, the test fails)."""
+    from megatron_gtpo.errors import WeightPushError
+    from megatron_gtpo.sync.receiver import PushReceiver
+    from megatron_gtpo.sync.staging import StagedBucket
+    from megatron_gtpo.sync.wire import bucket_digest
+
+    rpcs: list[str] = []
+    engine = SimpleNamespace(weight_version=3, rpc=lambda name, **kw: rpcs.append(name),
+                             loaded=lambda version, ok: rpcs.append(f"loaded v{version}"))
+    receiver = PushReceiver()
+    receiver.ctx = SimpleNamespace(engine=engine)
+    sent = [bytes(range(64)), bytes(range(64, 192))]
+    buckets = [StagedBucket(owner=0, start=0, nbytes=64, tensors=()), StagedBucket(owner=0, start=64, nbytes=128,
+                                                                                    tensors=())]
+    receiver._area = SharedArea(192, generation=1)
+    try:
+        staged = map_area(receiver._area.path, 192)
+        for arrived in (b"".join(sent), b"".join(sent)[:100] + b"\xff" + b"".join(sent)[101:]):
+            staged[:] = torch.frombuffer(bytearray(arrived), dtype=torch.uint8)
+            receiver.session, receiver._staged, receiver._verified = True, (4, buckets), None
+            digests = {"version": 4, "digests": [bucket_digest(torch.frombuffer(bytearray(b), dtype=torch.uint8))
+                                                 for b in sent]}
+            if arrived == b"".join(sent):
+                assert receiver._on_verify(digests, []) == {"buckets": 2}
+                continue
+            with pytest.raises(WeightPushError, match=r"buckets \[1\] arrived corrupted.*still serving v3"):
+                receiver._on_verify(digests, [])
+            assert rpcs[-2:] == ["mgtpo_discard_staged", "finish_weight_update"]  # dropped, nothing loaded
+            with pytest.raises(WeightPushError, match="without a complete transfer"):
+                receiver._on_commit({"version": 4}, [])
+            receiver.session = True  # even with an open update, an unverified push never commits
+            with pytest.raises(WeightPushError, match="before its digests were verified"):
+                receiver._on_commit({"version": 4}, [])
+        assert not any(r.startswith("loaded") for r in rpcs)
+    finally:
+        receiver._area.close()
+
+
 class RecordingGroup:
     def __init__(self):
         self.sends = []
@@ -95,7 +137,7 @@ def test_generate_codec_round_trip_sends_only_token_ids():
     args, blobs = msg.encode_generate(prompts, [11, 13], sampling)
     check(args, msg.GENERATE)
     assert "private text" not in repr(args) and "secret-uid" not in repr(args) and "42" not in repr(args)
-    got, seeds, back = msg.decode_generate(args, blobs)
+    got, seeds, back = msg.decode_generate(args, blobs, LIMITS)
     assert [p.token_ids for p in got] == [[5, 6, 7], [9]] and seeds == [11, 13] and back == sampling
     completions = [Completion(prompt_index=i // 2, prompt_token_ids=got[i // 2].token_ids, token_ids=[i, 3],
                               logprobs=[-0.1 * i, -1e-300], text=f"t{i}", weight_version=4) for i in range(4)]
@@ -105,9 +147,29 @@ def test_generate_codec_round_trip_sends_only_token_ids():
     assert version == 4 and [c.logprobs for c in decoded] == [c.logprobs for c in completions]  # float64 exact
     assert decoded[3].prompt_token_ids is prompts[1].token_ids  # the trainer's own prompt
     with pytest.raises(SchemaError):
-        msg.decode_generate({**args, "seeds": [1]}, blobs)
+        msg.decode_generate({**args, "seeds": [1]}, blobs, LIMITS)
     with pytest.raises(SchemaError):
-        msg.decode_generate(args, [bytes(blobs[0])[:-4]])
+        msg.decode_generate(args, [bytes(blobs[0])[:-4]], LIMITS)
+
+
+LIMITS = msg.GenerateLimits(max_model_len=64, vocab_size=100)
+
+
+def test_security_generate_requests_are_capped_by_what_the_engine_can_serve():
+    """Caps on a request an authenticated peer could use to exhaust the server's memory or reach past
+    its vocabulary (injected: ``_check_limits`` not called -> every case decodes, the test fails)."""
+    prompt = [Prompt(uid="a", token_ids=[1, 2])]
+    ok = Sampling(n=2, temperature=1.0, max_tokens=64, stop=("x",) * 32)
+    msg.decode_generate(*msg.encode_generate(prompt, [1], ok), LIMITS)  # at every limit: served
+    for bad, match in [({"n": (1 << 16) + 1}, "completions"), ({"max_tokens": 65}, "max_model_len"),
+                       ({"stop": ("x",) * 33}, "stop strings"), ({"stop": ("x" * 257,)}, "stop strings")]:
+        args, blobs = msg.encode_generate(prompt, [1], dataclasses.replace(ok, **bad))
+        with pytest.raises(SchemaError, match=match):
+            msg.decode_generate(args, blobs, LIMITS)
+    for tokens in ([1, 100], [-1, 2], [1] * 65):
+        args, blobs = msg.encode_generate([Prompt(uid="a", token_ids=tokens)], [1], ok)
+        with pytest.raises(SchemaError, match=r"lie in \[0, 100\)|max_model_len"):
+            msg.decode_generate(args, blobs, LIMITS)
 
 
 def test_rollout_server_from_a_recipe_samples_from_the_trainers_fp32_head(tmp_path, monkeypatch):
@@ -158,7 +220,7 @@ def test_sampling_crosses_the_wire_as_its_checked_fields():
         forged = {**args, "sampling": {**args["sampling"], **bad}}
         check(forged, msg.GENERATE)  # the types are right: the record's own checks refuse it
         with pytest.raises(SchemaError, match="Sampling"):
-            msg.decode_generate(forged, blobs)
+            msg.decode_generate(forged, blobs, LIMITS)
     with pytest.raises(SchemaError):
         check({**args, "sampling": {**args["sampling"], "logprobs": 5}}, msg.GENERATE)  # an unknown field
 

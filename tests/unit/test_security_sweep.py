@@ -4,6 +4,7 @@ credentials kept out of the config and the logs, and owner-only run directories.
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,22 @@ def test_security_run_directories_are_owner_only(tmp_path):
     shared.chmod(0o755)
     assert private_directory(shared) == 0o755 and shared.stat().st_mode & 0o777 == 0o700
     assert private_directory(shared) is None  # already private: nothing to do
+
+
+def test_security_a_run_directory_of_another_user_is_refused(tmp_path):
+    """A run or checkpoint directory made beforehand by another user (e.g. under /tmp) was accepted
+    silently, and its owner could then read or replace the checkpoints (injected: the owner check
+    dropped -> the directory is used, the test fails). As root: a directory given to uid 65534;
+    otherwise: a directory of root's."""
+    if os.geteuid() == 0:
+        theirs, owner = tmp_path / "theirs", 65534
+        theirs.mkdir(mode=0o777)
+        os.chown(theirs, owner, owner)
+    else:
+        theirs, owner = Path("/usr"), 0
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [f"output_dir={theirs}"])
+    with pytest.raises(PermissionError, match=rf"belongs to uid {owner}.*--output-dir"):
+        dump_resolved(cfg)
+    with pytest.raises(PermissionError, match=f"belongs to uid {owner}"):
+        private_directory(theirs / ".." / theirs.name)
+    assert not (theirs / "config.yaml").exists()

@@ -210,7 +210,7 @@ class SerialServer:
 
 def pool_sync(pool: RolloutPool) -> PoolSync:
     """A PoolSync on rank 0 of a world of one over ``pool`` without transfer groups (an empty push
-    plan: no bucket moves, but every control step of a push runs: plan, receive, commit)."""
+    plan: no bucket moves, but every control step of a push runs: plan, receive, verify, commit)."""
     sync = PoolSync.__new__(PoolSync)
     WeightSync.__init__(sync, SimpleNamespace(dims=SimpleNamespace(pp=1), bucket_bytes=1 << 20))
     sync._pool, sync._timeout, sync.sent_bytes = pool, 10.0, 0
@@ -232,6 +232,7 @@ def test_pool_generates_in_the_background_and_a_push_waits_for_it():
     # the push first took both answers of the generate call, then planned, received, committed
     assert [e[1:] for e in log if e[0] == "s0"] == [("send", "generate"), ("answer", "generate"), ("send", "plan"),
                                                     ("answer", "plan"), ("send", "receive"), ("answer", "receive"),
+                                                    ("send", "verify"), ("answer", "verify"),
                                                     ("send", "commit"), ("answer", "commit")]
     old = in_flight.wait()
     assert [c.prompt_index for c in old] == [0, 0, 1, 1, 2, 2] and {c.weight_version for c in old} == {0}

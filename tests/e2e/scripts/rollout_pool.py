@@ -10,6 +10,9 @@ Checks (one ``RESULT {json}`` line each, from every rank):
                batch with the same seeds
   push_v1      a push reaches both servers (versioned); greedy tokens == Megatron's (fp32); both
                servers generated
+  corrupt      push v2 (below) with one byte of its 2nd bucket changed after the sender's digest (an
+               injection on the transfer group): refused on every rank as a digest mismatch, both
+               servers still serve v1 with unchanged greedy tokens
   kill         v2 = v1 + Gaussian noise of each tensor's own std (a change greedy decoding sees:
                Megatron's greedy tokens of v2 differ from v1's, the positive control). Server 1 is
                killed (SIGKILL) after the sender has sent 2 buckets of push v2: the push fails on
@@ -58,6 +61,20 @@ def kill_after(syncer: PoolSync, pool, buckets: int) -> None:
             proc = pool._local.procs[1]
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
+
+    syncer._send = send
+
+
+def corrupt_in_flight(syncer: PoolSync, bucket: int) -> None:
+    """Flips one byte of the ``bucket``-th bucket after its sender computed its digest, as bytes
+    injected on the unauthenticated transfer group would."""
+    sent, original = [0], syncer._send
+
+    def send(data, failures):
+        sent[0] += 1
+        if sent[0] == bucket:
+            data[data.numel() // 2] ^= 0x5A
+        original(data, failures)
 
     syncer._send = send
 
@@ -115,6 +132,19 @@ def main() -> None:
             p.add_(torch.randn_like(p) * p.float().std().clamp_min(1e-3).to(p.dtype))
     megatron_v2 = greedy_generate(chunks, [p.token_ids for p in prompts], 16, dims,
                                   eos_id=int(hf_config["eos_token_id"]), vocab_size=int(hf_config["vocab_size"]))
+    original = syncer._send
+    corrupt_in_flight(syncer, bucket=2)
+    error = None
+    try:
+        syncer.push(Exporter(chunks, hf_config=hf_config, dims=dims), version=2)
+    except WeightPushError as err:
+        error = str(err)
+    syncer._send = original
+    served_after = None if pool is None else [alone(link, prompts, prompt_seeds(1, len(prompts), 1), GREEDY)
+                                              for link in pool.links]
+    emit("corrupt", error=error, served=None if served_after is None else [
+        {"version": v, "unchanged": [c.token_ids for c in out] == engine_greedy} for v, out in served_after])
+
     kill_after(syncer, pool, buckets=2)
     start, error = time.time(), None
     try:
