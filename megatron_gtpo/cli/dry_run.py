@@ -18,6 +18,7 @@ the key or flag to change), 2 for unreadable input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from megatron_gtpo.plan.layout import Layout, LayoutError, LayoutRequest, plan_l
 from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, \
     expert_data_parallel, in_flight, micro_batch_dims, optimizer_bytes_per_param, push_bytes
 from megatron_gtpo.plan.recipe import recipe_request
-from megatron_gtpo.utils.configuration import ConfigError
+from megatron_gtpo.utils.configuration import ConfigError, apply_overrides, load_recipe
 
 EXIT_IMPOSSIBLE = 1
 EXIT_BAD_INPUT = 2
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         shape = load_model_shape(args.hf_config) if args.hf_config else model_shape_of(cfg.model.path)
         request, sizes, notes = recipe_request(cfg, shape=shape, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                                rollout_nodes=args.rollout_nodes, gpu_memory_gib=args.gpu_memory_gib)
+        if not sets_dp(args.recipe, args.overrides):
+            request = dataclasses.replace(request, dp=None)  # plan_layout derives it from the GPUs
     except ConfigError as err:
         print(f"dry-run: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -93,6 +96,9 @@ def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (),
     except LayoutError as err:
         print(f"REJECTED: {err}", file=out)
         return EXIT_IMPOSSIBLE
+    if request.dp is None:
+        notes = [*notes, f"parallel.dp is not set: derived DP={layout.dp} from the GPUs; `train` needs it "
+                         f"set, add parallel.dp={layout.dp} to the recipe or the sbatch line"]
     mem = estimate_memory(request.shape, layout, sizes)
     problems, warnings = check_memory(mem, layout)
     lines = [*_layout_lines(layout, sizes), _push_line(request.shape, layout, sizes), *_host_lines(mem, layout),
@@ -245,6 +251,14 @@ def _sbatch_hint(lay: Layout) -> str:
 
 
 # ----------------------------------------------------------------------------- recipe
+
+def sets_dp(recipe: str, overrides: list[str]) -> bool:
+    """Whether the recipe (with its ``base:`` chain) or an override sets ``parallel.dp``; when
+    neither does, the dry-run derives DP from ``--nodes x --gpus-per-node`` instead of the default 1."""
+    data = apply_overrides(load_recipe(recipe), overrides)
+    parallel = data.get("parallel")
+    return isinstance(parallel, dict) and "dp" in parallel
+
 
 def model_shape_of(model_path: str) -> ModelShape:
     """Shape of ``model.path``: a model directory's config.json, or a built-in name ('tiny', 'smollm2' ...)

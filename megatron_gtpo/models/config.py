@@ -8,7 +8,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_gtpo.train.lora import LoraConfig
-from megatron_gtpo.utils.configuration import require
+from megatron_gtpo.utils.configuration import require, require_choice
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """``ModelConfig.dtype`` names -> torch dtypes."""
@@ -79,8 +79,7 @@ class ModelConfig:
 
     def __post_init__(self):
         require(bool(self.path), "path", self.path, "a model directory or 'smollm2' / 'tiny'")
-        require(self.moe_routing_replay in ("none", "rollout"), "moe_routing_replay", self.moe_routing_replay,
-                "'none' or 'rollout'")
+        require_choice(self.moe_routing_replay, ("none", "rollout"), "moe_routing_replay")
         fixed = sorted(set(self.megatron) & set(MOE_DERIVED))
         require(not fixed, f"megatron.{fixed[0] if fixed else ''}", self.megatron.get(fixed[0]) if fixed else None,
                 f"unset: it comes from {MOE_DERIVED[fixed[0]] if fixed else ''}")
