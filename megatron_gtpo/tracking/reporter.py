@@ -119,14 +119,17 @@ class Reporter:
             self.tracker.finish(status, reason=reason)
 
 
-def step_metrics(*parts: dict[str, float], times: dict[str, float], completion_tokens: float) -> dict[str, float]:
-    """One flat dict of a step: the stages' metrics, ``time/<stage>_s`` and throughput."""
+def step_metrics(*parts: dict[str, float], times: dict[str, float], completion_tokens: float,
+                 gpus: int = 1) -> dict[str, float]:
+    """One flat dict of a step: the stages' metrics, ``time/<stage>_s`` and throughput (``gpus``:
+    the trainer's ranks, each with its colocated engine; rollout servers' GPUs are not counted)."""
     out: dict[str, float] = {}
     for part in parts:
         out.update(part)
     out.update({f"time/{k}_s": v for k, v in times.items()})
     out["throughput/completion_tokens"] = completion_tokens
     out["throughput/tokens_per_s"] = completion_tokens / max(times["step"], 1e-9)
+    out["throughput/tokens_per_gpu_s"] = out["throughput/tokens_per_s"] / gpus  # verl's perf/throughput unit
     return out
 
 
