@@ -319,3 +319,12 @@ def test_mlflow_experiment_name_from_the_environment(tmp_path, sqlite_cfg, monke
     assert resolve_experiment("mine") == "mine"
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME")
     assert resolve_experiment(None) == "megatron-gtpo"
+
+
+def test_eta_is_the_remaining_steps_at_the_recent_mean_step_time():
+    """The step line had no ETA. Injected bug: the mean over all steps instead of the last 10 -> the
+    slow first step still weighs in, 0:05:27 instead of 0:01:00, fails."""
+    from megatron_gtpo.tracking.reporter import eta
+
+    assert eta([100.0] + [2.0] * 10, 30) == "0:01:00"
+    assert eta([3.0, float("nan")], 1200) == "1:00:00" and eta([], 5) == "?" and eta([2.0], 0) == "0:00:00"
