@@ -81,7 +81,8 @@ def test_train_dry_run_of_a_gpu_recipe_with_its_hub_id_from_the_cache(tmp_path):
     Injected bug: preflight resolving with hub_files=CONFIG_ONLY -> no tokenizer, exit 2, fails."""
     tokenizer = resolve_model("smollm2")
     add_to_hub_cache(tmp_path / "hf", QWEN, {"config.json": QWEN_CONFIG,
-                                              **{n: tokenizer / n for n in ("tokenizer.json", "tokenizer_config.json")}})
+                                              **{n: tokenizer / n for n in ("tokenizer.json", "tokenizer_config.json",
+                                                                    "chat_template.jinja")}})
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_gtpo.cli", "train", "configs/gpu/gtpo_qwen2.5-3b_1x8.yaml", "--dry-run",
          "--output-dir", str(tmp_path / "run"), "model.megatron.apply_rope_fusion=false"],
