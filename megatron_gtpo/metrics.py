@@ -84,6 +84,9 @@ ROWS: list[tuple[tuple[str, ...], str]] = [
     (("time/rollout_s", "time/reward_s", "time/train_s", "time/sync_s", "time/step_s"),
      "wall time per stage and per step"),
     (("throughput/tokens_per_s", "throughput/completion_tokens"), "completion tokens trained per second of step time"),
+    (("throughput/tokens_per_gpu_s",),
+     "completion tokens / (step time x trainer GPUs): the per-GPU throughput peers report (verl's perf/throughput "
+     "counts prompt tokens too); rollout servers' GPUs are not counted"),
     (("eval/accuracy", "eval/reward_mean"), "greedy accuracy on held-out prompts every `train.eval_every` steps"),
     (("data/prompts", "data/prompts_dropped_too_long"),
      "once per run (at the start step): prompts kept, and dropped for exceeding `data.max_prompt_tokens`"),

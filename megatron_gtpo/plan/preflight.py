@@ -16,6 +16,7 @@ import torch
 from megatron_gtpo.data.dataset import build_prompts, load_examples
 from megatron_gtpo.models.config import DTYPES
 from megatron_gtpo.models.hf_config import read_hf_config
+from megatron_gtpo.models.hub import METADATA
 from megatron_gtpo.models.resolve import resolve_model
 from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
 from megatron_gtpo.reward.functions import resolve_reward
@@ -35,7 +36,7 @@ def preflight(cfg) -> str:
     check_rollout_servers(cfg.sync, on_gpu=on_gpu)
     check_fusions(cfg.model.megatron, on_gpu=on_gpu)
     par = cfg.parallel
-    model_dir = resolve_model(cfg.model.path)
+    model_dir = resolve_model(cfg.model.path, hub_files=METADATA)  # a hub id: shape and tokenizer, no weights
     hf_config = read_hf_config(model_dir)
     try:
         transformer_config_from_hf(hf_config, tp=par.tp, pp=par.pp, vpp=par.vpp, dtype=DTYPES[cfg.model.dtype],

@@ -90,8 +90,9 @@ class TrackingConfig:
     password in it (it is written to config.yaml and the MLflow params): MLflow takes credentials
     from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD / MLFLOW_TRACKING_TOKEN, or put the
     whole URI in $MLFLOW_TRACKING_URI (docs/security.md)."""
-    experiment: str = "megatron-gtpo"
-    """MLflow experiment name (created when missing)."""
+    experiment: str | None = None
+    """MLflow experiment name (created when missing); None = $MLFLOW_EXPERIMENT_NAME if set, else
+    'megatron-gtpo' (MLflow's own variable, as for the URI)."""
     run_name: str | None = None
     """MLflow run name; None = the output directory's name."""
     samples_every: int = 10

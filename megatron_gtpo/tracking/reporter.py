@@ -34,6 +34,7 @@ class Reporter:
         self.tracker: Tracker | None = None
         self.committed = -1
         self.guards = RegimeGuards()
+        self._timed: list[float] = []  # step times of this process: the ETA's mean
         if rank == 0:
             was = private_directory(self.run_dir)
             if was is not None:
@@ -61,13 +62,14 @@ class Reporter:
         self.reward_errors(step, rollout.reward_errors)
         self.tracker.log_metrics(metrics, step)
         get = lambda k: metrics.get(k, float("nan"))  # noqa: E731
+        self._timed.append(get("time/step_s"))
         log.info("step %d/%d | reward %.3f acc %.2f | len %.1f trunc %.2f drift %+.1f | H %.3f | conflicts %.2f | "
-                 "shift %.2f filtered %.2f | gnorm %.3f | rollout %.1fs reward %.1fs train %.1fs sync %.1fs = %.1fs",
-                 step, self.total_steps, get("reward/mean"), get("reward/accuracy"), get("completion/length_mean"),
-                 get("completion/truncated_frac"), get("bias/length_drift"), get("entropy/mean"),
-                 get("gtpo/conflict_tokens_per_completion"), get("gtpo/shift_share"), get("gtpo/filtered_frac"),
-                 get("optim/grad_norm"), get("time/rollout_s"), get("time/reward_s"), get("time/train_s"),
-                 get("time/sync_s"), get("time/step_s"))
+                 "shift %.2f filtered %.2f | gnorm %.3f | rollout %.1fs reward %.1fs train %.1fs sync %.1fs = %.1fs | "
+                 "ETA %s", step, self.total_steps, get("reward/mean"), get("reward/accuracy"),
+                 get("completion/length_mean"), get("completion/truncated_frac"), get("bias/length_drift"),
+                 get("entropy/mean"), get("gtpo/conflict_tokens_per_completion"), get("gtpo/shift_share"),
+                 get("gtpo/filtered_frac"), get("optim/grad_norm"), get("time/rollout_s"), get("time/reward_s"),
+                 get("time/train_s"), get("time/sync_s"), get("time/step_s"), eta(self._timed, self.total_steps - step))
         for name, warning in self.guards.check(metrics):
             log.warning("step %d: regime guard %s", step, warning)
             self.tracker.set_tag(f"guard/{name}", f"step {step}: {warning}")
@@ -133,15 +135,27 @@ class Reporter:
             self.tracker.finish(status, reason=reason)
 
 
-def step_metrics(*parts: dict[str, float], times: dict[str, float], completion_tokens: float) -> dict[str, float]:
-    """One flat dict of a step: the stages' metrics, ``time/<stage>_s`` and throughput."""
+def step_metrics(*parts: dict[str, float], times: dict[str, float], completion_tokens: float,
+                 gpus: int = 1) -> dict[str, float]:
+    """One flat dict of a step: the stages' metrics, ``time/<stage>_s`` and throughput (``gpus``:
+    the trainer's ranks, each with its colocated engine; rollout servers' GPUs are not counted)."""
     out: dict[str, float] = {}
     for part in parts:
         out.update(part)
     out.update({f"time/{k}_s": v for k, v in times.items()})
     out["throughput/completion_tokens"] = completion_tokens
     out["throughput/tokens_per_s"] = completion_tokens / max(times["step"], 1e-9)
+    out["throughput/tokens_per_gpu_s"] = out["throughput/tokens_per_s"] / gpus  # verl's perf/throughput unit
     return out
+
+
+def eta(step_times: list[float], remaining: int) -> str:
+    """``h:mm:ss`` left at the mean of the last 10 step times (the first step's warm-up fades out)."""
+    recent = [t for t in step_times[-10:] if t == t]  # NaN: a step without a time
+    if not recent:
+        return "?"
+    seconds = round(remaining * sum(recent) / len(recent))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def sample_table(groups, *, limit: int) -> list[dict]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from megatron_gtpo.tracking.journal import TERMINAL, Journal, JournalState, backlog
 from megatron_gtpo.tracking.publisher import configure_http
-from megatron_gtpo.tracking.uri import redact_uri, resolve_uri
+from megatron_gtpo.tracking.uri import redact_uri, resolve_experiment, resolve_uri
 from megatron_gtpo.tracking.worker import Worker
 from megatron_gtpo.utils.configuration import ConfigError, flatten
 
@@ -173,7 +173,7 @@ class Tracker:
                         old.run_id, old.owner.get("pid"), old.owner.get("host"), old.owner.get("started"))
         if old is None:
             local = not self.uri.startswith(("http://", "https://", "databricks"))
-            old = JournalState(uri=self.uri, experiment=self._cfg.experiment,
+            old = JournalState(uri=self.uri, experiment=resolve_experiment(self._cfg.experiment),
                                run_name=self._cfg.run_name or self.run_dir.resolve().name, run_id=run_id,
                                artifact_location=(self.run_dir / "mlartifacts").resolve().as_uri() if local else None,
                                journal_id=uuid.uuid4().hex)

@@ -45,6 +45,11 @@ def resolve_uri(uri: str | None, output_dir: str | os.PathLike) -> str:
     return f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
 
 
+def resolve_experiment(name: str | None) -> str:
+    """Config experiment, else $MLFLOW_EXPERIMENT_NAME, else 'megatron-gtpo'."""
+    return name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "megatron-gtpo"
+
+
 def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> str:
     """Checks within ``timeout_s`` that the tracking store can be used; returns a one-line
     description. Raises ConfigError naming ``tracking.uri`` and the fix when it cannot.

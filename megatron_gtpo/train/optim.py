@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron_gtpo.utils.configuration import ConfigError, require
+from megatron_gtpo.utils.configuration import ConfigError, require, unknown_keys_message
 
 # Arguments of OptimizerParamScheduler that are derived here rather than set by the user.
 _DERIVED_SCHEDULER_KEYS = ("optimizer", "init_lr", "max_lr", "min_lr", "start_wd", "end_wd")
@@ -102,8 +102,8 @@ class OptimConfig:
 def _check_keys(section: str, given: dict, allowed: set[str], owner: str) -> None:
     unknown = sorted(set(given) - allowed)
     if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(f'{section}.{k}' for k in unknown)}: "
-                          f"expected fields of {owner}")
+        raise ConfigError(unknown_keys_message(unknown, allowed, f"optim.{section}", f"the fields of {owner}"),
+                          located=True)
 
 
 def _model_dtype_flags(model_config) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import re
 import inspect
 import os
@@ -28,7 +29,14 @@ _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class ConfigError(ValueError):
-    """A recipe, override or value was rejected; the message names the key path and the fix."""
+    """A recipe, override or value was rejected; the message names the key path and the fix.
+
+    ``located``: the message already names full key paths, so ``build`` must not prefix the
+    dataclass's own path to it (a ``__post_init__`` check of a pass-through block does that)."""
+
+    def __init__(self, message: str, *, located: bool = False):
+        super().__init__(message)
+        self.located = located
 
 
 def require(ok: bool, field: str, value: Any, allowed: str) -> None:
@@ -37,6 +45,23 @@ def require(ok: bool, field: str, value: Any, allowed: str) -> None:
     The loader prefixes ``field`` with the dataclass's own path (``algo.`` ...)."""
     if not ok:
         raise ConfigError(f"{field}={value!r} is not allowed: expected {allowed}")
+
+
+def did_you_mean(word: Any, choices: Any, *, show=str) -> str:
+    """`` (did you mean X?)`` naming the choices closest to ``word`` (up to 3), or ``''`` when none is
+    close. The one place every "unknown key / value" message (config keys, Literal values, vLLM and
+    Megatron pass-through keys) gets its suggestion; ``show`` formats a choice (``repr`` for values)."""
+    names = {str(c): c for c in choices}
+    close = difflib.get_close_matches(str(word), list(names), n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(show(names[c]) for c in close)}?)" if close else ""
+
+
+def require_choice(value: Any, choices: Any, field: str, *, nullable: bool = False) -> None:
+    """``require`` for a value that must be one of ``choices``; the message suggests the closest."""
+    if value in choices or (nullable and value is None):
+        return
+    allowed = f"{'null or ' if nullable else ''}one of {', '.join(map(repr, choices))}"
+    raise ConfigError(f"{field}={value!r} is not allowed{did_you_mean(value, choices, show=repr)}: expected {allowed}")
 
 
 # ----------------------------------------------------------------------------- building
@@ -50,19 +75,29 @@ def build(cls: type, data: Any, path: str = "") -> Any:
         raise ConfigError(f"{where}: expected a mapping of fields, got {type(data).__name__} {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
-        raise ConfigError(
-            f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(_join(path, k) for k in unknown)}; "
-            f"allowed keys under {where}: {', '.join(sorted(fields))}")
+        raise ConfigError(unknown_keys_message(unknown, fields, path, f"`{' '.join(['megatron-gtpo config', path]).strip()}`"))
     kwargs = {name: _coerce(hints[name], _with_dict_defaults(fields[name], value), _join(path, name))
               for name, value in data.items()}
     try:
         return cls(**kwargs)
     except ConfigError as err:
-        raise ConfigError(f"{path + '.' if path else ''}{err}") from None
+        if err.located or not path:
+            raise
+        raise ConfigError(f"{path}.{err}") from None
     except TypeError as err:  # a required field is missing
         raise ConfigError(f"{where}: {err}") from None
+
+
+def unknown_keys_message(unknown: list, allowed: Any, path: str, listing: str) -> str:
+    """"unknown key a.b (did you mean a.c?)": each key with its suggestion; the full list of allowed
+    keys only when some key has none (``listing`` names where to read them otherwise)."""
+    hints = [_join(path, k) + did_you_mean(k, allowed, show=lambda c: _join(path, c)) for k in unknown]
+    text = f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(hints)}"
+    if all("did you mean" in h for h in hints):
+        return f"{text}; every key: {listing}"
+    return f"{text}; allowed keys under {path or '<root>'}: {', '.join(sorted(map(str, allowed)))}"
 
 
 def _with_dict_defaults(f: dataclasses.Field, value: Any) -> Any:
@@ -103,8 +138,7 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
         kinds = " or ".join(_describe(a) for a in args if a is not type(None))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{path}={value!r} is not allowed: expected {kinds}")
     if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{path}={value!r} is not allowed: expected one of {', '.join(map(repr, args))}")
+        require_choice(value, args, path)
         return value
     if dataclasses.is_dataclass(hint):
         return build(hint, value, path)
@@ -268,6 +302,20 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
             default = f.default_factory()  # type: ignore[misc]
         else:
             default = "<required>"
-        type_name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
-        rows.append((prefix + f.name, type_name, default, docs.get(f.name, "")))
+        rows.append((prefix + f.name, type_name(hint), default, docs.get(f.name, "")))
     return rows
+
+
+def type_name(hint: Any) -> str:
+    """A field's type as ``megatron-gtpo config`` shows it: a Literal as its allowed values
+    (``one of 'gtpo', 'grpo'``), ``| None`` for an optional field."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin in (Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if hint is type(None):
+        return "None"
+    if origin in (list, tuple, dict):
+        return str(hint).replace("typing.", "")
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")

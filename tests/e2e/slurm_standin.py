@@ -11,9 +11,11 @@ invocation appends one JSON record to ``$STANDIN_DIR/records.jsonl``:
 
 ``CLI train RECIPE ... --output-dir D [--steps N] --prepare-only`` writes ``D/config.yaml`` (JSON,
 which is YAML) holding the output dir and steps, as ``megatron-gtpo train --prepare-only`` does.
-``RANK: python -m tests.e2e.slurm_standin D/config.yaml [--resume]`` counts steps (STANDIN_STEP_S
-seconds each); on SIGUSR1 rank 0 writes ``D/ckpt.json`` with the last finished step and every rank
-exits 0; with ``--resume`` it starts after that step. STANDIN_ALLREDUCE=1 first joins a gloo group
+``RANK: python -m tests.e2e.slurm_standin D/config.yaml [--resume | --resume=auto]`` counts steps
+(STANDIN_STEP_S seconds each); on SIGUSR1 rank 0 writes ``D/ckpt.json`` with the last finished step
+and every rank exits 0; with ``--resume`` it starts after that step and fails without it (as the
+worker does), with ``--resume=auto`` it starts after it or at 0 when there is none. The prepare
+step touches ``$STANDIN_DIR/preparing`` first and then sleeps STANDIN_PREPARE_S seconds. STANDIN_ALLREDUCE=1 first joins a gloo group
 through torchrun's rendezvous variables and all-reduces the ranks (a real cross-"node" connection).
 ``CLI rollout-server``: records, then sleeps until terminated. ``CLI eval``/``CLI convert``: record
 and exit 0 (``eval`` writes ``{}`` to its last ``--output``).
@@ -58,6 +60,8 @@ def _allreduce() -> int:
 
 def prepare(args: list[str]) -> int:
     out = Path(_option(args, "--output-dir"))
+    (Path(os.environ["STANDIN_DIR"]) / "preparing").touch()
+    time.sleep(float(os.environ.get("STANDIN_PREPARE_S", "0")))
     steps = int(_option(args, "--steps", "1000"))
     (out / "config.yaml").write_text(json.dumps({"output_dir": str(out), "steps": steps}))
     _record(event="prepare")
@@ -69,7 +73,12 @@ def rank(args: list[str]) -> int:
     signal.signal(signal.SIGUSR1, lambda *_: stop.append(signal.SIGUSR1))
     cfg = json.loads(Path(args[0]).read_text())
     ckpt, rank_id = Path(cfg["output_dir"]) / "ckpt.json", int(os.environ["RANK"])
-    start = json.loads(ckpt.read_text())["step"] if "--resume" in args and ckpt.exists() else 0
+    if "--resume" in args and not ckpt.exists():  # as the worker: --resume requires a checkpoint
+        _record(event="refused")
+        print(f"no usable checkpoint in {cfg['output_dir']}", file=sys.stderr)
+        return 1
+    resume = "--resume" in args or "--resume=auto" in args
+    start = json.loads(ckpt.read_text())["step"] if resume and ckpt.exists() else 0
     total = _allreduce() if os.environ.get("STANDIN_ALLREDUCE") == "1" else None
     _record(event="start", step=start, allreduce=total)
     for step in range(start + 1, cfg["steps"] + 1):

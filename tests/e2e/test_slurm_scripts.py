@@ -79,13 +79,13 @@ def test_train_two_nodes_rendezvous_and_pass_through(cluster, job_dir):
     out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
     [prep] = records(job_dir, "prepare")
     assert prep["argv"] == ["train", "configs/tiny.yaml", "train.seed=7", "--output-dir", str(out_dir),
-                            "--world-size", "2", "--prepare-only", "--steps", "3"]  # 2 nodes x 1 rank
+                            "--world-size", "2", "--prepare-only", "--steps", "3", "--resume=auto"]  # 2 x 1 rank
     starts = sorted(records(job_dir, "start"), key=lambda r: r["env"]["RANK"])
     # c10d numbers the nodes in the order their agents join, so rank 0 may be on either node.
     assert [(r["env"]["RANK"], r["env"]["WORLD_SIZE"]) for r in starts] == [("0", "2"), ("1", "2")]
     assert {r["env"]["SLURMD_NODENAME"] for r in starts} == {"node1", "node2"}
     assert all(r["allreduce"] == 1 for r in starts)  # 0 + 1 over gloo across the two nodes
-    assert all(r["argv"] == [str(out_dir / "config.yaml")] for r in starts)  # no --resume on a first run
+    assert all(r["argv"] == [str(out_dir / "config.yaml"), "--resume=auto"] for r in starts)  # RESUME=auto
     assert all(r["env"]["MLFLOW_TRACKING_URI"] == "http://mlflow.example:5000" for r in starts)
     assert len(records(job_dir, "done")) == 2
     for node in (0, 1):
@@ -121,11 +121,83 @@ def test_train_usr1_checkpoints_requeues_and_resumes(cluster, job_dir):
     first, second = (sorted((r for r in records(job_dir, "start") if r["env"]["SLURM_RESTART_COUNT"] == n),
                             key=lambda r: r["env"]["RANK"]) for n in (None, "1"))
     assert [r["step"] for r in first] == [0, 0] and [r["step"] for r in second] == [ckpt, ckpt]
-    assert all(r["argv"] == [str(out_dir / "config.yaml"), "--resume"] for r in second)
+    assert all(r["argv"] == [str(out_dir / "config.yaml"), "--resume=auto"] for r in second)
     assert len(records(job_dir, "prepare")) == 1  # the requeued run reuses the resolved config
     assert {r["step"] for r in records(job_dir, "done")} == {30}
     assert "SIGUSR1: asking the ranks to checkpoint and exit" in text and "requeueing job" in text
     assert (out_dir / "logs" / "train-r1-node0.log").exists()
+
+
+def wait_for(path: Path, text: str, job_dir: Path, job: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and text in path.read_text()):
+        assert time.monotonic() < deadline, f"{path} never showed {text!r}\n{batch_log(job_dir, job)}"
+        time.sleep(0.5)
+
+
+def test_train_requeue_before_the_first_checkpoint_starts_fresh(cluster, job_dir):
+    """RESUME=auto on a requeue with no checkpoint yet (SIGUSR1 during the prepare step: the script's
+    "before the ranks started" path, or a node lost before the first save) starts fresh instead of
+    failing. Injected bug: the old `auto) [ "$RESTART" -eq 0 ] || rank_args+=(--resume)` -> the
+    requeued ranks get a strict --resume, refuse ("no usable checkpoint"), the job ends FAILED."""
+    env = standin_env(job_dir, NPROC_PER_NODE="2", STEPS="3", STANDIN_PREPARE_S="4")
+    job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml", options=CPU, env=env)
+    wait_for(job_dir / "standin" / "preparing", "", job_dir, job)
+    cluster.run("scancel", "--signal=USR1", "--batch", str(job))
+    info = cluster.wait(job, timeout=300, restarts=1)
+    text = batch_log(job_dir, job)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        f"{info}\n{text}\n{records(job_dir)}"
+    assert "SIGUSR1 before the ranks started; requeueing job" in text
+    out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
+    starts = records(job_dir, "start")
+    assert [r["env"]["SLURM_RESTART_COUNT"] for r in starts] == ["1", "1"]  # the first run started no rank
+    assert all(r["argv"] == [str(out_dir / "config.yaml"), "--resume=auto"] and r["step"] == 0 for r in starts)
+    assert records(job_dir, "refused") == [] and {r["step"] for r in records(job_dir, "done")} == {3}
+
+
+def test_train_without_requeue_a_dependency_chain_resumes(cluster, job_dir):
+    """A cluster that forbids requeue (here sbatch --no-requeue): SIGUSR1 still checkpoints, the
+    refused requeue ends the job cleanly, and the next job, chained with --dependency=afterany on the
+    same OUTPUT_DIR, resumes from that checkpoint (its prepare step passes --resume=auto too, which the
+    real `train --prepare-only` needs not to refuse a start over checkpoints). Injected bug: the old
+    `auto) [ "$RESTART" -eq 0 ] || rank_args+=(--resume)` -> job 2 (a first run) starts at step 0."""
+    out_dir = job_dir / "runs" / "chained"
+    env = standin_env(job_dir, NPROC_PER_NODE="1", STEPS="30", STANDIN_STEP_S="0.2", OUTPUT_DIR=str(out_dir))
+    first = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml", options=(*CPU, "--no-requeue"), env=env)
+    second = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml",
+                    options=(*CPU, "--no-requeue", f"--dependency=afterany:{first}"), env=env)
+    wait_for(out_dir / "logs" / "train-r0-node0.log", "rank 0 step 2", job_dir, first)
+    cluster.run("scancel", "--signal=USR1", "--batch", str(first))
+    info = cluster.wait(first, timeout=300)
+    text = batch_log(job_dir, first)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), f"{info}\n{text}"
+    assert "requeue refused" in text and f"--dependency=afterany:{first}" in text
+    ckpt = json.loads((out_dir / "ckpt.json").read_text())["step"]
+    info = cluster.wait(second, timeout=300)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), batch_log(job_dir, second)
+    starts = [r["step"] for r in records(job_dir, "start")]
+    assert starts == [0, ckpt] and 2 <= ckpt < 30, starts
+    assert [r["argv"][-1] for r in records(job_dir, "prepare")] == ["--resume=auto"] * 2
+    assert {r["step"] for r in records(job_dir, "done")} == {30}
+
+
+def test_train_array_tasks_get_their_own_seed_and_overrides(cluster, job_dir):
+    """sbatch --array=0-1: `%a` in an argument is the task id (train.seed=%a) and task i appends the
+    i-th `;` group of ARRAY_OVERRIDES; each task has its own OUTPUT_DIR. Injected bug: the groups
+    indexed from 1 (`${array_groups[$SLURM_ARRAY_TASK_ID + 1]}`) -> task 0 gets kl 0.04, task 1 the
+    refusal "no group in ARRAY_OVERRIDES"."""
+    env = standin_env(job_dir, NPROC_PER_NODE="1", STEPS="1", ARRAY_OVERRIDES="algo.kl_beta=0 ; algo.kl_beta=0.04")
+    job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml", "train.seed=%a",
+                 options=(*CPU, "--array=0-1"), env=env)
+    for task in (0, 1):
+        info = cluster.wait(f"{job}_{task}", timeout=300)
+        assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), "\n".join(
+            p.read_text() for p in job_dir.glob("*.out"))
+    preps = sorted(records(job_dir, "prepare"), key=lambda r: r["argv"][2])
+    assert [r["argv"][1:4] for r in preps] == [["configs/tiny.yaml", "train.seed=0", "algo.kl_beta=0"],
+                                               ["configs/tiny.yaml", "train.seed=1", "algo.kl_beta=0.04"]]
+    assert len({r["argv"][r["argv"].index("--output-dir") + 1] for r in preps}) == 2
 
 
 def test_train_rollout_nodes_start_servers_and_point_the_trainer_at_them(cluster, job_dir):
@@ -166,6 +238,7 @@ def test_train_header_requests_a_preemption_lead_for_a_step_and_a_checkpoint():
     # --exclusive hands a job every GPU of its node, so asking for 9 of the 8 is the mismatch here.
     ({"GPUS_PER_NODE": "9"}, "GPUS_PER_NODE=9 but the job has 8 GPU(s) per node"),
     ({"RESUME": "maybe"}, "RESUME=maybe must be auto, 1 or 0"),
+    ({"ARRAY_OVERRIDES": "train.seed=1"}, "ARRAY_OVERRIDES is set but this is not an array job"),
 ])
 def test_train_refuses_inconsistent_settings(cluster, job_dir, extra, message):
     env = {**standin_env(job_dir), **extra}

@@ -50,6 +50,20 @@ def test_documented_metric_logged_every_step(run_ref_gtpo, key):
     per_step(run_ref_gtpo.out, key, STEPS)
 
 
+def test_per_gpu_throughput_divides_by_the_trainer_ranks(run_ref_gtpo):
+    """tokens / (step time x GPUs), the unit peers report: tiny.yaml runs TP=2 on 2 ranks. Injected
+    bug: `gpus` not passed by trainer.one_step (default 1) -> equal to tokens_per_s, fails."""
+    total = per_step(run_ref_gtpo.out, "throughput/tokens_per_s", STEPS)
+    per_gpu = per_step(run_ref_gtpo.out, "throughput/tokens_per_gpu_s", STEPS)
+    assert per_gpu == pytest.approx([t / 2 for t in total], rel=1e-9)
+
+
+def test_step_line_ends_with_an_eta(run_ref_gtpo):
+    """Each step line ends with the time left (h:mm:ss); the last step has none left."""
+    etas = re.findall(r"step (\d)/4 \|.*\| ETA (\d+:\d\d:\d\d)", run_ref_gtpo.log)
+    assert [s for s, _ in etas] == ["1", "2", "3", "4"] and etas[-1][1] == "0:00:00", etas
+
+
 def test_startup_line_reports_time_and_peak_memory(run_ref_gtpo):
     """The start-up log line tells the user how long start-up took and how much host memory it used."""
     match = re.search(r"ready: .*\(start-up ([0-9.]+) s, peak host RSS ([0-9.]+) GiB\)", run_ref_gtpo.log)

@@ -132,3 +132,39 @@ def test_train_rejects_bad_config_before_starting(tmp_path):
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 2 and "unknown key algo.entropy_treshold" in proc.stderr
     assert not (tmp_path / "run").exists(), "a rejected config must not create the run directory"
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("algo.nam=grpo", "unknown key algo.nam (did you mean algo.name?); every key: `megatron-gtpo config algo`"),
+    ("trian.steps=3", "unknown key trian (did you mean train"),
+    ("algo.name=grpoo", "algo.name='grpoo' is not allowed (did you mean 'grpo'"),
+    ("algo.agg_mode=token_mean", "(did you mean 'token-mean'"),
+    ("model.moe_routing_replay=rolout", "(did you mean 'rollout'?)"),
+    ("optim.optimizer.lrr=1e-6", "unknown key optim.optimizer.lrr (did you mean optim.optimizer.lr?)"),
+    ("optim.ddp.bucketsize=10", "unknown key optim.ddp.bucketsize (did you mean optim.ddp.bucket_size?)"),
+])
+def test_misspelt_keys_and_values_suggest_the_fix(override, fragment):
+    """A misspelt key listed all 25 keys of its section, a misspelt optimizer key read "optim.unknown
+    key(s) optimizer.lrr" (build() prefixed its path to a message that already had one). Injected bugs:
+    `did_you_mean` returning '' -> no suggestion, fails; `located=True` dropped in train/optim.py ->
+    the message starts "optim.unknown", fails the exact start check."""
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs" / "gtpo.yaml", [override])
+    assert fragment in str(err.value), str(err.value)
+    assert str(err.value).startswith(("unknown key", override.split("=")[0])), str(err.value)
+
+
+def test_unknown_key_without_a_close_match_lists_the_allowed_keys():
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs" / "gtpo.yaml", ["algo.zzz=1"])
+    assert "did you mean" not in str(err.value) and "allowed keys under algo: adv_eps, " in str(err.value)
+
+
+def test_config_shows_the_allowed_values_of_a_choice():
+    """`megatron-gtpo config` printed `algo.name (Literal, ...)`. Injected bug: `type_name` without
+    its Literal branch -> "Literal", fails."""
+    types_ = {key: type_name for key, type_name, _, _ in describe(RunConfig)}
+    assert types_["algo.name"] == "one of 'gtpo', 'grpo', 'drgrpo', 'dapo'"
+    assert types_["algo.conflict_overlap"] == "one of 'product', 'union'"
+    assert types_["algo.agg_mode"].endswith("'seq-mean-token-sum-norm' | None")
+    assert types_["train.steps"] == "int" and types_["algo.kl_beta"] == "float | None"

@@ -6,6 +6,8 @@ TP=4, and with a separate pool of rollout servers) and rejected ones.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron_gtpo.cli import dry_run as dryrun
@@ -92,7 +94,10 @@ def test_engine_tp4_qwen25_32b_on_4_nodes_of_8_is_valid_and_plans_the_vllm_share
                  "gpu_memory_utilization=0.52 (planned: what the rollout phase leaves)",
                  "= rollout phase (trainer resident + vLLM)", "reserve (CUDA context, NCCL, fragmentation)"]:
         assert term in out, term
-    assert "warning" not in out
+    # the one warning: 427 GiB saved every 10 steps (gtpo.yaml's checkpoint_every) is 19% of a 120 s step
+    assert [w for w in out.splitlines() if w.startswith("warning")] == [
+        "warning  checkpoints take 19% of the training time (229 s per save every 10 step(s) of ~120 s, --step-time-s), "
+        "over 5%: raise train.checkpoint_every to 39 or more"]
 
 
 def test_packed_layout_ignores_micro_batch_size_in_the_dry_run_and_the_config(capsys):
@@ -181,3 +186,34 @@ def test_help_lists_the_flags(capsys):
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     assert "megatron-gtpo dry-run" in text and "--gpus-per-node" in text and "--hf-config" in text
+
+
+def test_dp_is_derived_from_the_gpus_only_when_the_recipe_leaves_it_unset(capsys):
+    """The README's `dry-run configs/gtpo.yaml --nodes 2 --gpus-per-node 8` asked for parallel.dp=16
+    (base.yaml set dp: 1). Injected bug: `sets_dp` returning True -> REJECTED, fails; an explicit
+    parallel.dp=1 is still checked against the GPUs."""
+    code, out = run(capsys, "configs/gtpo.yaml", "--nodes", "2", "--gpus-per-node", "8", "train.prompts_per_step=16")
+    assert code == 0, out
+    assert "TP=1 x PP=1 x DP=16 = 16 ranks on 2 node(s)" in out
+    assert "parallel.dp is not set: derived DP=16 from the GPUs" in out and "add parallel.dp=16" in out
+    code, out = run(capsys, "configs/gtpo.yaml", "--nodes", "2", "--gpus-per-node", "8", "train.prompts_per_step=16",
+                    "parallel.dp=1")
+    assert code == dryrun.EXIT_IMPOSSIBLE and "set parallel.dp=16" in out
+
+
+def test_checkpoint_size_and_time_per_save_with_a_warning_past_the_stated_shares(capsys):
+    """The 32B recipe saves ~460 GB every 10 steps and the dry-run never said so. Injected bug:
+    `optimizer_bytes_per_param` left out of `checkpoint_cost` (weights only) -> 61 GiB, fails; the
+    warning's share compared with `<` -> no warning, fails."""
+    args = ["configs/gpu/gtpo_qwen2.5-32b_4x8_pool.yaml", "--nodes", "6", "--gpus-per-node", "8",
+            "--rollout-nodes", "2", "--hf-config", f"{MODELS}/qwen2.5-32b.json"]
+    code, out = run(capsys, *args, "--disk-gib", "1000")
+    assert code == 0, out
+    # 32.76 B parameters x (2 B bf16 weights + 12 B fp32 Adam moments and master copy) = 459 GB = 427.1 GiB
+    assert re.search(r"ckpt     427\.\d GiB per save \(weights \+ optimizer state\) every 10 step\(s\), 1281\.\d GiB "
+                     r"on disk \(train\.keep_last=2 \+ the save in progress\); ~229 s per save at 2 GB/s", out), out
+    assert "warning  checkpoints take 19% of the training time (229 s per save every 10 step(s) of ~120 s" in out
+    assert "raise train.checkpoint_every to 39 or more" in out
+    assert "over 50% of the 1000 GiB disk (--disk-gib): lower train.keep_last" in out
+    code, out = run(capsys, *args, "train.checkpoint_every=50", "--fs-gbps", "4")
+    assert code == 0 and "~115 s per save at 4 GB/s" in out and "checkpoints take" not in out, out

@@ -301,3 +301,30 @@ def test_train_dry_run_rejects_a_dead_tracking_uri_within_10s(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert code == 2 and f"tracking.uri='http://127.0.0.1:{port}'" in err and "mlflow server" in err, err
     assert elapsed < 10, f"dry run took {elapsed:.1f}s to reject the URI"
+
+
+def test_mlflow_experiment_name_from_the_environment(tmp_path, sqlite_cfg, monkeypatch):
+    """MLFLOW_EXPERIMENT_NAME was silently ignored (the run went to 'megatron-gtpo'). Injected bug:
+    the tracker using `self._cfg.experiment` again -> the experiment is None/'megatron-gtpo', fails.
+    A recipe's tracking.experiment still wins over the variable."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", f"from-env-{tmp_path.name}")
+    tracker = train(tmp_path / "run", sqlite_cfg, steps=range(1, 3), run=0, resume_step=None)
+    tracker.finish()
+    run = MlflowClient(sqlite_cfg.uri).get_run(tracker.run_id)
+    assert MlflowClient(sqlite_cfg.uri).get_experiment(run.info.experiment_id).name == f"from-env-{tmp_path.name}"
+    from megatron_gtpo.tracking.uri import resolve_experiment
+
+    assert resolve_experiment("mine") == "mine"
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME")
+    assert resolve_experiment(None) == "megatron-gtpo"
+
+
+def test_eta_is_the_remaining_steps_at_the_recent_mean_step_time():
+    """The step line had no ETA. Injected bug: the mean over all steps instead of the last 10 -> the
+    slow first step still weighs in, 0:05:27 instead of 0:01:00, fails."""
+    from megatron_gtpo.tracking.reporter import eta
+
+    assert eta([100.0] + [2.0] * 10, 30) == "0:01:00"
+    assert eta([3.0, float("nan")], 1200) == "1:00:00" and eta([], 5) == "?" and eta([2.0], 0) == "0:00:00"

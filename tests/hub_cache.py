@@ -1,0 +1,34 @@
+"""A Hugging Face hub cache built on disk, in the layout ``hf download`` writes (never the network).
+
+``HF_HOME/hub/models--Org--Name/{blobs/<sha256>, snapshots/<commit>/<file> -> ../../blobs/<sha256>,
+refs/main}``: what ``huggingface_hub.snapshot_download(..., local_files_only=True)`` reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def add_to_hub_cache(hf_home: Path, repo_id: str, files: dict[str, Path | bytes]) -> Path:
+    """Puts ``files`` (name -> source file or content) into the cache of ``repo_id``; returns the
+    snapshot directory."""
+    repo = Path(hf_home) / "hub" / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / COMMIT
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    for name, source in files.items():
+        data = source if isinstance(source, bytes) else Path(source).read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return snapshot
