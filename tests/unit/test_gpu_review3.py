@@ -1,0 +1,50 @@
+"""Refusals from the third GPU-readiness review (issue 33) that validation makes before anything
+starts: each names the key and the fix. The CP recipe's dry-run line with ``cp_comm_type:
+all_gather`` fails where Transformer Engine would (packed rows), and passes padded."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_gtpo.cli import dry_run
+from megatron_gtpo.config import load_config
+from megatron_gtpo.models.config import ModelConfig
+from megatron_gtpo.utils.configuration import ConfigError
+from tests.helpers import REPO
+from tests.unit.test_gpu_recipes import _dry_run_line
+
+TINY = str(REPO / "configs" / "tiny.yaml")
+PACKED = ["parallel.cp=2", "train.micro_batch_tokens=null"]  # tiny.yaml's own micro-batches are padded
+CP_RECIPE = REPO / "configs" / "gpu" / "gtpo_qwen3-8b_32k_2x8_cp.yaml"
+
+
+def test_cp_all_gather_with_packed_micro_batches_is_refused_naming_the_key_and_the_fix():
+    """N2: TE's all-gather CP attention asserts ``qkv_format != "thd"``, and packed rows reach it as
+    THD: validation accepted the pair and the run crashed at the first forward. Injected:
+    ``cp_packing_problem`` returning None -> no ConfigError, this fails."""
+    with pytest.raises(ConfigError, match=r"cp_comm_type='all_gather' cannot take packed micro-batches.*"
+                                          r"p2p or a2a.*train.micro_batch_tokens=0"):
+        load_config(TINY, [*PACKED, "model.megatron.cp_comm_type=all_gather"])
+    padded = load_config(TINY, ["parallel.cp=2", "model.megatron.cp_comm_type=all_gather", "train.micro_batch_tokens=0"])
+    assert padded.token_budget == 0
+    for kind in ("p2p", "a2a"):  # TE's THD paths
+        load_config(TINY, [*PACKED, f"model.megatron.cp_comm_type={kind}"])
+    load_config(TINY, ["train.micro_batch_tokens=null", "model.megatron.cp_comm_type=all_gather"])  # CP=1: no CP attention at all
+
+
+def test_cp_recipe_dry_run_refuses_all_gather_packed_and_takes_it_padded(capsys):
+    line = _dry_run_line(CP_RECIPE)
+    assert dry_run.main([*line, "model.megatron.cp_comm_type=all_gather"]) == 2  # a config error
+    out = capsys.readouterr()
+    assert "cannot take packed micro-batches" in out.out + out.err
+    padded = ["train.micro_batch_tokens=0", "train.micro_batch_size=1"]  # one 32k row per micro-batch, as packed
+    assert dry_run.main([*line, "model.megatron.cp_comm_type=all_gather", *padded]) == 0
+
+
+def test_router_fusion_with_routing_replay_is_refused():
+    """N4: Megatron 0.16.1's fused router returns TE's top-k before it consults the replay, so
+    ``moe_router_fusion: true`` silently turned ``moe_routing_replay: rollout`` off. Injected: the
+    ``require`` on moe_router_fusion removed -> no ConfigError, this fails."""
+    with pytest.raises(ConfigError, match="moe_routing_replay.*moe_router_fusion: true.*bypasses the replay"):
+        ModelConfig(moe_routing_replay="rollout", megatron={"moe_router_fusion": True})
+    ModelConfig(megatron={"moe_router_fusion": True})  # without replay the fused router is fine
