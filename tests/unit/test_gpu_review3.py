@@ -48,3 +48,28 @@ def test_router_fusion_with_routing_replay_is_refused():
     with pytest.raises(ConfigError, match="moe_routing_replay.*moe_router_fusion: true.*bypasses the replay"):
         ModelConfig(moe_routing_replay="rollout", megatron={"moe_router_fusion": True})
     ModelConfig(megatron={"moe_router_fusion": True})  # without replay the fused router is fine
+
+
+def test_freezing_the_heap_frees_the_garbage_of_reference_cycles_first():
+    """N6: ``gc.freeze()`` without a collection first moved unreachable reference cycles (maybe
+    holding device memory) into the permanent generation, never freed. Injected: no ``gc.collect()``
+    in ``freeze_imported_heap`` -> the cycle's object outlives the freeze, this fails."""
+    import gc
+    import weakref
+
+    from megatron_gtpo.utils.runtime import freeze_imported_heap
+
+    class Node:
+        pass
+
+    gc.disable()  # no automatic collection between the del and the freeze: only the function's own
+    try:
+        node = Node()
+        node.self = node  # a cycle: only the cycle collector frees it
+        alive = weakref.ref(node)
+        del node
+        freeze_imported_heap()
+        assert alive() is None, "a garbage cycle was frozen instead of freed"
+    finally:
+        gc.unfreeze()
+        gc.enable()
