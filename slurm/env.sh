@@ -46,6 +46,8 @@ if [ "$GPUS_PER_NODE" -gt 0 ] && [ -x "$MGTPO_REPO/.venv-gpu/bin/python" ]; then
   MGTPO_VENV=$MGTPO_REPO/.venv-gpu MGTPO_VENV_WHY="a GPU job"
 elif [ ! -x "$MGTPO_REPO/.venv/bin/python" ] && [ -x "$MGTPO_REPO/.venv-gpu/bin/python" ]; then
   MGTPO_VENV=$MGTPO_REPO/.venv-gpu MGTPO_VENV_WHY="a CPU job on a GPU-only install (no .venv)"
+elif [ "$GPUS_PER_NODE" -gt 0 ]; then
+  MGTPO_VENV=$MGTPO_REPO/.venv MGTPO_VENV_WHY="a GPU job, but no .venv-gpu (scripts/setup_gpu.sh makes it)"
 else
   MGTPO_VENV=$MGTPO_REPO/.venv MGTPO_VENV_WHY="a CPU job"
 fi
