@@ -107,8 +107,11 @@ class RolloutGroup:
         mine = []
         if hi > lo:
             mine = self.engine.wait(self.engine.submit(prompts[lo:hi], seeds=seeds[lo:hi], sampling=sampling))
-        shards = control.all_gather_object((lo, mine))
-        first_ranks = shards[::self._per_engine]  # the other ranks of an engine hold the same shard
+        # The other ranks of an engine hold the same shard: only an engine's first rank sends it (its
+        # completions carry the routed experts of a mixture, ~1.5 MB each at 30B scale: issue 33's N5)
+        lead = self._rank % self._per_engine == 0
+        shards = control.all_gather_object((lo, mine if lead else None))
+        first_ranks = shards[::self._per_engine]
         return [c for start, part in first_ranks for c in _relink(part, prompts, offset=start)]
 
     def sleep(self, *, keep_weights: bool = False) -> None:

@@ -73,3 +73,44 @@ def test_freezing_the_heap_frees_the_garbage_of_reference_cycles_first():
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+def test_only_the_first_rank_of_an_engine_sends_its_completions(monkeypatch):
+    """N5: every rank of a TP=k engine sent the same completions (with a mixture's routed experts,
+    ~1.5 MB each at 30B scale) to the all-gather, and all but the first copy were dropped: k times
+    the bytes over gloo. Injected: every rank sends its shard -> rank 1's payload is not None, this fails."""
+    from types import SimpleNamespace
+
+    from megatron_gtpo.parallel import control
+    from megatron_gtpo.rollout.config import Sampling
+    from megatron_gtpo.rollout.group import RolloutGroup
+    from megatron_gtpo.types import Prompt
+
+    def completions():
+        return [SimpleNamespace(prompt_index=0, prompt_token_ids=None) for _ in range(2)]
+
+    engine = SimpleNamespace(submit=lambda prompts, seeds, sampling: completions(), wait=lambda ticket: ticket)
+    sent = []
+
+    def gather(payload):
+        sent.append(payload)
+        return [(0, completions()), payload]  # rank 0 (the engine's first rank), then this rank
+
+    monkeypatch.setattr(control, "world", lambda: (1, 2))
+    monkeypatch.setattr(control, "all_gather_object", gather)
+    group = RolloutGroup(engine, shard=True, model_dir="/m", ranks_per_engine=2)
+    prompt = Prompt(uid="p", token_ids=[1, 2])
+    out = group.generate([prompt], Sampling(n=2, temperature=1.0, max_tokens=4))
+    assert sent == [(0, None)] and len(out) == 2 and all(c.prompt_token_ids == [1, 2] for c in out)
+
+
+def test_moe_dry_run_states_the_routing_bytes_per_step(capsys):
+    """N5 on paper: the 1x8 MoE recipe's dry-run prints what the routed experts cost per step (256
+    sequences of up to 2012 tokens x 48 layers x top-8 x int16 = 0.37 GiB to every rank, once per
+    engine); a dense recipe prints no such line."""
+    moe = REPO / "configs" / "gpu" / "gtpo_qwen3-30b-a3b_1x8_moe.yaml"
+    assert dry_run.main(_dry_run_line(moe)) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("routing"))
+    assert "<= 0.37 GiB" in line and "256 sequences" in line and "8 ranks sending would be 8x" in line, line
+    assert dry_run.main(_dry_run_line(REPO / "configs" / "gpu" / "gtpo_qwen2.5-3b_1x8.yaml")) == 0
+    assert "routing" not in capsys.readouterr().out
