@@ -18,6 +18,8 @@ Parts, in order; each reports its status, seconds and peak GPU memory:
               FusedAdam where TE imports): distributed optimizer, one step, save, a fresh policy primed
               and loaded, its state in that optimizer's layout, Adam's step 1 read by the D4
               diagnostics, one more step on both (losses reported)
+  offload     train/offload.py (rollout.offload_trainer) after a step: the bytes it frees must reach the
+              driver (torch.cuda.mem_get_info, >= 80 %), the optimizer state must come back bit for bit
   export      sync/export.py's streaming exporter: every HF tensor, checked against the HF model's
               names and shapes (sync/checks.py, when transformers imports) and the Megatron parameters
   te_bf16     the Transformer Engine layer spec, bf16, loaded with the step-1 weights: |logp - logp_local|
@@ -31,7 +33,7 @@ Parts, in order; each reports its status, seconds and peak GPU memory:
               vLLM's greedy tokens are compared with Megatron's
 
 Parts that cannot run here (no Transformer Engine, no vLLM, compute capability < 9.0) print one
-``SKIP`` line each. The last line of stdout is one JSON object (also written to ``--json-out``);
+``SKIP`` line each; every part that ran prints one ``PART {json}`` line. The last line of stdout is one JSON object (also written to ``--json-out``);
 the exit status is 1 when a part that ran failed, 2 for bad arguments. The model is built
 in-process from a config dict (no hub, no files), so the first six parts need only torch,
 megatron-core and this repository (code: bench/gpu_smoke_setup.py, bench/gpu_smoke_parts.py;

@@ -115,6 +115,7 @@ class Smoke:
         if torch.cuda.is_available():
             entry["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         print(f"{name}: {entry['status']} in {entry['seconds']} s", flush=True)
+        print("PART " + json.dumps({"part": name, **entry}, default=str), flush=True)  # one JSON line per part
         self.parts[name] = entry
 
     @property
@@ -264,6 +265,39 @@ class Smoke:
                 "loss_step1": first["loss"], "adam_norm_saved": before.norm, "adam_norm_loaded": loaded.norm,
                 "small_v_fraction": small_v, "loss_step2": losses[0], "loss_step2_resumed": losses[1],
                 "abs_loss_resumed_vs_uninterrupted": abs(losses[0] - losses[1])}
+
+    def part_offload(self) -> dict:
+        """``rollout.offload_trainer`` (train/offload.py) on this device, distributed optimizer, after a
+        step: the bytes an offload frees must reach the driver (``mem_get_info``, what vLLM and the
+        engine-start check read: issue 33's N1a), the state must come back bit for bit, and a step must
+        run on it. On CPU the driver's free memory is not measured (reported as None)."""
+        from megatron_gtpo.train.offload import TrainerOffload
+
+        policy = build_policy(self.cfg, self.hf, self.dims, use_te=False, distributed_optimizer=True)
+        cuda = torch.cuda.is_available()
+        try:
+            gtpo_train_step(policy, self.batch, self.settings, self.dims)
+            offload = TrainerOffload(policy.chunks, policy.optimizer)
+            state = [t.clone() for s in policy.optimizer.optimizer.state.values() for t in s.values()
+                     if torch.is_tensor(t) and t.numel() > 1]
+            held, free = offload.nbytes, torch.cuda.mem_get_info()[0] if cuda else None
+            offload.offload()
+            freed = torch.cuda.mem_get_info()[0] - free if cuda else None
+            offload.reload()
+            after = [t for s in policy.optimizer.optimizer.state.values() for t in s.values()
+                     if torch.is_tensor(t) and t.numel() > 1]
+            exact = len(state) == len(after) and all(torch.equal(a, b) for a, b in zip(state, after))
+            loss = gtpo_train_step(policy, self.batch, self.settings, self.dims)["loss"]
+        finally:
+            del policy
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        if not exact or not math.isfinite(loss) or (cuda and freed < 0.8 * held):
+            raise SmokeFailure(f"offload: {held} bytes held, {freed} reached the driver, state exact {exact}, "
+                               f"loss after reload {loss}")
+        return {"offload_bytes": held, "driver_free_gain_bytes": freed, "state_restored_exactly": exact,
+                "loss_after_reload": loss}
 
     def hf_dir(self) -> Path:
         """A folder holding only the model's ``config.json`` (what WeightSpec and vLLM read)."""

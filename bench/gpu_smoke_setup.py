@@ -15,8 +15,9 @@ import torch
 
 from megatron_gtpo.utils.configuration import require
 
-PARTS = ("logprob", "local", "checkpoint", "optim_state", "export", "te_bf16", "te_fp8", "te_packed", "vllm")
-NEEDS = {"checkpoint": ("local",), "optim_state": ("local",), "export": ("local",), "te_bf16": ("checkpoint",),
+PARTS = ("logprob", "local", "checkpoint", "optim_state", "offload", "export", "te_bf16", "te_fp8", "te_packed",
+         "vllm")
+NEEDS = {"checkpoint": ("local",), "optim_state": ("local",), "offload": ("local",), "export": ("local",), "te_bf16": ("checkpoint",),
          "te_fp8": ("checkpoint",), "te_packed": ("checkpoint",), "vllm": ("local",)}
 """Parts that use what an earlier part built (the local model, the step-1 checkpoint and its log-probs)."""
 TINY = dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=512, seq=64, rows=8, micro_batch=4, steps=2,

@@ -20,7 +20,7 @@ from megatron_gtpo.data.config import DataConfig
 from megatron_gtpo.models.config import ModelConfig
 from megatron_gtpo.parallel.cp_index import cp_padded_length
 from megatron_gtpo.parallel.dims import ParallelConfig
-from megatron_gtpo.parallel.layout import batch_split_problem
+from megatron_gtpo.parallel.layout import batch_split_problem, cp_packing_problem
 from megatron_gtpo.reward.config import RewardConfig, reward_range
 from megatron_gtpo.rollout.config import RolloutConfig
 from megatron_gtpo.rollout.routing import replay_problem
@@ -81,6 +81,8 @@ class RunConfig:
                                       rows_per_micro_batch=self.train.rows_per_micro_batch)
         problem = problem or token_budget_problem(
             self.token_budget, self.longest_row, "the longest possible row, data.max_prompt_tokens + rollout.max_tokens")
+        problem = problem or cp_packing_problem(self.model.megatron.get("cp_comm_type"), cp=self.parallel.cp,
+                                                packed=self.token_budget > 0)
         if problem:
             raise ConfigError(problem)
 

@@ -29,13 +29,14 @@ from megatron_gtpo.plan.recipe import plan_engine_memory
 from megatron_gtpo.reward.functions import OverlongPunishment
 from megatron_gtpo.reward.score import RewardScorer
 from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, RolloutCollector, rollout_metrics
-from megatron_gtpo.rollout.memory import Choreography, TrainerOffload
+from megatron_gtpo.rollout.memory import Choreography
 from megatron_gtpo.rollout.placement import build_engines
 from megatron_gtpo.sync import ExportPlan, WeightSync
 from megatron_gtpo.sync.build import build_weight_sync
 from megatron_gtpo.tracking import Reporter, step_metrics
 from megatron_gtpo.train.batching import collate
 from megatron_gtpo.train.learner import Learner
+from megatron_gtpo.train.offload import TrainerOffload
 from megatron_gtpo.train.snapshot import ParamSnapshot
 from megatron_gtpo.train.step import StepSettings
 from megatron_gtpo.utils.configuration import to_dict
@@ -71,7 +72,8 @@ def _loop(cfg, parts: Parts) -> dict[str, float]:
             reporter.step(step, metrics, record.rollout)
         if tc.eval_every and step % tc.eval_every == 0:
             metrics.update(_evaluate(parts, step, seed=tc.seed))
-        stop = checkpointer.after_step(step, run_id=reporter.run_id)
+        # a save reads the optimizer state, offloaded since the push: back on the device meanwhile
+        stop = checkpointer.after_step(step, run_id=reporter.run_id, on_device=parts.memory.trainer_on_device)
         reporter.commit(checkpointer.last_saved)  # steps up to the last checkpoint are final in MLflow
         if stop:
             break
@@ -167,8 +169,9 @@ def build(cfg, *, resume: bool | str) -> Parts:
     engines = build_engines(rollout_cfg, cfg.sync.placement(), model_dir=str(policy.model_dir), budget=budget)
     export = ExportPlan(hf_config=policy.hf_config, dims=dims, bucket_bytes=cfg.sync.bucket_size)
     weight_sync = build_weight_sync(cfg.sync, export, engines.engine)
-    if offload is not None:
-        offload.reload()  # a checkpoint restore writes into the optimizer state
+    memory = Choreography(engines, offload, colocated=cfg.sync.transport == "colocated")
+    if offload is not None:  # a restore writes into the optimizer state: back on the device, engines asleep
+        memory.after_rollout()
     dataset = build_dataset(cfg.data, tokenizer=engines.tokenizer, progress=dims.rank == 0)
     rows_unit = dims.dp * cfg.train.rows_per_micro_batch
     collector = RolloutCollector(
@@ -185,9 +188,9 @@ def build(cfg, *, resume: bool | str) -> Parts:
                         run_id=run_id, resume_step=start_step if resume else None)
     reporter.start(to_dict(cfg))
     reporter.dataset(dataset.stats, fresh=start_step == 0)
+    memory.before_push()  # the weights of sleeping engines awake (nothing to do for awake ones)
     weight_sync.sync(policy.chunks, version=start_step)
     collector.pushed(start_step)
-    memory = Choreography(engines, offload, colocated=cfg.sync.transport == "colocated")
     memory.after_push()  # as after every push: the trainer gives up its rollout-time memory
     tokenizer = engines.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

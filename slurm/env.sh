@@ -39,11 +39,17 @@ die() { echo "[$(date +%FT%T)] ${MGTPO_SCRIPT:-slurm}: error: $*" >&2; exit 2; }
 [ -n "${SLURM_JOB_ID:-}" ] || die "run this through sbatch (SLURM_JOB_ID is unset)"
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
-# GPU jobs run in the GPU environment when it exists; CPU jobs in the CPU one (the official vLLM needs a GPU).
+# GPU jobs run in the GPU environment when it exists; CPU jobs (convert.sbatch) in the CPU one, or in the
+# GPU one on a cluster installed with scripts/setup_gpu.sh alone (its CUDA torch runs on CPUs too; the
+# official vLLM, which needs a GPU, is not imported by a conversion).
 if [ "$GPUS_PER_NODE" -gt 0 ] && [ -x "$MGTPO_REPO/.venv-gpu/bin/python" ]; then
-  MGTPO_VENV=$MGTPO_REPO/.venv-gpu
+  MGTPO_VENV=$MGTPO_REPO/.venv-gpu MGTPO_VENV_WHY="a GPU job"
+elif [ ! -x "$MGTPO_REPO/.venv/bin/python" ] && [ -x "$MGTPO_REPO/.venv-gpu/bin/python" ]; then
+  MGTPO_VENV=$MGTPO_REPO/.venv-gpu MGTPO_VENV_WHY="a CPU job on a GPU-only install (no .venv)"
+elif [ "$GPUS_PER_NODE" -gt 0 ]; then
+  MGTPO_VENV=$MGTPO_REPO/.venv MGTPO_VENV_WHY="a GPU job, but no .venv-gpu (scripts/setup_gpu.sh makes it)"
 else
-  MGTPO_VENV=$MGTPO_REPO/.venv
+  MGTPO_VENV=$MGTPO_REPO/.venv MGTPO_VENV_WHY="a CPU job"
 fi
 MGTPO_PYTHON=${MGTPO_PYTHON:-$MGTPO_VENV/bin/python}
 MGTPO_CLI=${MGTPO_CLI:-$MGTPO_VENV/bin/megatron-gtpo}
@@ -119,6 +125,7 @@ make_job_dirs() { mkdir -p "$OUTPUT_DIR" "$LOG_DIR"; }
 
 log_job() {
   log "job ${SLURM_JOB_ID} (${SLURM_JOB_NAME}) restart ${RESTART} on ${SLURM_JOB_NUM_NODES} node(s) [${SLURM_JOB_NODELIST}], ${GPUS_PER_NODE} GPU(s)/node"
+  log "environment ${MGTPO_VENV} (${MGTPO_VENV_WHY}; MGTPO_CLI/MGTPO_PYTHON override it)"
   log "repo ${MGTPO_REPO}; cli ${MGTPO_CLI}; output ${OUTPUT_DIR}; container ${CONTAINER_IMAGE:-none}"
   # a password in the URI (user:password@host) is shown as *** (docs/security.md)
   log "MLFLOW_TRACKING_URI=$(printf '%s' "${MLFLOW_TRACKING_URI:-unset, the default of the command applies}" | sed -E 's#(://[^:/@]*):[^@/]*@#\1:***@#')"

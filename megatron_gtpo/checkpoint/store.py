@@ -24,6 +24,7 @@ save/load/prepare_resume.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import random
@@ -391,11 +392,14 @@ class Checkpointer:
         log.info("resumed from step %d (MLflow run %s)", step, extra.get("run_id"))
         return step, extra.get("run_id")
 
-    def after_step(self, step: int, *, run_id: str | None) -> bool:
-        """Saves when due (every N steps, the last step, a preemption signal); True = stop now."""
+    def after_step(self, step: int, *, run_id: str | None, on_device=contextlib.nullcontext) -> bool:
+        """Saves when due (every N steps, the last step, a preemption signal); True = stop now.
+        ``on_device()``: a context the save runs in, with the policy's state on its device (the
+        driver's ``Choreography.trainer_on_device`` under ``rollout.offload_trainer``)."""
         preempted = any_rank(self.preempt.set)
-        if step % self.every == 0 or step == self.total_steps or preempted:
-            self.save(step, run_id=run_id)
+        if (step % self.every == 0 or step == self.total_steps or preempted) and self.last_saved != step:
+            with on_device():
+                self.save(step, run_id=run_id)
         if preempted:
             if dist.get_rank() == 0:
                 mark_preempted(self.root.parent, step)

@@ -127,7 +127,8 @@ def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (),
                          f"set, add parallel.dp={layout.dp} to the recipe or the sbatch line"]
     mem = estimate_memory(request.shape, layout, sizes)
     problems, warnings = check_memory(mem, layout)
-    lines = [*_layout_lines(layout, sizes), _push_line(request.shape, layout, sizes), *_host_lines(mem, layout),
+    lines = [*_layout_lines(layout, sizes), _push_line(request.shape, layout, sizes),
+             *_routing_lines(request.shape, layout), *_host_lines(mem, layout),
              *_lora_lines(mem, sizes), *_memory_lines(mem, layout, sizes), *extra_lines]
     for line in lines:
         print(line, file=out)
@@ -189,6 +190,19 @@ def _push_line(shape: ModelShape, lay: Layout, sizes: MemorySizes) -> str:
     why = ("one whole-model engine per rank" if lay.rollout_tp == 1 else
            f"engine TP={lay.rollout_tp} != trainer TP={lay.tp}: vLLM cuts each engine rank's slice")
     return f"push     {full / GIB:.1f} GiB per engine rank per step: full tensors gathered over TP/PP one at a time ({why})"
+
+
+def _routing_lines(shape: ModelShape, lay: Layout) -> list[str]:
+    """What a mixture's routed experts cost per step: every completion carries ``[tokens - 1, layers,
+    top_k]`` int16 (rollout/engine.py), gathered to every trainer rank from each engine's first rank
+    (rollout/group.py) over the gloo control group; the bound is every sequence at full length."""
+    if not shape.is_moe or lay.placement != "colocated":
+        return []
+    per_sequence = (lay.seq_len - 1) * shape.layers * shape.top_k * 2
+    total = lay.sequences * per_sequence
+    return [f"routing  <= {total / GIB:.2f} GiB of routed experts per step reach every rank over gloo "
+            f"({lay.sequences} sequences x <= {per_sequence / 2**20:.2f} MiB, from the first rank of each of "
+            f"{lay.engines} engine(s); each of its {lay.rollout_tp} ranks sending would be {lay.rollout_tp}x)"]
 
 
 def _host_lines(mem: MemoryEstimate, lay: Layout) -> list[str]:

@@ -89,5 +89,11 @@ class ModelConfig:
                 "moe_routing_replay", self.moe_routing_replay,
                 "'none' with model.megatron.recompute_granularity set (a recomputed router would replay the "
                 "experts of another micro-batch), or drop the recompute")
+        # Megatron 0.16.1's fused router (moe_utils.topk_routing_with_score_function) returns TE's
+        # top-k before it consults the replay: the engine's experts would be ignored without a word
+        require(self.moe_routing_replay == "none" or not self.megatron.get("moe_router_fusion"),
+                "moe_routing_replay", self.moe_routing_replay,
+                "'none' with model.megatron.moe_router_fusion: true (the fused router bypasses the replay), or "
+                "drop moe_router_fusion")
         require(self.make_vocab_size_divisible_by >= 1,
                 "make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, "an integer >= 1")

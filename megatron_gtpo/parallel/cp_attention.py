@@ -20,7 +20,9 @@ chunks), so a query must see keys and values that other ranks hold.
   all-gather CP attention, up to fp32 summation order. It holds the whole sequence's K/V on every
   rank (the all-gather variant's memory) and, as Megatron's local attention does, a score matrix
   of the local queries against all keys (``[heads, s/cp, s]``: 1/cp of the CP=1 one).
-  ``cp_comm_type`` does not change it: every setting gives the same values.
+  ``cp_comm_type`` does not change its values, only what it accepts: as TE's all-gather kernel, it
+  refuses packed rows under ``all_gather`` (validation refuses that pair first:
+  ``parallel.layout.cp_packing_problem``).
 
 ``cp_layer_spec`` hooks the stand-in into Megatron's local layer spec when cp > 1 (CPU only).
 """
@@ -63,6 +65,7 @@ def _make_standin_class():
             super().__init__(local, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
                              softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
             self.config = config
+            self.cp_comm_type = cp_comm_type if cp_comm_type is not None else getattr(config, "cp_comm_type", None)
             from megatron.core import parallel_state as ps
 
             self.cp_group = getattr(pg_collection, "cp", None) or ps.get_context_parallel_group()
@@ -72,6 +75,11 @@ def _make_standin_class():
             if packed_seq_params is not None:
                 raise ValueError("the CPU CP attention takes packed rows as an explicit mask "
                                  "(train/cp_shard.py), not as THD PackedSeqParams")
+            if attention_mask is not None and self.cp_comm_type == "all_gather":
+                # What TE refuses, refused here too: packed rows are THD for TE, and its all-gather CP
+                # attention asserts qkv_format != "thd" (TE 2.11 AttnFuncWithCPAndKVAllGather)
+                raise AssertionError("thd format is not supported! (cp_comm_type=all_gather with packed rows: "
+                                     "Transformer Engine refuses it; the CPU stand-in does as TE does)")
             key, value = gather_sequence(key, self.cp_group), gather_sequence(value, self.cp_group)
             if attention_mask is None:
                 attention_mask = load_balanced_mask(query.shape[0], self.cp_group.size(), self.cp_group.rank(),

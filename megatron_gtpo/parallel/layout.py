@@ -95,6 +95,23 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 ``parallel.dims.init_distributed`` does not create."""
 
 
+CP_PACKED_COMM_TYPES = ("p2p", "a2a")
+"""The ``cp_comm_type`` values whose Transformer Engine kernels take packed (THD) sequences: TE
+2.11's all-gather CP attention asserts ``qkv_format != "thd"`` (``AttnFuncWithCPAndKVAllGather``)."""
+
+
+def cp_packing_problem(comm_type, *, cp: int, packed: bool) -> str | None:
+    """Why ``cp_comm_type`` cannot take the run's micro-batches (packed rows reach TE as THD), or None."""
+    kinds = list(comm_type) if isinstance(comm_type, (list, tuple)) else [comm_type]
+    bad = sorted({str(k) for k in kinds if k is not None and k in CP_COMM_TYPES and k not in CP_PACKED_COMM_TYPES})
+    if cp == 1 or not packed or not bad:
+        return None
+    return (f"model.megatron.cp_comm_type={comm_type!r} cannot take packed micro-batches: Transformer Engine's "
+            f"{', '.join(bad)} context-parallel attention refuses packed (THD) sequences; set "
+            f"model.megatron.cp_comm_type to {' or '.join(CP_PACKED_COMM_TYPES)}, or train.micro_batch_tokens=0 "
+            "(padded micro-batches)")
+
+
 def context_parallel_problems(shape: ModelShape, *, tp: int, cp: int, comm_type=None,
                               cp_attention: bool = True) -> list[str]:
     """Every reason the model cannot run with ``cp`` context-parallel ranks.

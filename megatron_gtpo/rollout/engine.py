@@ -328,19 +328,20 @@ class RolloutEngine:
 
     # ----------------------------------------------------------------------------- memory
 
-    def sleep(self) -> None:
+    def sleep(self, *, keep_weights: bool = False) -> None:
         """Gives the accelerator memory back to the trainer after a rollout: vLLM sleep level 2
         (weights and KV cache discarded, only model buffers kept on the host): the push after the
         train step rewrites every weight, so level 1's copy of the weights to host RAM and back
-        would be overwritten unread (a failed push raises and stops the run). vLLM supports it on
-        GPUs only (``enable_sleep_mode``); on CPU only the state changes, so the driver's order is
-        still enforced and recorded."""
+        would be overwritten unread (a failed push raises and stops the run). ``keep_weights``
+        (a checkpoint save between push and generate): level 1, the weights wait on the host and
+        the next wake-up restores them. vLLM supports it on GPUs only (``enable_sleep_mode``); on
+        CPU only the state changes, so the driver's order is still enforced and recorded."""
         if self._awake == set():
             return
         if self._sleep_mode:
-            self._llm.sleep(level=2)
+            self._llm.sleep(level=1 if keep_weights else 2)
         self._awake = set()
-        self.memory_events.append("sleep")
+        self.memory_events.append("sleep:keep-weights" if keep_weights else "sleep")
 
     def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         """Re-allocates ``weights`` (before a push) and/or ``kv_cache`` (before generating, once the

@@ -107,15 +107,19 @@ class RolloutGroup:
         mine = []
         if hi > lo:
             mine = self.engine.wait(self.engine.submit(prompts[lo:hi], seeds=seeds[lo:hi], sampling=sampling))
-        shards = control.all_gather_object((lo, mine))
-        first_ranks = shards[::self._per_engine]  # the other ranks of an engine hold the same shard
+        # The other ranks of an engine hold the same shard: only an engine's first rank sends it (its
+        # completions carry the routed experts of a mixture, ~1.5 MB each at 30B scale: issue 33's N5)
+        lead = self._rank % self._per_engine == 0
+        shards = control.all_gather_object((lo, mine if lead else None))
+        first_ranks = shards[::self._per_engine]
         return [c for start, part in first_ranks for c in _relink(part, prompts, offset=start)]
 
-    def sleep(self) -> None:
-        """After a rollout: frees the engine's accelerator memory for training (weights to host, KV
-        cache dropped) where the engine shares the trainer's devices."""
+    def sleep(self, *, keep_weights: bool = False) -> None:
+        """After a rollout: frees the engine's accelerator memory for training (KV cache dropped;
+        weights dropped too, or kept on the host with ``keep_weights``) where the engine shares the
+        trainer's devices."""
         if self.engine is not None:
-            self.engine.sleep()
+            self.engine.sleep(keep_weights=keep_weights)
 
     def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         """Re-allocates the engine's ``weights`` (before a push) or ``kv_cache`` (before generating)."""

@@ -25,6 +25,7 @@ from megatron_gtpo.rollout.engine import RolloutEngine
 from megatron_gtpo.rollout.group import RolloutGroup
 from megatron_gtpo.rollout.pool import connect
 from megatron_gtpo.utils.configuration import ConfigError
+from megatron_gtpo.utils.memory import release_cached_memory
 
 
 def build_engines(rollout: RolloutConfig, placement: EnginePlacement, *, model_dir: str,
@@ -34,10 +35,18 @@ def build_engines(rollout: RolloutConfig, placement: EnginePlacement, *, model_d
     is refused with the plan's numbers when its share of the GPU is not free."""
     if placement.kind == "colocated":
         if budget is not None:
-            free, total = torch.cuda.mem_get_info()
-            check_engine_start(budget, free=free, total=total)
+            check_free_memory(budget)
         return _colocated(rollout, str(model_dir))
     return _separate(rollout, placement, str(model_dir))
+
+
+def check_free_memory(budget: EngineBudget) -> None:
+    """The engine-start check on what the device has free once PyTorch's cache is emptied: blocks
+    the trainer freed (DDP's parameter re-map, an offload) stay reserved by the caching allocator
+    and count as used in ``mem_get_info`` until then; vLLM empties the cache before its own check."""
+    release_cached_memory()
+    free, total = torch.cuda.mem_get_info()
+    check_engine_start(budget, free=free, total=total)
 
 
 def _colocated(rollout: RolloutConfig, model_dir: str) -> RolloutGroup:

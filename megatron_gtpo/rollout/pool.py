@@ -317,7 +317,7 @@ class RolloutPool:
 
     # ------------------------------------------------------------------ engine API, continued
 
-    def sleep(self) -> None:
+    def sleep(self, *, keep_weights: bool = False) -> None:
         """Nothing to give back: the servers do not share the trainer's GPUs."""
 
     def wake_up(self, tags=("weights", "kv_cache")) -> None:

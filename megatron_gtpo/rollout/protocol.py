@@ -49,8 +49,9 @@ class Engine(Protocol):
     def wait(self, ticket: Any) -> list[Completion]:
         """The completions of ``ticket``'s call, grouped by prompt, in prompt order."""
 
-    def sleep(self) -> None:
-        """Frees accelerator memory the engine shares with the trainer (no-op where it shares none)."""
+    def sleep(self, *, keep_weights: bool = False) -> None:
+        """Frees accelerator memory the engine shares with the trainer (no-op where it shares none);
+        ``keep_weights``: the weights wait on the host and come back with the next wake-up (no push needed)."""
 
     def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         """Re-allocates ``weights`` (before a push) and/or ``kv_cache`` (before generating)."""

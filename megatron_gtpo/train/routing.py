@@ -10,7 +10,10 @@
     RouterWatch.metrics(dp, pp) --> moe/* (summed over micro-batches, DP ranks and pipeline stages)
 
 Megatron's MoE layer flattens its ``[s, b, h]`` input sequence-major (token ``s * b + row``), so a
-padded micro-batch's routing is transposed to that order; a packed one is one row. Positions the
+padded micro-batch's routing is transposed to that order; a packed one is one row. With sequence
+parallelism (a mixture at TP > 1 on GPU) a TP rank's router sees its ``[S/tp, b, h]`` slice of the
+sequence: in that order the contiguous tokens ``rank * T/tp .. (rank + 1) * T/tp`` (``MoeTokens.share``),
+and the statistics are summed over the TP group as well. Positions the
 engine never fed (each completion's last sampled token, padding) have no engine routing: replay
 fills them with experts ``0 .. k-1`` (those positions feed no loss: the causal mask keeps them from
 every scored position) and the agreement skips them.
@@ -57,6 +60,18 @@ class MoeTokens:
     """Completion tokens the engine fed (the agreement's tokens)."""
 
 
+    def share(self, rank: int, size: int) -> MoeTokens:
+        """The tokens TP rank ``rank`` of ``size`` routes under sequence parallelism (module docstring)."""
+        if size == 1:
+            return self
+        count = self.real.shape[0]
+        if count % size:
+            raise ValueError(f"sequence parallelism splits {count} tokens over {size} TP ranks: not a multiple")
+        part = slice(rank * count // size, (rank + 1) * count // size)
+        return MoeTokens(engine=None if self.engine is None else self.engine[part], real=self.real[part],
+                         completion=self.completion[part])
+
+
 def tokens_of(routed: Tensor | None, mb, *, prompt_lengths: Tensor, lengths: Tensor, device) -> MoeTokens:
     """The MoeTokens of micro-batch ``mb`` of a Batch with sequence-view routing ``routed`` (or None)
     whose rows have ``prompt_lengths`` and completion ``lengths`` ([B] long)."""
@@ -98,12 +113,16 @@ class RouterWatch:
 
         self.replay, self.layers = replay, layers
         self.routers: dict[int, list] = {}  # id(chunk) -> [(global layer, router)]
+        self._sp_group = None
+        """The TP group when sequence parallelism gives each TP rank's router its slice of the tokens."""
         for chunk in chunks:
             model = unwrap(chunk)
             found = [(m.layer_number - 1, m) for m in model.modules() if isinstance(m, TopKRouter)]
             self.routers[id(model)] = found
             for layer, router in found:
                 self._wrap(router, layer)
+                if router.config.sequence_parallel and router.tp_group.size() > 1:
+                    self._sp_group = router.tp_group
         self.collect = False
         """Sum statistics of the micro-batches run now (the step sets it for the first update)."""
         self._tokens: MoeTokens | None = None
@@ -128,6 +147,8 @@ class RouterWatch:
         (replay) and the statistics see ``tokens``."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+        if self._sp_group is not None:
+            tokens = tokens.share(self._sp_group.rank(), self._sp_group.size())
         for layer, router in self.routers.get(id(model), []) if self.replay else []:
             if tokens.engine is None:
                 raise RuntimeError("routing replay: this micro-batch carries no engine routing")
@@ -167,14 +188,15 @@ class RouterWatch:
 
     def metrics(self, *, groups) -> dict[str, float]:
         """The ``moe/*`` metrics of what was collected, summed over ``groups`` (the DP and PP groups:
-        each stage saw its own layers, each DP rank its own tokens; TP ranks route the same tokens),
-        then cleared. Called on every rank at the same point (collectives)."""
+        each stage saw its own layers, each DP rank its own tokens; TP ranks route the same tokens,
+        except under sequence parallelism: then over the TP group too), then cleared. Called on
+        every rank at the same point (collectives)."""
         import torch.distributed as dist
 
         sums = self._sums
         shape = (self.layers, self._experts_seen())
         sums = torch.zeros(shape, dtype=torch.float64, device=comm_device()) if sums is None else sums
-        for group in groups:
+        for group in (*groups, self._sp_group):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(sums, group=group)
         self._sums = None

@@ -64,8 +64,13 @@ def freeze_imported_heap() -> None:
     done, not in a loop. At exit they are unfrozen again, so that the interpreter's last collection
     frees them: extension modules that count their live objects at shutdown (nanobind's, under
     vLLM) would otherwise print a screen of leak warnings over the end of the log, where a failed
-    start's error is read (a rollout server's log tail)."""
+    start's error is read (a rollout server's log tail).
+
+    A full collection runs first, as vLLM's own freeze does (``utils/gc_utils.py``): garbage in a
+    reference cycle at this moment (a cycle holding CUDA tensors, say) would otherwise be frozen with
+    the rest and never freed."""
     global _UNFREEZE_AT_EXIT
+    gc.collect()
     gc.freeze()
     if not _UNFREEZE_AT_EXIT:
         atexit.register(gc.unfreeze)

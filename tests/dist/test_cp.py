@@ -52,7 +52,6 @@ def records():
 
 
 def test_cp_building_blocks_equal_one_process(records):
-    assert len(records["attention"]) == 2 * 4 * 2, records["attention"]  # (padded, packed) x 4 ranks x 2 layouts
     for r in records["attention"]:
         assert r["out_err"] <= FP32 and r["grad_err"] <= FP32, r
     assert len(records["logits"]) == 8 and all(r["logits_err"] <= FP64 for r in records["logits"]), records["logits"]
@@ -65,6 +64,29 @@ def test_cp_building_blocks_equal_one_process(records):
     for r in records["senders"]:  # CP ranks hold identical weights: exactly one rank sends each bucket
         assert r["per_bucket"] and all(n == 1 for n in r["per_bucket"]) and r["exporters"] == [0], r
         assert r["exported"] > 0, r
+
+
+def test_every_cp_comm_type_and_packing_the_validation_accepts_ran_on_the_stand_in(records):
+    """Issue 33 (N2): validation accepted ``cp_comm_type: all_gather`` with packed micro-batches,
+    which TE's all-gather CP attention refuses (THD) at the first forward. The stand-in now refuses
+    what TE refuses, and runs every (cp_comm_type, packed) pair that ``context_parallel_problems`` /
+    ``cp_packing_problem`` accept, on every rank of both CP layouts with PP=1 (a pair that fails
+    there would fail on GPU). The expected set is read from the validation code itself. Injected:
+    ``cp_packing_problem`` returning None -> the launch stops with TE's "thd format is not
+    supported!" from the stand-in, this fails; the packed all_gather pair missing from the expected
+    set proves the refusal."""
+    from megatron_gtpo.parallel.layout import CP_COMM_TYPES, context_parallel_problems, cp_packing_problem
+    from megatron_gtpo.models.shape import shape_from_hf_config
+    from tests.dist.scripts._cp_checks import model_config
+
+    shape = shape_from_hf_config(model_config(), name="model")
+    for tp, cp in ((1, 2), (2, 2)):
+        accepted = {(kind, packed) for kind in (None, *CP_COMM_TYPES) for packed in (False, True)
+                    if not context_parallel_problems(shape, tp=tp, cp=cp, comm_type=kind)
+                    and cp_packing_problem(kind, cp=cp, packed=packed) is None}
+        assert ("all_gather", True) not in accepted and ("all_gather", False) in accepted
+        ran = [(r["comm_type"], r["case"] == "packed") for r in records["attention"] if (r["tp"], r["cp"]) == (tp, cp)]
+        assert sorted(ran, key=str) == sorted([pair for pair in accepted for _ in range(4)], key=str), (tp, cp, ran)
 
 
 def test_cp_forward_stats_give_whole_completions_on_every_cp_rank(records):

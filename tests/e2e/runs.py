@@ -32,9 +32,11 @@ ENTROPY_THRESHOLD = 4.8283
 nat of 4.828 (its step-1 mean; ln 128 = 4.852): this threshold drops some completions and keeps
 others at step 1. (4.82 dropped every one: no gradient at all.) Later steps may keep or drop all."""
 CANON = ["train.checkpoint_every=1", "train.keep_last=2", "optim.scheduler.lr_decay_style=cosine",
-         f"algo.entropy_threshold={ENTROPY_THRESHOLD}", "algo.entropy_gamma=0.1"]
+         f"algo.entropy_threshold={ENTROPY_THRESHOLD}", "algo.entropy_gamma=0.1", "rollout.offload_trainer=true"]
 """The canonical GTPO run and its killed twin: a checkpoint after every step, a cosine LR (a wrong
-step count after a resume moves the LR), GTPO's entropy filter and gamma shift on."""
+step count after a resume moves the LR), GTPO's entropy filter and gamma shift on, and the trainer's
+grads and optimizer state offloaded between push and train step (every save and resume runs with
+the state offloaded: the copies are exact, so the trajectory is the same as without)."""
 
 DAPO_BF16 = ["algo.name=dapo", "algo.overlong_buffer_len=8", "algo.dynamic_sampling_max_tries=6",
              "algo.dynamic_sampling_metric=accuracy", "reward.fn=tests.e2e.dapo_reward.half_constant_reward",

@@ -52,6 +52,10 @@ def check_megatron_parts(result: dict) -> None:
     assert opt["adam_norm_loaded"] == opt["adam_norm_saved"] > 0
     assert opt["abs_loss_resumed_vs_uninterrupted"] == 0.0  # CPU: the resumed step 2 is step 2, bit for bit
 
+    offload = parts["offload"]  # the driver's free memory is measured on CUDA only
+    assert offload["state_restored_exactly"] and offload["offload_bytes"] > 0, offload
+    assert offload["driver_free_gain_bytes"] is None and math.isfinite(offload["loss_after_reload"])
+
     export = parts["export"]
     assert export["checked_against_hf"] and export["numel"] == local["model_params"]
     assert parts["logprob"]["logp_abs_max"] < 1e-4

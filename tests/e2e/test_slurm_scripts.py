@@ -293,6 +293,29 @@ def test_convert_runs_the_real_converter(cluster, job_dir):
     assert not os.access(REPO / f"slurm-mgtpo-convert-{job}.out", os.F_OK)  # nothing written into the repo
 
 
+def test_convert_on_a_gpu_only_install_picks_the_gpu_environment(cluster, job_dir):
+    """N7 (GPU review round 3): convert.sbatch asks for no GPU, so env.sh picked .venv, which a cluster
+    installed with scripts/setup_gpu.sh alone does not have: the job died at submit. A checkout with
+    only .venv-gpu (its python and CLI: the stand-in) now runs it there and says why. Injected: the
+    env.sh branch for a CPU job without .venv removed -> "MGTPO_CLI=.../.venv/bin/megatron-gtpo is not
+    executable", FAILED 2:0, this fails."""
+    repo = job_dir / "checkout"
+    (repo / ".venv-gpu" / "bin").mkdir(parents=True)
+    (repo / "slurm").symlink_to(REPO / "slurm")
+    env = standin_env(job_dir)
+    (repo / ".venv-gpu" / "bin" / "python").symlink_to(sys.executable)
+    (repo / ".venv-gpu" / "bin" / "megatron-gtpo").symlink_to(env.pop("MGTPO_CLI"))
+    del env["MGTPO_PYTHON"]
+    env["MGTPO_REPO"] = str(repo)
+    job = submit(cluster, job_dir, "convert.sbatch", "--to", "hf", "--input", "a", "--output", "b", options=CPU,
+                 env=env)
+    info = cluster.wait(job, timeout=120)
+    text = batch_log(job_dir, job)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert f"environment {repo}/.venv-gpu (a CPU job on a GPU-only install (no .venv)" in text
+    assert [r["argv"] for r in records(job_dir, "convert")] == [["convert", "--to", "hf", "--input", "a", "--output", "b"]]
+
+
 def test_container_image_adds_pyxis_flags_to_srun(cluster, job_dir):
     """Without pyxis (not packaged for Debian) srun rejects --container-image: proof the flags reach srun.
     A real container run needs a cluster with pyxis + enroot and is not tested here."""

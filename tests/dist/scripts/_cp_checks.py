@@ -15,7 +15,9 @@ from megatron.core.utils import get_model_config
 
 from megatron_gtpo.parallel import control
 from megatron_gtpo.parallel.collectives import comm_device
+from megatron_gtpo.models.shape import shape_from_hf_config
 from megatron_gtpo.parallel.cp_attention import standin_class
+from megatron_gtpo.parallel.layout import CP_COMM_TYPES, context_parallel_problems, cp_packing_problem
 from megatron_gtpo.parallel.cp_index import cp_attention_mask, gathered_index, load_balanced_index, \
     thd_partitioned_index
 from megatron_gtpo.train import model as M
@@ -30,15 +32,32 @@ def layout_name(dims) -> str:
     return f"tp{dims.tp}_cp{dims.cp}_pp{dims.pp}_dp{dims.dp}"
 
 
+def accepted_attention_cases(tp: int, cp: int) -> list[tuple[str | None, bool]]:
+    """Every (cp_comm_type, packed) the run's validation accepts for this model and layout
+    (``context_parallel_problems`` and ``cp_packing_problem``, the rules ``megatron-gtpo train`` and
+    the dry-run apply); None = Megatron's default, p2p."""
+    shape = shape_from_hf_config(model_config(), name="model")
+    return [(kind, packed) for kind in (None, *CP_COMM_TYPES) for packed in (False, True)
+            if not context_parallel_problems(shape, tp=tp, cp=cp, comm_type=kind)
+            and cp_packing_problem(kind, cp=cp, packed=packed) is None]
+
+
 def check_attention(chunk, dims) -> None:
-    """Stand-in vs Megatron's local attention at CP=1 (padded and packed), fp32."""
+    """Stand-in vs Megatron's local attention at CP=1, fp32, for every cp_comm_type x packing the
+    validation accepts (the stand-in refuses what Transformer Engine refuses: all_gather x packed)."""
+    for kind, packed in accepted_attention_cases(dims.tp, dims.cp):
+        _check_attention(chunk, dims, kind, packed)
+
+
+def _check_attention(chunk, dims, kind, packed: bool) -> None:
     cfg = get_model_config(chunk)
     cfg1 = copy.copy(cfg)
     cfg1.context_parallel_size = 1
     ref_attn = DotProductAttention(cfg1, 1, AttnMaskType.causal, "self")
-    cp_attn = standin_class()(cfg, 1, AttnMaskType.causal, "self")
+    cp_attn = standin_class()(cfg, 1, AttnMaskType.causal, "self", cp_comm_type=kind)
     heads, groups, hn = cfg.num_attention_heads // dims.tp, cfg.num_query_groups // dims.tp, cfg.kv_channels
-    for name, seq, batch_size, cu in (("padded", 16, 2, None), ("packed", 24, 1, torch.tensor([0, 8, 12, 24]))):
+    case = ("packed", 24, 1, torch.tensor([0, 8, 12, 24])) if packed else ("padded", 16, 2, None)
+    for name, seq, batch_size, cu in (case,):
         g = torch.Generator().manual_seed(3 + dims.tp_rank)
         q, k, v = (torch.randn(seq, batch_size, n, hn, generator=g) for n in (heads, groups, groups))
         grad_out = torch.randn(seq, batch_size, heads * hn, generator=g)
@@ -54,7 +73,8 @@ def check_attention(chunk, dims) -> None:
         out_ref.backward(grad_out)
         out_cp = cp_attn(*local, mask_cp)
         out_cp.backward(grad_out[index])
-        emit(check="attention", case=name, cp=dims.cp, tp=dims.tp, out_err=rel_err(out_cp, out_ref[index]),
+        emit(check="attention", case=name, comm_type=kind, cp=dims.cp, tp=dims.tp,
+             out_err=rel_err(out_cp, out_ref[index]),
              grad_err=max(rel_err(a.grad, b.grad[index]) for a, b in zip(local, full)))
 
 
