@@ -86,7 +86,8 @@ class AlgoConfig:
 
     clip_eps_high: float | None = None
     """Upper clip: the ratio is clamped to <= 1 + clip_eps_high. None = 0.28 for dapo (clip-higher,
-    spec 4) and cispo (spec 14), 4e-4 for gspo (spec 13), clip_eps_low otherwise."""
+    spec 4) and cispo (Trinity-RFT's default; the paper does not state its value, spec 14), 4e-4 for
+    gspo (spec 13), clip_eps_low otherwise."""
 
     kl_beta: float | None = None
     """Weight of the k3 KL penalty to the reference model. None = 0.04 for grpo (DeepSeekMath, spec 2)

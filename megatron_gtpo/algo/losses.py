@@ -14,8 +14,8 @@ with the policy term ``P`` of ``spec.surrogate`` (``a = A_i``, clip = ``clip(., 
 
 GSPO's ``log s_i = (1/|o_i|) sum_t log rho_{i,t}`` is the whole completion's mean log-ratio
 (``sequence_log_ratio``; under context parallelism summed over the CP group by the train step,
-``TokenInputs.seq_log_ratio``): this token form ("GSPO-token" with ``A_{i,t} = A_i``, the paper's
-Eq. 7-8, as verl writes it) has GSPO's value and gradient under seq-mean-token-mean, since
+``TokenInputs.seq_log_ratio``): this token form (the paper's "GSPO-token" with ``A_{i,t} = A_i``, as
+verl writes it) has GSPO's value and gradient under seq-mean-token-mean, since
 ``s_{i,t}`` has the value ``s_i`` on every token and ``(1/|o_i|) sum_t s_i grad logp_t = grad s_i``.
 CISPO's value is ``-clip(rho) a`` and its gradient ``-sg(clip(rho)) a grad log pi``: the gradient of the
 paper's ``sg(clip(rho)) A log pi`` (Eq. 4-5), with a value that at ``rho = 1`` is the other surrogates'

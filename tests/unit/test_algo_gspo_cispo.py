@@ -1,7 +1,7 @@
 """GSPO and CISPO (docs/algorithms.md 13, 14) against independent transcriptions of their papers.
 
 The oracles below are written from the papers' equations, not from ``algo/losses.py``: GSPO's
-sequence-level objective (arXiv 2507.18071, Eq. 5-7) differentiated through ``s_i`` itself (no token
+sequence-level objective (arXiv 2507.18071, its objective with the sequence ratio s_i) differentiated through ``s_i`` itself (no token
 form), and CISPO's ``sg(clip(r)) A log pi`` (arXiv 2506.13585, Eq. 4-5) differentiated through
 ``log pi``. They are compared with the real ``compute_loss`` on random groups, at mu = 1 and at mu > 1
 with the clip engaged on both sides.
@@ -227,3 +227,16 @@ def test_omega_is_the_gradient_at_rho_one():
         _, grad, _, prepared = ours(spec, logp, mask, gids, rewards)
         omega = token_omega(spec, mask, prepared)
         assert torch.allclose(-grad, omega * prepared.advantages.to(F64)[:, None], rtol=1e-9, atol=1e-14)
+
+
+def test_documented_d1_d4_table_is_what_the_functions_give():
+    """docs/algorithms.md 16 holds bench/bias_table.py's rows for all six algorithms, recomputed here
+    from the real prepare_batch / token_omega / prefix_bias / compute_loss / favoured_clip_mask.
+    Injected bug seen failing: CISPO's favoured-clip region not emptied (D4 0.09524 instead of 0)."""
+    from bench.bias_table import markdown, row
+    from megatron_gtpo.algo import ALGO_NAMES
+    from tests.helpers import REPO
+
+    doc = (REPO / "docs" / "algorithms.md").read_text().split("## 16. ")[1]
+    documented = [line for line in doc.splitlines() if line.startswith("| ") and not line.startswith("| algorithm")]
+    assert documented == [markdown(name, row(name)) for name in ALGO_NAMES]
