@@ -31,8 +31,10 @@ ROWS: list[tuple[tuple[str, ...], str]] = [
     (("gtpo/lambda_zero_share", "gtpo/lambda_ge2_share"), "share of loss tokens with lambda = 0 / lambda >= 2"),
     (("batch/active_frac",), "share of completions with a non-zero advantage"),
     (("loss",), "the loss value (at rho = 1 a covariance-like statistic, not a progress measure: spec 6, Prop. 4)"),
-    (("clip/low_frac", "clip/high_frac"), "share of tokens clipped below / above (non-zero only for mu > 1; GSPO: tokens of clipped completions; CISPO: tokens whose IS weight is truncated, which keep their gradient)"),
-    (("train/ratio_mean", "train/ratio_min", "train/ratio_max"), "importance ratio pi_theta / pi_old (GSPO: the sequence ratio s_i, per token)"),
+    (("clip/low_frac", "clip/high_frac"), "share of tokens clipped below / above (non-zero only for mu > 1; "
+     "GSPO: tokens of clipped completions; CISPO: tokens whose IS weight is truncated, which keep their gradient)"),
+    (("train/ratio_mean", "train/ratio_min", "train/ratio_max"),
+     "importance ratio pi_theta / pi_old (GSPO: the sequence ratio s_i, per token)"),
     (("train/kl_mean",), "k3 KL to the reference model (only with `algo.kl_beta` > 0)"),
     (("optim/grad_norm", "optim/grad_norm_max", "optim/lr", "optim/update_ok"),
      "Megatron optimizer: grad norm before clipping (mean and max over the mu updates), learning rate, "

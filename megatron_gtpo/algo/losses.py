@@ -105,17 +105,7 @@ def compute_loss(spec: AlgoSpec, tokens: TokenInputs, prepared: PreparedBatch, *
         adv = adv * prepared.token_weights[:, :lp.shape[1]].to(logp.dtype)
     if tokens.is_weights is not None:
         adv = adv * tokens.is_weights.detach().to(logp.dtype)
-    if spec.surrogate == "gspo":
-        seq = tokens.seq_log_ratio
-        if seq is None:
-            seq = sequence_log_ratio(log_ratio, mask, lengths=tokens.lengths)
-        log_ratio = (lp - lp.detach()) + seq.detach().to(logp.dtype).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)[:, None]
-    ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1.0 - spec.clip_eps_low, 1.0 + spec.clip_eps_high)
-    if spec.surrogate == "cispo":
-        per_token = -clipped.detach() * adv * torch.exp(log_ratio - log_ratio.detach())
-    else:
-        per_token = torch.maximum(-ratio * adv, -clipped * adv)
+    per_token, ratio = _policy_term(spec, lp, log_ratio, adv, tokens)
     kl = None
     if tokens.ref_logp is not None:
         kl = kl_k3(lp, torch.where(mask, tokens.ref_logp, zero))
@@ -126,6 +116,24 @@ def compute_loss(spec: AlgoSpec, tokens: TokenInputs, prepared: PreparedBatch, *
     loss = aggregate(per_token, mask, mode=spec.agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
                      constant=spec.constant, lengths=tokens.lengths)
     return loss, _metrics(mask, ratio=ratio, adv=adv, spec=spec, kl=kl)
+
+
+def _policy_term(spec: AlgoSpec, lp: Tensor, log_ratio: Tensor, adv: Tensor,
+                 tokens: TokenInputs) -> tuple[Tensor, Tensor]:
+    """``(P, ratio)`` [B, T]: the policy term of ``spec.surrogate`` (module docstring) and the ratio it
+    clips (GSPO: ``s_i`` on every token of completion i), from the masked log-probs ``lp`` and the
+    token log-ratios ``log_ratio`` (both carrying the gradient)."""
+    if spec.surrogate == "gspo":
+        seq = tokens.seq_log_ratio
+        if seq is None:
+            seq = sequence_log_ratio(log_ratio, tokens.mask, lengths=tokens.lengths)
+        seq = seq.detach().to(lp.dtype).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        log_ratio = (lp - lp.detach()) + seq[:, None]    # value log s_i, gradient of log pi (verl's order)
+    ratio = torch.exp(log_ratio)
+    clipped = ratio.clamp(1.0 - spec.clip_eps_low, 1.0 + spec.clip_eps_high)
+    if spec.surrogate == "cispo":   # the weight detached, the gradient through log pi only
+        return -clipped.detach() * adv * torch.exp(log_ratio - log_ratio.detach()), ratio
+    return torch.maximum(-ratio * adv, -clipped * adv), ratio
 
 
 def validate_loss_inputs(spec: AlgoSpec, prepared: PreparedBatch, *, mask: Tensor, old_logp: Tensor | None = None,

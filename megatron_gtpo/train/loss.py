@@ -99,7 +99,8 @@ class Update:
         old_logp = self._old_logp(mb, logp)
         tokens = algo.TokenInputs(logp=logp, mask=mask, lengths=mb.lengths, old_logp=old_logp,
                                   ref_logp=plan.local(plan.ref_logp, mb),
-                                  is_weights=self._is_weights(mb, logp.detach() if old_logp is None else old_logp, mask),
+                                  is_weights=self._is_weights(mb, logp.detach() if old_logp is None else old_logp,
+                                                              mask),
                                   seq_log_ratio=self._seq_log_ratio(mb, logp, old_logp, mask))
         loss, metrics = algo.compute_loss(spec, tokens, rows, num_tokens=plan.num_tokens, num_seqs=plan.num_seqs)
         tokens_f64 = mask.sum().to(F64)
