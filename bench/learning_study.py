@@ -21,7 +21,7 @@ import yaml
 from megatron_gtpo.utils.configuration import deep_merge
 
 REPO = Path(__file__).resolve().parents[1]
-ALGORITHMS = ("gtpo", "grpo", "drgrpo", "dapo")
+ALGORITHMS = ("gtpo", "grpo", "drgrpo", "dapo", "gspo", "cispo")
 """Every algorithm of a study, in the order the runs start."""
 HELD_OUT_BENCHMARK = "gsm8k"
 """The held-out arithmetic set is written as ``<data root>/gsm8k/test.jsonl`` (GSM8K's columns and

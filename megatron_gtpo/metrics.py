@@ -38,8 +38,10 @@ ROWS: list[tuple[tuple[str, ...], str]] = [
      "D5: first-order direction in which the step moves the expected completion length, sum_i c_i (\\|o_i\\| - "
      "group mean) / sum_i \\|c_i\\| with c_i the per-token coefficient; < 0 shorter, > 0 longer (algo/regime.py)"),
     (("loss",), "the loss value (at rho = 1 a covariance-like statistic, not a progress measure: spec 6, Prop. 4)"),
-    (("clip/low_frac", "clip/high_frac"), "share of tokens clipped below / above (non-zero only for mu > 1)"),
-    (("train/ratio_mean", "train/ratio_min", "train/ratio_max"), "importance ratio pi_theta / pi_old"),
+    (("clip/low_frac", "clip/high_frac"), "share of tokens clipped below / above (non-zero only for mu > 1; "
+     "GSPO: tokens of clipped completions; CISPO: tokens whose IS weight is truncated, which keep their gradient)"),
+    (("train/ratio_mean", "train/ratio_min", "train/ratio_max"),
+     "importance ratio pi_theta / pi_old (GSPO: the sequence ratio s_i, per token)"),
     (("train/kl_mean",), "k3 KL to the reference model (only with `algo.kl_beta` > 0)"),
     (("optim/grad_norm", "optim/grad_norm_max", "optim/lr", "optim/update_ok"),
      "Megatron optimizer: grad norm before clipping (mean and max over the mu updates), learning rate, "

@@ -1,4 +1,4 @@
-"""Pure-tensor policy-optimisation algorithms: GTPO, GRPO, Dr. GRPO, DAPO (docs/algorithms.md; a
+"""Pure-tensor policy-optimisation algorithms: GTPO, GRPO, Dr. GRPO, DAPO, GSPO, CISPO (docs/algorithms.md; a
 "spec N.M" citation in this package is section N.M of that document).
 
 No torch.distributed, no megatron, no config objects of other packages: the functions take the
@@ -33,7 +33,8 @@ from megatron_gtpo.algo.diagnostics import (ClipOvershoot, SurrogateDecompositio
 from megatron_gtpo.algo.filters import dapo_group_filter
 from megatron_gtpo.algo.importance import mismatch_weights
 from megatron_gtpo.algo.kl import entropy_from_logits, kl_k3
-from megatron_gtpo.algo.losses import TokenInputs, compute_loss, validate_loss_inputs
+from megatron_gtpo.algo.losses import (TokenInputs, clip_regions, compute_loss, sequence_log_ratio, surrogate_log_ratio,
+                                       token_log_ratio, validate_loss_inputs)
 from megatron_gtpo.algo.prefix import SharedPrefixes, prefix_bias, prefix_bias_metrics, shared_prefixes
 from megatron_gtpo.algo.prepare import (PreparedBatch, check_shaped, gtpo_seq_scale, prepare_batch,
                                         prepare_groups, shape_batch, shape_rows)
@@ -43,10 +44,12 @@ from megatron_gtpo.algo.spec import AlgoSpec
 __all__ = [
     "AGG_MODES", "ALGO_NAMES", "AlgoConfig", "AlgoSpec", "ClipOvershoot", "ConflictRuns", "DEFAULTS", "MISMATCH_MODES",
     "PreparedBatch", "SharedPrefixes", "SurrogateDecomposition", "TokenInputs", "adam_update_sq_norm", "aggregate",
-    "aggregation_weights", "check_shaped", "clip_overshoot", "completion_mean_entropy", "compute_loss",
+    "aggregation_weights", "check_shaped", "clip_overshoot", "clip_regions", "completion_mean_entropy", "compute_loss",
     "conflict_runs", "conflict_weights", "dapo_group_filter", "entropy_filter", "entropy_from_logits",
-    "favoured_clip_mask", "group_advantages", "group_index", "gtpo_seq_scale", "kl_k3", "kl_penalty", "masked_extremum",
-    "mismatch_weights", "momentum_step_ratio", "momentum_step_ratio_limit", "prefix_bias", "prefix_bias_metrics",
-    "prepare_batch", "prepare_groups", "regime_metrics", "completion_coefficients", "shape_advantages", "shape_batch", "shape_rows", "shared_prefixes",
-    "small_second_moment_counts", "surrogate_decomposition", "token_omega", "validate_loss_inputs",
+    "favoured_clip_mask", "group_advantages", "group_index", "gtpo_seq_scale", "kl_k3", "kl_penalty",
+    "masked_extremum", "mismatch_weights", "momentum_step_ratio", "momentum_step_ratio_limit", "prefix_bias",
+    "prefix_bias_metrics", "prepare_batch", "prepare_groups", "regime_metrics", "completion_coefficients",
+    "sequence_log_ratio", "shape_advantages", "shape_batch", "shape_rows", "shared_prefixes",
+    "small_second_moment_counts", "surrogate_decomposition", "surrogate_log_ratio", "token_log_ratio", "token_omega",
+    "validate_loss_inputs",
 ]

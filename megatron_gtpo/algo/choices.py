@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-AlgoName = Literal["gtpo", "grpo", "drgrpo", "dapo"]
-"""GTPO (docs/algorithms.md section 5), GRPO (2), Dr. GRPO (3), DAPO (4)."""
+AlgoName = Literal["gtpo", "grpo", "drgrpo", "dapo", "gspo", "cispo"]
+"""GTPO (docs/algorithms.md section 5), GRPO (2), Dr. GRPO (3), DAPO (4), GSPO (13), CISPO (14)."""
+Surrogate = Literal["clip", "gspo", "cispo"]
+"""The per-token policy term (``losses.py``): PPO's clipped token ratio (GRPO, Dr. GRPO, DAPO, GTPO),
+GSPO's clipped length-normalised sequence ratio, or CISPO's clipped and detached token IS weight."""
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 """Loss aggregation modes (``aggregate.py``)."""
 ConflictOverlap = Literal["product", "union"]
@@ -27,6 +30,7 @@ SamplingMetric = Literal["accuracy", "reward"]
 """DAPO dynamic sampling's per-completion filter value."""
 
 ALGO_NAMES: tuple[str, ...] = get_args(AlgoName)
+SURROGATES: tuple[str, ...] = get_args(Surrogate)
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
 OVERLAP_MODES: tuple[str, ...] = get_args(ConflictOverlap)
 NORMALIZATIONS: tuple[str, ...] = get_args(GtpoNormalization)

@@ -26,21 +26,34 @@ from megatron_gtpo.utils.configuration import require
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     # GTPO official code [spec 5, 5.10]: R - mean, seq-mean with per-completion scales, no KL, mu = 1.
-    "gtpo": {"conflict_aware": True, "adv_std_scale": False, "agg_mode": "seq-mean-token-mean", "kl_beta": 0.0,
-             "dynamic_sampling": False, "overlong_buffer_len": 0},
+    "gtpo": {"conflict_aware": True, "surrogate": "clip", "adv_std_scale": False, "agg_mode": "seq-mean-token-mean",
+             "clip_eps_low": 0.2, "kl_beta": 0.0, "dynamic_sampling": False, "overlong_buffer_len": 0},
     # DeepSeekMath [spec 2]: z-score, seq-mean-token-mean, k3 KL with beta 0.04.
-    "grpo": {"conflict_aware": False, "adv_std_scale": True, "agg_mode": "seq-mean-token-mean", "kl_beta": 0.04,
-             "dynamic_sampling": False, "overlong_buffer_len": 0},
+    "grpo": {"conflict_aware": False, "surrogate": "clip", "adv_std_scale": True, "agg_mode": "seq-mean-token-mean",
+             "clip_eps_low": 0.2, "kl_beta": 0.04, "dynamic_sampling": False, "overlong_buffer_len": 0},
     # Dr. GRPO [spec 3]: R - mean, sum / (G * L), beta 0 in the public recipes.
-    "drgrpo": {"conflict_aware": False, "adv_std_scale": False, "agg_mode": "seq-mean-token-sum-norm",
-               "kl_beta": 0.0, "dynamic_sampling": False, "overlong_buffer_len": 0},
+    "drgrpo": {"conflict_aware": False, "surrogate": "clip", "adv_std_scale": False,
+               "agg_mode": "seq-mean-token-sum-norm", "clip_eps_low": 0.2, "kl_beta": 0.0, "dynamic_sampling": False,
+               "overlong_buffer_len": 0},
     # DAPO [spec 4]: z-score, token-mean, clip-higher 0.28, no KL, dynamic sampling, L_cache 4096.
-    "dapo": {"conflict_aware": False, "adv_std_scale": True, "agg_mode": "token-mean", "kl_beta": 0.0,
-             "clip_eps_high": 0.28, "dynamic_sampling": True, "overlong_buffer_len": 4096},
+    "dapo": {"conflict_aware": False, "surrogate": "clip", "adv_std_scale": True, "agg_mode": "token-mean",
+             "clip_eps_low": 0.2, "kl_beta": 0.0, "clip_eps_high": 0.28, "dynamic_sampling": True,
+             "overlong_buffer_len": 4096},
+    # GSPO [spec 13]: z-score, the sequence ratio clipped to [1 - 3e-4, 1 + 4e-4], one term per completion
+    # (1/G sum_i: seq-mean-token-mean of the token form), no KL.
+    "gspo": {"conflict_aware": False, "surrogate": "gspo", "adv_std_scale": True, "agg_mode": "seq-mean-token-mean",
+             "clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "kl_beta": 0.0, "dynamic_sampling": False,
+             "overlong_buffer_len": 0},
+    # CISPO [spec 14]: z-score, detached IS weight clipped above only (eps_low = 1: lower bound 0),
+    # 1 / sum_i |o_i| (token-mean), no KL.
+    "cispo": {"conflict_aware": False, "surrogate": "cispo", "adv_std_scale": True, "agg_mode": "token-mean",
+              "clip_eps_low": 1.0, "clip_eps_high": 0.28, "kl_beta": 0.0, "dynamic_sampling": False,
+              "overlong_buffer_len": 0},
 }
 """What each algorithm changes in the shared surrogate (spec 9): the values ``AlgoConfig`` fields left
 at None resolve to (``clip_eps_high`` absent: the lower clip, a symmetric range), plus whether it
-uses GTPO's token weights, entropy filter/shift and per-completion scales (``conflict_aware``)."""
+uses GTPO's token weights, entropy filter/shift and per-completion scales (``conflict_aware``) and
+which policy term it clips (``surrogate``, ``choices.Surrogate``)."""
 
 
 def _finite(x: Any) -> bool:
@@ -52,7 +65,8 @@ class AlgoConfig:
     """Policy-optimisation algorithm and its hyper-parameters (docs/algorithms.md)."""
 
     name: AlgoName = "gtpo"
-    """Algorithm: gtpo (spec 5), grpo (spec 2), drgrpo (spec 3) or dapo (spec 4)."""
+    """Algorithm: gtpo (spec 5), grpo (spec 2), drgrpo (spec 3), dapo (spec 4), gspo (spec 13) or
+    cispo (spec 14)."""
 
     adv_std_scale: bool | None = None
     """Divide ``R - mean`` by the group's unbiased std + adv_eps. None = algorithm default: True for
@@ -65,13 +79,15 @@ class AlgoConfig:
     """Loss aggregation (algo/aggregate.py). None = algorithm default: seq-mean-token-mean for grpo and
     gtpo (spec 2, 5.8), seq-mean-token-sum-norm for drgrpo (spec 3), token-mean for dapo (spec 4)."""
 
-    clip_eps_low: float = 0.2
-    """Lower clip: the ratio is clamped to >= 1 - clip_eps_low; 0.2 as TRL/verl and DAPO (spec 2, 4).
-    Inactive when mu = 1 (the ratio is exactly 1)."""
+    clip_eps_low: float | None = None
+    """Lower clip: the ratio is clamped to >= 1 - clip_eps_low, in (0, 1] (1: no lower bound). None =
+    0.2 as TRL/verl and DAPO (spec 2, 4); 3e-4 for gspo (its sequence ratio, spec 13); 1 for cispo (its
+    IS weight has no lower bound, spec 14). Inactive when mu = 1 (the ratio is exactly 1)."""
 
     clip_eps_high: float | None = None
     """Upper clip: the ratio is clamped to <= 1 + clip_eps_high. None = 0.28 for dapo (clip-higher,
-    spec 4) and clip_eps_low otherwise."""
+    spec 4) and cispo (Trinity-RFT's default; the paper does not state its value, spec 14), 4e-4 for
+    gspo (spec 13), clip_eps_low otherwise."""
 
     kl_beta: float | None = None
     """Weight of the k3 KL penalty to the reference model. None = 0.04 for grpo (DeepSeekMath, spec 2)
@@ -182,8 +198,8 @@ class AlgoConfig:
         require(self.adv_std_scale is None or isinstance(self.adv_std_scale, bool), "adv_std_scale",
                 self.adv_std_scale, "true, false or null")
         require(_finite(self.adv_eps) and self.adv_eps >= 0, "adv_eps", self.adv_eps, "a finite number >= 0")
-        require(_finite(self.clip_eps_low) and 0 < self.clip_eps_low < 1, "clip_eps_low", self.clip_eps_low,
-                "a number in (0, 1)")
+        require(self.clip_eps_low is None or (_finite(self.clip_eps_low) and 0 < self.clip_eps_low <= 1),
+                "clip_eps_low", self.clip_eps_low, "null or a number in (0, 1] (1: no lower bound)")
         require(self.clip_eps_high is None or (_finite(self.clip_eps_high) and self.clip_eps_high > 0),
                 "clip_eps_high", self.clip_eps_high, "null or a finite number > 0")
         require(self.kl_beta is None or (_finite(self.kl_beta) and self.kl_beta >= 0), "kl_beta", self.kl_beta,
@@ -242,7 +258,7 @@ class AlgoConfig:
             if values.get(name) is None:
                 values[name] = value
         if values["clip_eps_high"] is None:  # a symmetric clip range
-            values["clip_eps_high"] = self.clip_eps_low
+            values["clip_eps_high"] = values["clip_eps_low"]
         constant = values.pop("drgrpo_constant")
         constant = max_completion_tokens if constant is None else constant
         values["constant"] = float(constant) if values["agg_mode"] == "seq-mean-token-sum-norm" else None

@@ -31,6 +31,7 @@ import torch
 from megatron_gtpo.algo.advantage import group_index
 from megatron_gtpo.algo.aggregate import aggregate, aggregation_weights
 from megatron_gtpo.algo.checks import as_mask, check_finite, check_shape
+from megatron_gtpo.algo.losses import clip_regions
 from megatron_gtpo.algo.prepare import PreparedBatch, check_shaped
 from megatron_gtpo.algo.spec import AlgoSpec
 
@@ -162,9 +163,12 @@ def favoured_clip_mask(spec: AlgoSpec, log_ratio: Tensor, prepared: PreparedBatc
                        is_weights: Tensor | None = None, check: bool = True) -> Tensor:
     """[B, T] bool: tokens in the advantage-favoured clipped region ``{rho > 1+eps_high, A > 0} U
     {rho < 1-eps_low, A < 0}`` where the clipped term is active and the token's gradient is 0
-    [spec 6 D4]. ``log_ratio`` [B, T] = ``logp - old_logp``; the advantage is the loss's own
-    (``prepared.advantages`` times GTPO's lambda and the mismatch weights, so a token with weight 0 is
-    never clipped): the same region as ``compute_loss``'s ``clip/{low,high}_frac``."""
+    [spec 6 D4]. ``log_ratio`` [B, T] = the log of the ratio the surrogate clips
+    (``losses.surrogate_log_ratio``: ``logp - old_logp``, GSPO's ``log s_i``); the advantage is the
+    loss's own (``prepared.advantages`` times GTPO's lambda and the mismatch weights, so a token with
+    weight 0 is never clipped): the region of ``compute_loss``'s ``clip/{low,high}_frac``
+    (``losses.clip_regions``). CISPO has no such region (its clipped tokens keep their gradient,
+    spec 14): all False."""
     if check:
         mask = as_mask(mask)
     check_shape(log_ratio, tuple(mask.shape), name="log_ratio", what="[B, T], like mask")
@@ -175,7 +179,10 @@ def favoured_clip_mask(spec: AlgoSpec, log_ratio: Tensor, prepared: PreparedBatc
         adv = adv * prepared.token_weights[:, :mask.shape[1]].detach().to(ratio.dtype)
     if is_weights is not None:
         adv = adv * is_weights.detach().to(ratio.dtype)
-    return mask & (((ratio > 1.0 + spec.clip_eps_high) & (adv > 0)) | ((ratio < 1.0 - spec.clip_eps_low) & (adv < 0)))
+    if spec.surrogate == "cispo":
+        return torch.zeros_like(mask)
+    low, high = clip_regions(spec, ratio, adv)
+    return mask & (low | high)
 
 
 @dataclass

@@ -5,7 +5,7 @@
 ``RunConfig`` resolves it once per run (``cfg.algorithm``) and every part receives this record; no
 field has a default here, so a value can only come from the recipe or from ``config.DEFAULTS``.
 Fields keep the recipe's names (``algo.clip_eps_high`` is ``spec.clip_eps_high``) and meanings (the
-field docstrings of ``AlgoConfig``); only the four resolved-only fields are documented below. A
+field docstrings of ``AlgoConfig``); only the five resolved-only fields are documented below. A
 function that takes an AlgoSpec trusts it: the recipe checks ran when the config was built.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from megatron_gtpo.algo.choices import (AggMode, AlgoName, ConflictOverlap, EntropyLogits, GtpoNormalization,
-                                        MismatchMode, PromptReduction, SamplingMetric)
+                                        MismatchMode, PromptReduction, SamplingMetric, Surrogate)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +25,9 @@ class AlgoSpec:
     name: AlgoName
     conflict_aware: bool
     """GTPO: token weights lambda, entropy filter delta, entropy shift gamma, per-completion scales."""
+    surrogate: Surrogate
+    """The policy term ``losses.compute_loss`` clips: clip (PPO's token ratio), gspo (the sequence
+    ratio, spec 13) or cispo (the detached, clipped token IS weight, spec 14)."""
     adv_std_scale: bool
     adv_eps: float
     agg_mode: AggMode

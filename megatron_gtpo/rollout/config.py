@@ -79,8 +79,12 @@ class RolloutConfig:
     advantage would be 0 and nothing would be learned."""
 
     top_p: float = 1.0
-    """Nucleus sampling mass. Below 1 the reported log-probs are those of the renormalised nucleus,
-    which the trainer's full-vocabulary log-probs do not reproduce (the mismatch metric shows it)."""
+    """Nucleus sampling mass: 1 (the full distribution at ``temperature``) is the only value accepted.
+    Below 1 vLLM samples from the renormalised nucleus and reports its log-probs, while the trainer
+    scores every token, and computes GTPO's entropies, on the full vocabulary (its fused
+    vocab-parallel pass does not truncate): the importance ratios, the mismatch correction and <H>_i
+    would be biased without a warning, so the run is refused before it starts (docs/algorithms.md 15).
+    The engine does no top-k or min-p truncation either (its ``SamplingParams`` set neither)."""
 
     max_tokens: int = 1024
     """Most tokens generated per completion; a completion that hits it is marked truncated."""
@@ -133,6 +137,11 @@ class RolloutConfig:
                 f"identical, every group advantage is 0 and nothing is learned; sample with e.g. "
                 f"rollout.temperature=1.0")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "a float in (0, 1]")
+        require(self.top_p == 1, "top_p", self.top_p,
+                "1.0: below 1 the engine samples from (and reports log-probs of) the renormalised nucleus, "
+                "but the trainer's log-probs, importance ratios and entropies are over the full vocabulary, "
+                "so the loss would be biased (docs/algorithms.md 15); set rollout.top_p=1.0 and shape the "
+                "distribution with rollout.temperature")
         require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
         require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
         require(self.seed >= 0, "seed", self.seed, "an integer >= 0")

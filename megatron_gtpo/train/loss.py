@@ -99,7 +99,9 @@ class Update:
         old_logp = self._old_logp(mb, logp)
         tokens = algo.TokenInputs(logp=logp, mask=mask, lengths=mb.lengths, old_logp=old_logp,
                                   ref_logp=plan.local(plan.ref_logp, mb),
-                                  is_weights=self._is_weights(mb, logp.detach() if old_logp is None else old_logp, mask))
+                                  is_weights=self._is_weights(mb, logp.detach() if old_logp is None else old_logp,
+                                                              mask),
+                                  seq_log_ratio=self._seq_log_ratio(mb, logp, old_logp, mask))
         loss, metrics = algo.compute_loss(spec, tokens, rows, num_tokens=plan.num_tokens, num_seqs=plan.num_seqs)
         tokens_f64 = mask.sum().to(F64)
         self.sums.add_token_metrics(metrics, tokens_f64)
@@ -131,6 +133,16 @@ class Update:
         mean_h = self.plan.completion_mean(entropy.detach().float(), mb)
         self.sums.count_nonfinite("GTPO's <H>_i (mean token entropy of a completion)", mean_h)
         return mean_h
+
+    @torch.no_grad()
+    def _seq_log_ratio(self, mb: MicroBatch | CPShard, logp: Tensor, old_logp: Tensor | None,
+                       mask: Tensor) -> Tensor | None:
+        """GSPO's ``log s_i`` [mb] once pi_old is known (None before: the ratio is then exactly 1, and
+        for the other algorithms): each whole completion's mean log-ratio, summed over the CP group
+        (``StepPlan.completion_mean``, the step's one per-completion reduction)."""
+        if self.plan.spec.surrogate != "gspo" or old_logp is None:
+            return None
+        return self.plan.completion_mean(algo.token_log_ratio(logp, old_logp, mask), mb)
 
     def _old_logp(self, mb: MicroBatch | CPShard, logp: Tensor) -> Tensor | None:
         """pi_old's log-probs [mb, width]: known, or (first update) None, the ratio being exactly 1

@@ -81,8 +81,7 @@ class StepObserver:
                    rows: PreparedBatch) -> None:
         """D4 at inner update k >= 1: of the tokens in the advantage-favoured clipped region at update
         k - 1 (>= 1: at update 0 the ratio is 1), the share whose |log rho| grew by update k."""
-        zero = torch.zeros((), dtype=tokens.logp.dtype, device=tokens.mask.device)
-        log_ratio = torch.where(tokens.mask, tokens.logp.detach() - tokens.old_logp, zero)
+        log_ratio = algo.surrogate_log_ratio(self.plan.spec, tokens)   # GSPO: the sequence ratio
         previous = self._log_ratio.pop(mb.index, None)
         if update < self.plan.spec.mu - 1:
             self._log_ratio[mb.index] = log_ratio

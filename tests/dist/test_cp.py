@@ -7,7 +7,8 @@ dense single-process reference (whole batch, plain autograd, manual SGD) on ever
 * CP=2 x DP=2, TP=2 x CP=2 and PP=2 x CP=2, padded and packed micro-batches (packing: every
   sequence padded to 2 x CP and split per sequence, THD), through ``train_step`` for GTPO (mu = 1,
   its entropy filter deciding), GTPO at mu = 2 with ``entropy_logits: raw``, GRPO with a KL term
-  (CP x DP) and DAPO: loss, gradients, the SGD update, <H>_i and the filter's decisions, the
+  (CP x DP), DAPO and GSPO at mu = 2 (CP x DP: its sequence ratio summed over the CP group): loss,
+  gradients, the SGD update, <H>_i and the filter's decisions, the
   learner's no-grad log-probs and exact entropies, and where the conflict runs and completion ends
   fall (rows whose conflict tokens and end sit on different CP ranks are required);
 * the building blocks: the CPU stand-in attention (fp32, padded and packed), the shard logits,
@@ -37,8 +38,8 @@ from tests.helpers import REPO, torchrun
 SCRIPT = REPO / "tests/dist/scripts/cp_equivalence.py"
 pytestmark = pytest.mark.slow
 FP32, FP64, GRAD, UPDATE = 1e-6, 1e-12, 1e-8, 1e-7
-LAYOUTS = {"tp1_cp1_pp1_dp4": ("gtpo", "gtpo_raw_mu2", "grpo_kl", "dapo"),
-           "tp1_cp2_pp1_dp2": ("gtpo", "gtpo_raw_mu2", "grpo_kl", "dapo"),
+LAYOUTS = {"tp1_cp1_pp1_dp4": ("gtpo", "gtpo_raw_mu2", "grpo_kl", "dapo", "gspo_mu2"),
+           "tp1_cp2_pp1_dp2": ("gtpo", "gtpo_raw_mu2", "grpo_kl", "dapo", "gspo_mu2"),
            "tp2_cp2_pp1_dp1": ("gtpo", "gtpo_raw_mu2", "dapo"), "tp1_cp2_pp2_dp1": ("gtpo", "gtpo_raw_mu2", "dapo")}
 LAST_STAGE_RANKS = {"tp1_cp1_pp1_dp4": 4, "tp1_cp2_pp1_dp2": 4, "tp2_cp2_pp1_dp1": 4, "tp1_cp2_pp2_dp1": 2}
 

@@ -25,7 +25,7 @@ from tests.helpers import REPO, torchrun
 
 SCRIPT = REPO / "tests/dist/scripts/packing_equivalence.py"
 LAYOUTS = {"tp2_pp1_dp1": 1, "tp1_pp2_dp1": 2, "tp1_pp1_dp2": 1, "tp1_pp2_dp1_vpp2": 2}  # name -> PP
-CASES = ("gtpo", "grpo_kl", "dapo_mu2", "gtpo_raw_mu2", "drgrpo")
+CASES = ("gtpo", "grpo_kl", "dapo_mu2", "gtpo_raw_mu2", "drgrpo", "gspo_mu2")
 BUDGET = 36
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,8 @@
 
 Three launches (tests/dist/scripts/trainstep_equivalence.py) cover (TP, PP, DP) = (1,1,1); (2,1,1),
 (1,2,1), (1,1,2) and PP2 x VPP2; (2,2,1) and (2,1,2) with tied embeddings. In each layout GTPO,
-GRPO (with a KL term), DAPO, DAPO with mu = 2 and an active clip, and Dr. GRPO run ``train_on_batch`` on a
+GRPO (with a KL term), DAPO, DAPO with mu = 2 and an active clip, Dr. GRPO, and GSPO and CISPO at mu = 2
+with their clips engaged run ``train_on_batch`` on a
 global batch of 3 prompt groups x 4 completions, split into DP slices and micro-batches of 2 rows
 (groups straddle both). Checked against plain autograd on the whole batch with a TP1/PP1 copy of
 the weights: loss, every parameter gradient, the SGD update, the grad norm; plus no-grad
@@ -19,7 +20,8 @@ import pytest
 from tests.helpers import REPO, torchrun
 
 SCRIPT = REPO / "tests/dist/scripts/trainstep_equivalence.py"
-CASES = ("gtpo", "grpo_kl", "dapo", "dapo_mu2_clip", "drgrpo")
+CASES = ("gtpo", "grpo_kl", "dapo", "dapo_mu2_clip", "drgrpo", "gspo_mu2", "cispo_mu2")
+MU2 = ("dapo_mu2_clip", "gspo_mu2", "cispo_mu2")
 pytestmark = pytest.mark.slow
 
 
@@ -48,13 +50,15 @@ def _check_layouts(records, layouts: list[str], nproc: int, *, clip_engaged: boo
         assert sorted((r["case"], r["rank"]) for r in steps) == sorted(
             (c, rank) for c in CASES for rank in range(nproc)), (layout, steps)
         for r in steps:
-            tol = 5e-5 if r["case"] == "dapo_mu2_clip" else 1e-5  # the 2nd update amplifies fp32 noise
-            assert _rel(r["loss"], r["loss_ref"]) <= tol, r
+            tol = 5e-5 if r["case"] in MU2 else 1e-5  # the 2nd update amplifies fp32 noise
+            # relative to the loss's scale, not its value: GSPO's at its 3e-4 range is a near-cancelling
+            # sum (2.4e-5 here, from terms ~0.1), where fp32 rounding alone reaches 4e-4 of the value
+            assert abs(r["loss"] - r["loss_ref"]) <= tol * max(abs(r["loss_ref"]), 0.01), r
             assert _rel(r["grad_norm"], r["grad_norm_ref"]) <= tol, r
             assert r["grad_err"] <= 1e-5, r
             assert r["update_excess"] <= 1.0, r
             assert r["nonfinite"] == [], r
-        mu2 = [r for r in steps if r["case"] == "dapo_mu2_clip"]
+        mu2 = [r for r in steps if r["case"] in MU2]
         assert all(r["ratio_max"] > 1.0 for r in mu2), mu2  # pi_old really differs on update 2
         if clip_engaged:
             assert all(r["clip_frac"] > 0 for r in mu2), mu2

@@ -1,6 +1,6 @@
 """``bench/learning.py --quick``: the learning study's pipeline end to end, in one process start.
 
-GTPO, GRPO (the GTPO paper's recipe), Dr. GRPO and DAPO each train the tiny random model on the toy
+GTPO, GRPO (the GTPO paper's recipe), Dr. GRPO, DAPO, GSPO and CISPO each train the tiny random model on the toy
 reward for 6 steps through the real ``megatron-gtpo train`` (Megatron, vLLM, MLflow), one after the
 other inside the bench's single process; the bench then reads every run back from MLflow, reports
 one JSON line and renders the study plot through ``plotting.plot_runs``.
@@ -23,7 +23,7 @@ from tests.helpers import REPO, child_env, run_group
 
 pytestmark = pytest.mark.slow
 
-ALGORITHMS = ["gtpo", "grpo", "drgrpo", "dapo"]
+ALGORITHMS = ["gtpo", "grpo", "drgrpo", "dapo", "gspo", "cispo"]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers import REPO, run_group
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # 15 in-process restarts x 3 steps
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # 21 in-process restarts x 3 steps
 
 VARIANTS = [
     ["--variant", "grpo", "algo.name=grpo", "algo.kl_beta=0"],
@@ -29,6 +29,8 @@ VARIANTS = [
     ["--variant", "gtpo_gamma0.1", "algo.entropy_gamma=0.1"],
     ["--variant", "gtpo_gamma0_eps", "algo.entropy_gamma=0", "optim.optimizer.adam_eps=1e-3"],
     ["--variant", "grpo_eps", "algo.name=grpo", "algo.kl_beta=0", "optim.optimizer.adam_eps=1e-3"],
+    ["--variant", "gspo", "algo.name=gspo"],     # spec 13: z-scored A, no KL: invariant as GRPO
+    ["--variant", "cispo", "algo.name=cispo"],   # spec 14: likewise
 ]
 
 
@@ -59,7 +61,7 @@ def test_every_run_starts_from_the_same_policy_and_samples(report):
     assert all(len(r["reward_mean"]) == 3 for r in report["runs"])
 
 
-@pytest.mark.parametrize("variant", ["grpo", "gtpo_gamma0"])
+@pytest.mark.parametrize("variant", ["grpo", "gtpo_gamma0", "gspo", "cispo"])
 def test_invariant_under_adam(variant, report):
     for phi, run in runs_of(report, variant).items():
         assert run["cosine_vs_reference"] > 0.999 and abs(run["delta_norm_ratio"] - 1) < 0.01, (phi, run)

@@ -21,7 +21,9 @@ STUDIES = sorted((REPO / "configs" / "study").glob("*.yaml"))
 @pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.stem)
 def test_every_run_recipe_of_every_study_is_valid(path, tmp_path):
     study = load_study(path)
-    assert set(study.algorithms) == set(ALGORITHMS)
+    # the quick check runs every algorithm; the studies at least the four of the GTPO comparison
+    assert set(study.algorithms) == set(ALGORITHMS) if path.stem == "quick" else \
+        {"gtpo", "grpo", "drgrpo", "dapo"} <= set(study.algorithms) <= set(ALGORITHMS)
     data = prepare_data(study, tmp_path)
     names = set()
     for algo in study.algorithms:
@@ -37,7 +39,7 @@ def test_every_run_recipe_of_every_study_is_valid(path, tmp_path):
         assert cfg.train.prompts_per_step == shared["train"]["prompts_per_step"]
         if study.eval.every:
             assert cfg.train.eval_every == study.eval.every and cfg.train.eval_benchmark == "gsm8k"
-    assert names == set(ALGORITHMS)
+    assert names == set(study.algorithms)
 
 
 def test_arithmetic_study_uses_each_algorithms_own_recipe(tmp_path):
@@ -58,7 +60,8 @@ def test_a_study_inherits_its_base_study():
     assert collapse.shared["optim"]["optimizer"]["lr"] == 5 * base.shared["optim"]["optimizer"]["lr"]
     assert collapse.shared["optim"]["optimizer"]["clip_grad"] == base.shared["optim"]["optimizer"]["clip_grad"]
     assert collapse.shared["rollout"] == base.shared["rollout"] and collapse.eval.n == 0 < base.eval.n
-    assert {a: collapse.recipe_of(a) for a in ALGORITHMS} == {a: base.recipe_of(a) for a in ALGORITHMS}
+    assert set(collapse.algorithms) == set(base.algorithms)
+    assert {a: collapse.recipe_of(a) for a in base.algorithms} == {a: base.recipe_of(a) for a in base.algorithms}
 
 
 def test_held_out_prompts_are_never_training_prompts(tmp_path):

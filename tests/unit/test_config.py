@@ -12,7 +12,7 @@ from megatron_gtpo.config import RunConfig, dump_resolved, load_config
 from megatron_gtpo.utils.configuration import ConfigError, apply_overrides, describe, field_docs
 from tests.helpers import REPO
 
-RECIPES = ["gtpo", "grpo", "drgrpo", "dapo", "tiny", "demo", "grpo_gtpo_paper"]
+RECIPES = ["gtpo", "grpo", "drgrpo", "dapo", "gspo", "cispo", "tiny", "demo", "grpo_gtpo_paper"]
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -43,6 +43,11 @@ def test_recipes_carry_the_spec_defaults():
     # the code-exact GTPO choices (spec 5.5, 5.8); tiny.yaml keeps the averaged prompts of its stored values
     assert (gtpo.gtpo_prompt_reduction, gtpo.entropy_logits, gtpo.mismatch_correction) == ("sum", "raw", "none")
     assert spec_of_recipe("tiny").gtpo_prompt_reduction == "mean"
+    gspo, cispo = spec_of_recipe("gspo"), spec_of_recipe("cispo")    # spec 13, 14
+    assert (gspo.surrogate, gspo.clip_eps_low, gspo.clip_eps_high, gspo.agg_mode, gspo.kl_beta, gspo.mu) == (
+        "gspo", 3e-4, 4e-4, "seq-mean-token-mean", 0.0, 4)
+    assert (cispo.surrogate, cispo.clip_eps_low, cispo.clip_eps_high, cispo.agg_mode, cispo.adv_std_scale) == (
+        "cispo", 1.0, 0.28, "token-mean", True)
 
 
 def test_gtpo_paper_grpo_recipe():

@@ -35,6 +35,21 @@ def test_rollout_config_validation():
             build(RolloutConfig, bad)
 
 
+def test_nucleus_sampling_is_refused_naming_the_key():
+    """rollout.top_p < 1 is refused when the recipe loads, before any start: vLLM would sample from and
+    report log-probs of the renormalised nucleus (tests/e2e/test_rollout_engine.py shows them above the
+    full-vocabulary ones), which the trainer's full-vocabulary log-probs and entropies do not model.
+    Injected bug seen failing: the ``top_p == 1`` check removed (no ConfigError raised)."""
+    from megatron_gtpo.config import load_config
+    from tests.helpers import REPO
+
+    with pytest.raises(ConfigError, match=r"top_p=0.9 is not allowed: expected 1.0: .*renormalised nucleus"):
+        build(RolloutConfig, {"top_p": 0.9})
+    with pytest.raises(ConfigError, match=r"rollout\.top_p=0.9.*docs/algorithms.md 15.*rollout.top_p=1.0"):
+        load_config(REPO / "configs" / "tiny.yaml", ["rollout.top_p=0.9"])
+    assert build(RolloutConfig, {"top_p": 1.0}).sampling().top_p == 1.0
+
+
 def test_sync_config_validation():
     assert SyncConfig().transport == "colocated"
     with pytest.raises(ConfigError, match="transport"):

@@ -56,7 +56,7 @@ SGD = {"optimizer": "sgd", "lr": 0.5, "sgd_momentum": 0.0, "weight_decay": 0.0, 
 
 def cases(threshold: dict[float, float]) -> list[dict]:
     """GTPO (threshold between the rows' <H>_i), GTPO mu = 2 on raw-logit entropies with truncated
-    importance weights, GRPO + KL, DAPO."""
+    importance weights, GRPO + KL, DAPO, GSPO mu = 2."""
     return [
         dict(name="gtpo", cfg=AlgoConfig(name="gtpo", entropy_threshold=threshold[TEMPERATURE]), opt=SGD),
         dict(name="gtpo_raw_mu2", opt={**SGD, "lr": 0.005},  # pi_old's record at update 2, mismatch weights held
@@ -64,6 +64,10 @@ def cases(threshold: dict[float, float]) -> list[dict]:
                             mismatch_correction="tis")),
         dict(name="grpo_kl", cfg=AlgoConfig(name="grpo", kl_beta=0.04), opt=SGD),
         dict(name="dapo", cfg=AlgoConfig(name="dapo"), opt=SGD),
+        # GSPO's log s_i: each CP rank holds part of a completion; the step sums the shares over the
+        # CP group before the ratio (train/loss.py), so update 2's sequence ratios are the whole rows'
+        dict(name="gspo_mu2", cfg=AlgoConfig(name="gspo", mu=2, clip_eps_low=0.002, clip_eps_high=0.002),
+             opt={**SGD, "lr": 0.005}),
     ]
 
 

@@ -48,6 +48,9 @@ def cases(threshold: float, raw_threshold: float) -> list[dict]:
              opt={**sgd, "lr": 1e-4, "clip_grad": 1.0}),
         # Dr. GRPO's constant normaliser (seq-mean-token-sum-norm): the same L in every micro-batch
         dict(name="drgrpo", cfg=AlgoConfig(name="drgrpo"), ref=False, opt=sgd),
+        # GSPO's per-row mean log-ratio: a packed row's tokens must be averaged over its own row only
+        dict(name="gspo_mu2", cfg=AlgoConfig(name="gspo", mu=2, clip_eps_low=0.02, clip_eps_high=0.02), ref=False,
+             opt={**sgd, "lr": 1e-4, "clip_grad": 1.0}),
     ]
 
 

@@ -1,4 +1,4 @@
-"""Multi-rank check: GTPO/GRPO/DAPO losses, gradients, parameter updates, no-grad log-probs and
+"""Multi-rank check: GTPO/GRPO/DAPO/Dr. GRPO/GSPO/CISPO losses, gradients, parameter updates, no-grad log-probs and
 greedy tokens of the Megatron train step in several (TP, PP, DP[, VPP]) layouts equal a
 single-process reference on the same global batch.
 
@@ -58,6 +58,13 @@ def cases(threshold: float, clip: float) -> list[dict]:
         # Dr. GRPO: its normaliser is the constant L (max completion tokens), the same in every
         # micro-batch and DP slice; a per-micro-batch normaliser would change the loss here
         dict(name="drgrpo", cfg=AlgoConfig(name="drgrpo"), mu=1, ref=False, opt=sgd),
+        # GSPO at its own range (3e-4 / 4e-4): update 2 clips whole completions by their sequence
+        # ratio, each row's mean log-ratio taken over the whole row in any micro-batch / DP split
+        dict(name="gspo_mu2", cfg=AlgoConfig(name="gspo", mu=2), mu=2, ref=False,
+             opt={**sgd, "lr": 1e-4, "clip_grad": clip}),
+        # CISPO: truncated IS weights (0.02 above and below) that keep their tokens' gradients
+        dict(name="cispo_mu2", cfg=AlgoConfig(name="cispo", mu=2, clip_eps_low=0.02, clip_eps_high=0.02), mu=2,
+             ref=False, opt={**sgd, "lr": 1e-4, "clip_grad": clip}),
     ]
 
 
