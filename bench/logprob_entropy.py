@@ -168,7 +168,7 @@ def _cp_path(cp: int, rank: int, tokens: int, vocab: int):
     from megatron_gtpo.train.batching import MicroBatch
     from megatron_gtpo.train.cp_loss import cp_groups, mean_entropy, shard_token_stats
     from megatron_gtpo.train.cp_shard import shard_micro_batch
-    from megatron_gtpo.train.loss import LogprobSettings
+    from megatron_gtpo.train.logprobs import LogprobSettings
 
     gen = torch.Generator().manual_seed(2)
     prompt, width = 64, tokens - 64

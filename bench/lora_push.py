@@ -84,9 +84,10 @@ def fused_layers(hf_dir: str, hf_config: dict) -> list[tuple]:
     """``(global Megatron name, ParamMap, global tensor)`` of the model, in HF order (the trainer holds these)."""
     from megatron_gtpo.convert import mapping as mp
     from megatron_gtpo.convert.hf_io import HFReader
-    from megatron_gtpo.models.hf_config import architecture_of, tied_embeddings
+    from megatron_gtpo.models.families import family_of
+    from megatron_gtpo.models.hf_config import tied_embeddings
 
-    reader, shapes, family = HFReader(hf_dir), mp.shapes_of(hf_config), architecture_of(hf_config)
+    reader, shapes, family = HFReader(hf_dir), mp.shapes_of(hf_config), family_of(hf_config)
     out = [(pm.local, pm, reader.get(pm.hf[0])) for pm in mp.pre_maps()]
     for layer in range(int(hf_config["num_hidden_layers"])):
         for pm in mp.layer_maps(family):
