@@ -8,14 +8,19 @@ A quick run's figures mean nothing; only that the path ran and printed its JSON 
 from __future__ import annotations
 
 import argparse
+import sys
 
 
-def parse_quick(parser: argparse.ArgumentParser, argv: list[str] | None, quick: dict) -> argparse.Namespace:
-    """Adds ``--quick`` to ``parser`` and parses ``argv``; with ``--quick`` the values of ``quick``
-    (argument dest -> value) replace the defaults, so an explicit flag still wins."""
-    shown = ", ".join(f"{k}={v}" for k, v in quick.items())
+def parse_quick(parser: argparse.ArgumentParser, argv: list[str] | None, quick: dict | list[str]) -> argparse.Namespace:
+    """Adds ``--quick`` to ``parser`` and parses ``argv`` (default ``sys.argv[1:]``). With ``--quick``,
+    a dict ``quick`` (argument dest -> value) replaces the defaults; a list is put before ``argv``
+    (for parsers with required flags, e.g. the eval CLI's ``--model``). Explicit flags still win."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    shown = " ".join(quick) if isinstance(quick, list) else ", ".join(f"{k}={v}" for k, v in quick.items())
     parser.add_argument("--quick", action="store_true", help=f"toy sizes for the suite's smoke run ({shown})")
-    known, _ = parser.parse_known_args(argv)
-    if known.quick:
-        parser.set_defaults(**quick)
+    if "--quick" in argv:
+        if isinstance(quick, list):
+            argv = quick + argv
+        else:
+            parser.set_defaults(**quick)
     return parser.parse_args(argv)
