@@ -144,8 +144,8 @@ def test_memory_plan_against_measured_peak(quick_runs):
     the plan does not count the allocator's retained heap, vLLM's CPU worker buffers or
     Megatron's CPU-side copies). The bounds: total within [1.0, 1.5], the part above the
     baseline within [1.0, 4.0] (the plan undercounts CPU memory; by more than 4x fails).
-    Proved against: the KV cache term left out of the plan (``kv_cache`` 0): the part above the
-    baseline read 6.1x and failed."""
+    Proved against: the KV cache left out of the plan's engine term (``MemoryPlan.engine`` without
+    ``kv_cache_bytes``): the total read 1.28 (passes) but the part above the baseline 6.08x, failed."""
     proc, row = quick_runs("memory")
     assert proc.returncode == 0 and row is not None, (proc.stdout + proc.stderr)[-3000:]
     baseline = row["terms"]["baseline"]
