@@ -9,7 +9,7 @@ only and extrapolated per token to the full batch; the output says so. The two a
 equality on those groups. The last line is one JSON object.
 
     python bench/conflict_weights.py                 # 64 groups x 8 x 4096, vocab 50k
-    python bench/conflict_weights.py --groups 4 --seq-len 256 --loop-groups 1   # quick
+    python bench/conflict_weights.py --quick         # toy sizes (the suite's smoke run)
     python bench/conflict_weights.py --worst-case    # every completion identical: runs span everything
 """
 
@@ -24,9 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.quick import parse_quick  # noqa: E402
 from megatron_gtpo.algo import conflict_weights  # noqa: E402
 
 EOS = 2
+QUICK = {"groups": 2, "group_size": 4, "seq_len": 64, "vocab": 100, "repeats": 1, "loop_groups": 1}
 
 
 def make_batch(*, groups: int, group_size: int, seq_len: int, vocab: int, worst_case: bool, seed: int):
@@ -101,7 +103,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--worst-case", action="store_true", help="identical completions: runs cover everything")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_quick(parser, argv, QUICK)
     if args.threads:
         torch.set_num_threads(args.threads)
     tokens, mask, adv, gids = make_batch(groups=args.groups, group_size=args.group_size, seq_len=args.seq_len,

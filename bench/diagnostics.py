@@ -10,6 +10,7 @@ step anyway). The last line is one JSON object.
 
     python bench/diagnostics.py                      # 64 groups x 8 x 1024, vocab 50k
     python bench/diagnostics.py --worst-case
+    python bench/diagnostics.py --quick              # toy sizes (the suite's smoke run)
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conflict_weights import make_batch  # noqa: E402
+from bench.conflict_weights import make_batch  # noqa: E402
+from bench.quick import parse_quick  # noqa: E402
 
 from megatron_gtpo.algo import (AlgoConfig, prefix_bias_metrics, prepare_batch, shared_prefixes,  # noqa: E402
                                 surrogate_decomposition, token_omega)
+
+QUICK = {"groups": 2, "group_size": 4, "seq_len": 64, "vocab": 100, "repeats": 1}
 
 
 def timed(fn, repeats: int) -> tuple[float, float, object]:
@@ -43,7 +46,7 @@ def timed(fn, repeats: int) -> tuple[float, float, object]:
     return 1e3 * times[0], 1e3 * times[len(times) // 2], out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--group-size", type=int, default=8)
@@ -52,7 +55,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--worst-case", action="store_true")
-    args = parser.parse_args()
+    args = parse_quick(parser, argv, QUICK)
     torch.set_num_threads(args.threads)
     ids, mask, _, gids = make_batch(groups=args.groups, group_size=args.group_size, seq_len=args.seq_len,
                                     vocab=args.vocab, worst_case=args.worst_case, seed=0)

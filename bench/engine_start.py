@@ -14,6 +14,7 @@ heap is a little larger than the one before for both variants alike. Prints the 
 seconds of each variant, then one JSON line with ``frozen_over_unfrozen`` (median wall ratio).
 
     python bench/engine_start.py [--repeats 3]
+    python bench/engine_start.py --quick             # one round (the suite's smoke run)
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
 from bench.alternating import alternate  # noqa: E402
+from bench.quick import parse_quick  # noqa: E402
 
 VLLM = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20}  # configs/tiny.yaml's rollout.vllm
+QUICK = {"repeats": 1}
 
 
 def start(model_dir: str, variant: str) -> dict[str, float]:
@@ -47,7 +50,7 @@ def start(model_dir: str, variant: str) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each starts one engine per variant")
-    args = parser.parse_args(argv)
+    args = parse_quick(parser, argv, QUICK)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, as RolloutEngine runs it
     import megatron.core.dist_checkpointing  # noqa: F401 -- a rank's imports (parallel/launch.TRAINER_PRELOAD)
     import vllm.entrypoints.llm  # noqa: F401

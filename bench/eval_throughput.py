@@ -14,6 +14,7 @@ repeats of eval tok/s / generate tok/s measured back to back (goal >= 0.8), with
 
     python bench/eval_throughput.py --model smollm2 --limit 20 --n 2 --k 1,2 --max-tokens 64 \\
         --temperature 0.7 --vllm max_model_len=2048 --vllm kv_cache_memory_bytes=268435456
+    python bench/eval_throughput.py --quick          # the tiny model, 2 prompts (the suite's smoke run)
 """
 
 from __future__ import annotations
@@ -32,8 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # re-import this file, and should not pay for torch. megatron_gtpo.cli.eval loads first: it sets
 # the OpenMP wait policy before torch loads, as the eval CLI does.
 
+QUICK = ["--model", "tiny", "--benchmarks", "gsm8k", "--limit", "2", "--n", "2", "--k", "1,2", "--max-tokens", "8",
+         "--workers", "1", "--repeats", "1", "--vllm", "dtype=float32", "--vllm", "kv_cache_memory_bytes=67108864"]
+
 
 def parse_args(argv: list[str] | None = None):
+    from bench.quick import parse_quick
     from megatron_gtpo.cli import eval as eval_cli
 
     parser = eval_cli.build_parser()
@@ -41,7 +46,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--repeats", type=int, default=2, help="interleaved eval/generate pairs (median reported)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time one generate call per benchmark and one seeded call with log-probs")
-    args = parser.parse_args(argv)
+    args = parse_quick(parser, argv, QUICK)
     return args, eval_cli.config_from_args(args)
 
 

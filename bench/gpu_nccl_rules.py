@@ -52,7 +52,9 @@ def run_op(name: str, group, device) -> str | None:
 
 
 def main(argv=None) -> int:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the same check (it takes seconds on a GPU already)")
+    parser.parse_args(argv)
     import torch
     import torch.distributed as dist
 

@@ -1,6 +1,7 @@
 """Benchmark: fused vocab-parallel log-prob + entropy against the naive and the Megatron paths.
 
     python bench/logprob_entropy.py [--tokens 8192] [--vocab 49152] [--naive-tokens 2048] [--reps 4]
+    python bench/logprob_entropy.py --quick          # 256 tokens, vocabulary 512 (the suite's smoke run)
 
 Re-launches itself on 2 gloo ranks (torchrun). TP = 1 runs on rank 0 alone (rank 1 waits, to keep
 peak memory of the machine down), TP = 2 on both ranks. fp32 logits ``[tokens, vocab/TP]`` per rank,
@@ -44,6 +45,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.quick import parse_quick  # noqa: E402
+
+QUICK = {"tokens": 256, "vocab": 512, "naive_tokens": 128, "reps": 1}
 
 
 def peak_extra_bytes(fn) -> tuple[int, int]:
@@ -168,7 +172,7 @@ def _cp_path(cp: int, rank: int, tokens: int, vocab: int):
     from megatron_gtpo.train.batching import MicroBatch
     from megatron_gtpo.train.cp_loss import cp_groups, mean_entropy, shard_token_stats
     from megatron_gtpo.train.cp_shard import shard_micro_batch
-    from megatron_gtpo.train.loss import LogprobSettings
+    from megatron_gtpo.train.logprobs import LogprobSettings
 
     gen = torch.Generator().manual_seed(2)
     prompt, width = 64, tokens - 64
@@ -256,7 +260,7 @@ def parse_args(argv=None):
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--naive-tokens", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=4)
-    return parser.parse_args(argv)
+    return parse_quick(parser, argv, QUICK)
 
 
 if __name__ == "__main__":

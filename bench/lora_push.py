@@ -24,6 +24,7 @@ greedy tokens of the merged engine and of the adapter engine (both serve W + s B
 base (should differ). Ends with one JSON line.
 
     python bench/lora_push.py [--model tiny|smollm2] [--rank 8] [--repeats 3] [--prompts 8] [--n 4]
+    python bench/lora_push.py --quick                # one round, 2 prompts (the suite's smoke run)
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ from types import SimpleNamespace
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
+from bench.quick import parse_quick  # noqa: E402
+
 PUSH_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+QUICK = {"repeats": 1, "prompts": 2, "n": 2, "max_tokens": 4}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per generation call")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=32)
-    return parser.parse_args(argv)
+    return parse_quick(parser, argv, QUICK)
 
 
 def model_dir(name: str) -> str:
@@ -84,9 +89,10 @@ def fused_layers(hf_dir: str, hf_config: dict) -> list[tuple]:
     """``(global Megatron name, ParamMap, global tensor)`` of the model, in HF order (the trainer holds these)."""
     from megatron_gtpo.convert import mapping as mp
     from megatron_gtpo.convert.hf_io import HFReader
-    from megatron_gtpo.models.hf_config import architecture_of, tied_embeddings
+    from megatron_gtpo.models.families import family_of
+    from megatron_gtpo.models.hf_config import tied_embeddings
 
-    reader, shapes, family = HFReader(hf_dir), mp.shapes_of(hf_config), architecture_of(hf_config)
+    reader, shapes, family = HFReader(hf_dir), mp.shapes_of(hf_config), family_of(hf_config)
     out = [(pm.local, pm, reader.get(pm.hf[0])) for pm in mp.pre_maps()]
     for layer in range(int(hf_config["num_hidden_layers"])):
         for pm in mp.layer_maps(family):

@@ -23,6 +23,7 @@ their own, not part of a rank's memory.
     python bench/memory.py --ranks 2 --prompts 2         # 2 ranks (DP=2) via torchrun
     python bench/memory.py --prompts 2 -- train.micro_batch_size=4   # any recipe override after --
     python bench/memory.py --cp                          # CP rows: one long sequence at CP=2 vs CP=1
+    python bench/memory.py --cp --quick                  # the same at 256 tokens (the suite's smoke run)
 
 ``--cp`` measures instead what one rank holds of a long sequence's step (activations, logits, the
 fused pass) and its time per token at CP=2 against CP=1 in the same run, next to the plan's
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench/memory.py", description=intro, epilog=rest,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="tiny-char model (configs/tiny.yaml at TP=1): seconds per step instead of minutes")
+                        help="tiny-char model (configs/tiny.yaml at TP=1): seconds per step instead of minutes; "
+                             "with --cp: a 256-token sequence, one round")
     parser.add_argument("--recipe", default=None, help="recipe YAML (default: configs/grpo.yaml, --quick: tiny.yaml)")
     parser.add_argument("--model", default=None, help="model.path (default: the recipe's; smollm2 for grpo.yaml)")
     parser.add_argument("--prompts", type=int, default=None, help="train.prompts_per_step (default 8, --quick 2)")
@@ -72,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="OMP/torch threads per rank")
     parser.add_argument("--out", default=None, help="run directory (default: a temporary one, deleted)")
     parser.add_argument("--cp", action="store_true", help="CP rows (bench/memory_cp.py) instead of a training run")
-    parser.add_argument("--cp-tokens", type=int, default=4096, help="--cp: tokens of the sequence (default 4096)")
-    parser.add_argument("--cp-reps", type=int, default=3, help="--cp: timed rounds, the minimum counts")
+    parser.add_argument("--cp-tokens", type=int, default=None, help="--cp: tokens of the sequence (default 4096, --quick 256)")
+    parser.add_argument("--cp-reps", type=int, default=None, help="--cp: timed rounds, the minimum counts (default 3, --quick 1)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank: the directory for its JSON
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more recipe overrides (after --)")
     return parser
@@ -102,6 +104,8 @@ def recipe_and_overrides(args: argparse.Namespace, out: str) -> tuple[str, list[
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.cp_tokens = args.cp_tokens or (256 if args.quick else 4096)
+    args.cp_reps = args.cp_reps or (1 if args.quick else 3)
     if args.cp:
         return cp_rows(args, argv if argv is not None else sys.argv[1:])
     if args.worker:

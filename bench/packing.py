@@ -12,6 +12,7 @@ goal <= 0.6 on CPU), the same ratio of this process's CPU time (steadier on a sh
 step's loss and grad norm are from the padded step's.
 
     .venv/bin/python bench/packing.py [--rows 64] [--budget 1152] [--steps 3]
+    .venv/bin/python bench/packing.py --quick        # toy sizes (the suite's smoke run)
 
 Measured on the 2-core CI machine while other jobs loaded it (load average 15-60), defaults (64 rows,
 16704 real tokens; padded: 8 micro-batches, 43224 positions; packed: 15, 16704): CPU-time ratio
@@ -32,7 +33,11 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.quick import parse_quick  # noqa: E402
+
 VOCAB, LONGEST_ROW = 2048, 128 + 1024
+QUICK = {"rows": 8, "group_size": 4, "micro_batch_size": 4, "hidden": 64, "layers": 1, "steps": 1,
+         "warmup": 0}
 
 
 def model_config(hidden: int, layers: int) -> dict:
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per path first (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_quick(parser, argv, QUICK)
     print(json.dumps(run(args)))
     return 0
 

@@ -12,15 +12,23 @@ staging as it reports it (``status``) and its ratio; the growth of the server's 
 as the OS does) and its ratio; bytes each vLLM worker received.
 
     VLLM_CPU_OMP_THREADS_BIND='0|1' OMP_NUM_THREADS=1 python bench/pool_staging.py [--engine-tp 2] [--pushes 2]
+    python bench/pool_staging.py --quick             # engine TP=1, one push (the suite's smoke run)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import psutil
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
+from bench.quick import parse_quick  # noqa: E402
+
+QUICK = {"engine_tp": 1, "pushes": 1}
 
 
 def tree_pss(pid: int) -> int:
@@ -50,7 +58,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engine-tp", type=int, default=2, help="vLLM workers of the server's engine")
     parser.add_argument("--pushes", type=int, default=2, help="pushes measured (the first one allocates the staging)")
-    args = parser.parse_args(argv)
+    args = parse_quick(parser, argv, QUICK)
 
     from megatron_gtpo.models.hf_config import read_hf_config
     from megatron_gtpo.models.tiny import ensure_tiny

@@ -14,6 +14,7 @@ Prints a table and ends with one JSON line (with the 1-minute load average: on a
 the pool cannot beat the in-process path, the numbers are only comparable at equal load).
 
     python bench/reward_throughput.py --samples 2000 --workers 2
+    python bench/reward_throughput.py --quick        # toy sizes (the suite's smoke run)
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.quick import parse_quick  # noqa: E402
 from megatron_gtpo.data import load_benchmark  # noqa: E402
 from megatron_gtpo.reward import ScoringPool  # noqa: E402
 from megatron_gtpo.reward.extract import gold_answer  # noqa: E402
 from megatron_gtpo.reward.functions import reward_path  # noqa: E402
 from megatron_gtpo.reward.verify import _judge_cached, _mv_parse  # noqa: E402
+
+QUICK = {"samples": 8, "math_samples": 4, "workers": 1}
 
 
 def cheap_items(count: int) -> list[tuple[str, str, str]]:
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=10.0, help="per-sample limit (default 10)")
     parser.add_argument("--start-method", default="spawn", choices=("spawn", "forkserver", "fork"),
                         help="worker start method (default spawn, as in training)")
-    args = parser.parse_args(argv)
+    args = parse_quick(parser, argv, QUICK)
     if args.samples < 1 or args.math_samples < 1 or args.workers < 1:
         parser.error("--samples, --math-samples and --workers must be >= 1")
     workloads = {"cheap": cheap_items(args.samples), "math_verify": math_verify_items(args.math_samples)}

@@ -2,6 +2,7 @@
 one run after the other in the same invocation (same machine load window).
 
     python bench/staleness.py [--transport separate|colocated] [--steps 10] [--out /tmp/bench_staleness]
+    python bench/staleness.py --quick [--out DIR]    # colocated, 2 steps each (the suite's smoke run)
 
 Prints, per staleness, the median over steps 2..N (step 1 includes the engines' warm-up) of
 ``time/step_s`` and of its stages (``time/rollout_s``: what the step waited for generation,
@@ -22,6 +23,10 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # this checkout
+from bench.quick import parse_quick  # noqa: E402
+
+QUICK = {"transport": "colocated", "steps": 2}
 KEYS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s")
 
 
@@ -49,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transport", default="separate", choices=("separate", "colocated"))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default="/tmp/bench_staleness")
-    args = parser.parse_args(argv)
+    args = parse_quick(parser, argv, QUICK)
     rows = {s: run(os.path.join(args.out, f"s{s}"), staleness=s, transport=args.transport, steps=args.steps)
             for s in (0, 1)}
     print(f"tiny.yaml, {args.transport}, median of steps 2..{args.steps} (s)")

@@ -6,6 +6,7 @@ the cached empty MLflow store (megatron_gtpo/tracking/sqlite_seed.py), so that r
 store as every run did before the cache (and as an installation's first run does).
 
     python bench/startup.py [--repeats 3] [--out /tmp/bench_startup] [--against CHECKOUT] [--only fork,against]
+    python bench/startup.py --quick [--out DIR]      # one forked run (the suite's smoke run)
 
 ``--against CHECKOUT`` adds the variant ``against``: another checkout of the project (its own ``.venv`` set up,
 e.g. ``git worktree add /tmp/before HEAD~1 && make -C /tmp/before setup``) started the same way as ``fork``,
@@ -32,6 +33,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # this checkout's megatron_gtpo
 from bench.alternating import alternate  # noqa: E402
+from bench.quick import parse_quick  # noqa: E402
 READY = re.compile(r"ready: .*\(start-up ([0-9.]+) s, peak host RSS ([0-9.]+) GiB\)")
 FIRST_STEP = re.compile(r"\bstep 1/\d+ \|")  # the first step's log line
 
@@ -42,6 +44,8 @@ is the cache the other two copy from."""
 RATIOS = {"fork_over_torchrun": "torchrun", "fork_over_against": "against",
           "copied_over_migrated_store": "fork_store_migrated"}
 """Printed ratio -> the variant whose start-up divides ``fork``'s."""
+QUICK = {"repeats": 1, "only": "fork"}
+"""One forked run: the migrating variant would delete the store cache that concurrent runs copy."""
 
 
 def run(out: str, variant: str, *, repo: str = REPO) -> dict[str, float]:
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="/tmp/bench_startup")
     parser.add_argument("--against", metavar="CHECKOUT", help="another checkout, run as the variant `against`")
     parser.add_argument("--only", help="comma-separated variants to run (default: all)")
-    args = parser.parse_args(argv)
+    args = parse_quick(parser, argv, QUICK)
     variants = list(LAUNCHERS) + (["against"] if args.against else [])
     if args.only:
         only = set(args.only.split(","))

@@ -1,6 +1,7 @@
 """Train-phase time of GTPO against GRPO on the same batch, in the same process (issue 16).
 
     python bench/step_time.py [--preset smollm2|tiny] [--layers N] [--completions 64] [--repeats 3]
+    python bench/step_time.py --quick                # toy sizes (the suite's smoke run)
 
 One gloo rank (TP = PP = DP = 1; a world of one, no torchrun), a randomly initialised model of the
 preset's shape (``smollm2``: SmolLM2-135M, 30 layers, hidden 576, vocabulary 49152; ``--layers``
@@ -35,6 +36,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.quick import parse_quick  # noqa: E402
+
+QUICK = {"preset": "tiny", "layers": 1, "completions": 8, "group_size": 4, "completion_len": 16, "micro_batch": 4,
+         "repeats": 1, "warmup": 0}
 
 PRESETS = {
     "smollm2": {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
@@ -148,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch")
-    args = parser.parse_args(argv)
+    args = parse_quick(parser, argv, QUICK)
     if args.completions % args.micro_batch or args.completions % args.group_size:
         parser.error("--completions must be a multiple of --micro-batch and of --group-size")
     if args.completion_len < 8:

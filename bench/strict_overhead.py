@@ -7,6 +7,9 @@ fastest step time of each plus the collectives strict mode checked per step. On 
 machine the fastest step is the stable statistic.
 
     python bench/strict_overhead.py [--layout 2,1] [--steps 20] [--rounds 2]
+    python bench/strict_overhead.py --quick          # one launch each, 1 timed step (the suite's smoke run)
+
+Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout
+from bench.quick import parse_quick  # noqa: E402
+
+QUICK = {"steps": 1, "rounds": 1}
 
 
 def free_port() -> int:
@@ -77,13 +84,13 @@ def launch(layout: str, steps: int, strict: str) -> dict:
     return json.loads(lines[0][7:])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layout", default="2,1", help="tp,pp (world = tp*pp ranks)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per launch (after 3 warm-up steps)")
     parser.add_argument("--rounds", type=int, default=2, help="launches per setting, alternating off/on")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_quick(parser, argv, QUICK)
     if args.worker:
         tp, pp = (int(x) for x in args.worker.split(","))
         return worker(tp, pp, args.steps)
@@ -101,7 +108,7 @@ def main() -> None:
     summary["min_overhead"] = summary["strict=1"]["min_ms"] / summary["strict=0"]["min_ms"] - 1
     summary["checked_per_step"] = checked["checked_per_step"]
     summary["checked_by_op_total"] = checked["by_op"]
-    print(json.dumps({"layout": args.layout, **summary}, indent=1))
+    print(json.dumps({"layout": args.layout, **summary}))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ standard library). Both sides run everything in that one process (reward checkin
 core in-process). A variant that fails is reported with its error and left out of the ratios.
 
     .venv/bin/python bench/vs_trl.py                       # the full work: 8 prompts x 8, 128 tokens, 6 steps
-    .venv/bin/python bench/vs_trl.py --quick               # 2 prompts x 4, 32 tokens, 3 steps
+    .venv/bin/python bench/vs_trl.py --quick               # tiny model, 2 prompts x 2, 8 tokens, 2 steps
     .venv/bin/python bench/vs_trl.py --steps 3 --variants trl_hf,grpo
 
 TRL is the optional ``bench`` extra (``.venv/bin/pip install "trl==1.16.0"``); without it the TRL
@@ -63,6 +63,9 @@ GOAL_GTPO_OVER_GRPO = 1.05
 class Work:
     """What every variant does."""
 
+    model: str = "smollm2"
+    """The policy: a built-in model name (``models/resolve.py``) or an HF directory (the study's is
+    SmolLM2-135M-Instruct; ``--quick`` trains the tiny random Qwen2 instead)."""
     prompts: int = 8
     """Prompts per step."""
     n: int = 8
@@ -100,13 +103,14 @@ class Work:
                              f"{self.micro_batch}")
 
 
-QUICK = {"prompts": 2, "n": 4, "max_tokens": 32, "steps": 3, "micro_batch": 4}
-"""``--quick``: a short run of the same pipeline (minutes, not an hour, on 2 shared cores)."""
+QUICK = {"model": "tiny", "prompts": 2, "n": 2, "max_tokens": 8, "steps": 2, "micro_batch": 4, "max_model_len": 512}
+"""``--quick``: the same pipeline on the tiny random model, 2 short steps (the suite's smoke run; its
+figures mean nothing)."""
 
 
 def our_overrides(work: Work, algo: str) -> list[str]:
     """Overrides of configs/<algo>.yaml that make `megatron-gtpo train` do ``work``."""
-    out = ["model.path=smollm2", "model.dtype=float32", "parallel.tp=1", "parallel.pp=1", "parallel.dp=1",
+    out = [f"model.path={work.model}", "model.dtype=float32", "parallel.tp=1", "parallel.pp=1", "parallel.dp=1",
            "data.benchmarks=[gsm8k_train]", f"data.template={work.template}", "data.shuffle=false",
            f"data.limit={work.prompts * work.steps}",
            f"data.max_prompt_tokens={work.max_model_len - work.max_tokens}", f"rollout.n={work.n}", f"rollout.max_tokens={work.max_tokens}",
@@ -328,10 +332,10 @@ def shared_prompts(work: Work, model_dir: str):
 def child_main(variant: str, work_json: str, steps_path: str) -> int:
     """The TRL child process: trains, writes per-step phases; a vLLM-mode failure says what it means."""
     from bench.trl_side import VLLM_UNSUPPORTED_HINT, run_trl
-    from megatron_gtpo.models.smollm2 import ensure_smollm2
+    from megatron_gtpo.models.resolve import resolve_model
 
     work = Work(**json.loads(work_json))
-    model_dir = str(ensure_smollm2())
+    model_dir = str(resolve_model(work.model))
     try:
         run_trl(work, variant, prompts=shared_prompts(work, model_dir), model_dir=model_dir, steps_path=steps_path)
     except Exception as err:

@@ -21,6 +21,7 @@ the push changed what the engines serve). Ends with one JSON line per mode.
 
     python bench/weight_sync.py [--dtype bf16|fp32] [--repeats 3] [--bucket-mb 64]
                                 [--modes colocated,colocated_tp2,pool1,pool2] [--threads 1]
+    python bench/weight_sync.py --quick              # the tiny model, colocated and pool1 (the suite's smoke run)
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ import torch
 QUESTIONS = ["What is 12 + 30?", "Name three colors.", "Write one sentence about the sea.", "What is a prime number?"]
 TEMPERATURE, MAX_TOKENS, PAD = 1.0, 32, 0
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # this checkout
+from bench.quick import parse_quick  # noqa: E402
+
+QUICK = {"model": "tiny", "dtype": "fp32", "repeats": 1, "modes": "colocated,pool1", "bucket_mb": 4}
+"""The tiny model through one colocated and one pool push (colocated_tp2 runs the same ``bench_mode``
+on two torchrun ranks: left out to keep the suite short)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,7 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="torch/OpenMP threads per process (1, like the tests: on a shared 2-core machine every "
                              "2-thread region waits for the busy other core)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a torchrun rank of colocated_tp2
-    return parser.parse_args(argv)
+    parser.add_argument("--model", choices=["smollm2-shape", "tiny"], default="smollm2-shape",
+                        help="the pushed model: SmolLM2-135M's shape (the figures) or the tests' tiny Qwen2")
+    return parse_quick(parser, argv, QUICK)
 
 
 def ensure_bench_model() -> str:
@@ -214,11 +223,17 @@ def bench_mode(mode: str, args, *, model_dir: str, trainer) -> dict:
             "engine_startup_seconds": round(startup, 1), "dtype": args.dtype}
 
 
+def ensure_tiny() -> str:
+    from megatron_gtpo.models.tiny import ensure_tiny as build
+
+    return str(build())
+
+
 def run_tp2(args) -> dict:
     """colocated_tp2 as a 2-rank torchrun of this script; rank 0's row."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", __file__, "--worker", "colocated_tp2",
            "--dtype", args.dtype, "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--model", args.model]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=3000)
     rows = sorted((json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")),
                   key=lambda r: r["rank"])
@@ -232,7 +247,7 @@ def main() -> None:
     args = parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the servers and the torchrun ranks
     torch.set_num_threads(args.threads)
-    model_dir = ensure_bench_model()
+    model_dir = ensure_bench_model() if args.model == "smollm2-shape" else str(ensure_tiny())
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     if args.worker == "colocated_tp2":
         row = bench_mode("colocated", args, model_dir=model_dir, trainer=build_trainer(model_dir, dtype, tp=2))

@@ -14,6 +14,8 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 _SKIPS: list[tuple[str, str]] = []
+_RAN: set[str] = set()
+"""Test ids this process ran (a set-up report: run, skipped or errored), for the shards' check."""
 
 ENGINE_WRITES = ("LD_PRELOAD", "LD_LIBRARY_PATH")
 """What importing vLLM or starting an engine in this process writes into ``os.environ`` for later
@@ -50,6 +52,9 @@ _COLLECTED: list[str] = []
 def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="K/N",
                      help="run the K-th of N shards of the collected tests (tests/shards.py; scripts/test.sh runs 2)")
+    parser.addoption("--shard-record", default=None, metavar="PATH",
+                     help="write the collected and the ran test ids to PATH (JSON) at the end, for "
+                          "`python -m tests.shards check` (scripts/test.sh)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -79,9 +84,10 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_logreport(report):
-    if report.skipped and not hasattr(report, "wasxfail"):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if (reason := guards.skip_reason(report)) is not None and report.when in ("setup", "call"):
         _SKIPS.append((report.nodeid, reason))
+    if report.when == "setup":
+        _RAN.add(report.nodeid)
 
 
 def _unexpected_skips() -> list[tuple[str, str]]:
@@ -93,6 +99,8 @@ def pytest_terminal_summary(terminalreporter):
 
     if line := WARM.summary():
         terminalreporter.line(line)
+    if not _guarded():
+        terminalreporter.line(guards.OFF_LINE)
     bad = _unexpected_skips()
     if bad:
         terminalreporter.section("skips not in tests/guards.py ALLOWED_SKIPS: the run fails", red=True)
@@ -101,5 +109,7 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if path := session.config.getoption("shard_record"):
+        shards.write_record(path, shard=session.config.getoption("shard"), collected=_COLLECTED, ran=_RAN)
     if _unexpected_skips() and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED  # a check that did not run is not a pass

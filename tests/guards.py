@@ -6,8 +6,13 @@ scripts/test.sh, which ``make test`` and CI run):
 
 * each layer must collect at least ``FLOORS[layer]`` tests (raise a floor when you add tests; lower
   it only with the reason in the commit);
-* a skipped test fails the run unless its reason matches one of ``ALLOWED_SKIPS``, each with why it
-  cannot run on CI's machine.
+* a skipped or xfailed test fails the run unless its reason matches one of ``ALLOWED_SKIPS``, each
+  with why it cannot run on CI's machine (an ``xfail`` is a check that did not pass: it counts as a
+  skip, so an undocumented one fails the run like any failure);
+* the shards together ran exactly the collected tests (tests/shards.py ``check``).
+
+Without ``MGTPO_TEST_GUARDS=1`` (a selection) none of this applies, and the run's summary says
+so (``OFF_LINE``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import re
 
 ENV = "MGTPO_TEST_GUARDS"
+OFF_LINE = (f"tests/guards.py: guards OFF ({ENV} is not 1): layer floors and skip/xfail reasons are not checked; "
+            "this is a selection, not a full run (scripts/test.sh turns them on)")
 
 FLOORS = {"unit": 1016, "dist": 51, "e2e": 131, "slurm": 22}
 """Tests collected per layer at the last count, minus nothing (pytest counts parametrised cases)."""
@@ -46,6 +53,16 @@ def below_floor(nodeids: list[str]) -> list[str]:
             counts[name] += 1
     return [f"{name}: {counts[name]} tests collected, floor {floor}" for name, floor in FLOORS.items()
             if counts[name] < floor]
+
+
+def skip_reason(report) -> str | None:
+    """The reason of a test report that did not pass as a check: skipped, xfailed or xpassed
+    (``wasxfail``: the reason given to ``xfail``); None for a passed or failed report."""
+    if hasattr(report, "wasxfail"):
+        return f"xfail: {report.wasxfail}" if report.skipped or report.passed else None
+    if report.skipped:
+        return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return None
 
 
 def unexpected_skip(reason: str) -> bool:

@@ -109,6 +109,34 @@ def costs_from_junit(paths: list[str]) -> dict[str, float]:
     return {k: round(v, 1) for k, v in sorted(out.items())}
 
 
+def write_record(path: str, *, shard: str | None, collected: list[str], ran) -> None:
+    """One shard's record for ``check``: every collected test id and the ids it ran."""
+    Path(path).write_text(json.dumps({"shard": shard, "collected": list(collected), "ran": sorted(ran)}))
+
+
+def check(paths: list[str]) -> list[str]:
+    """What is wrong with the shards' records together (empty: the shards ran exactly the collected
+    tests): shards that collected different tests, tests no shard ran, tests two shards ran, and
+    tests run that were not collected."""
+    records = [json.loads(Path(p).read_text()) for p in paths]
+    collected = [set(r["collected"]) for r in records]
+    problems = [f"{p}: collected {len(c ^ collected[0])} test(s) differently from {paths[0]}"
+                for p, c in zip(paths[1:], collected[1:]) if c != collected[0]]
+    where: dict[str, list[str]] = defaultdict(list)
+    for path, record in zip(paths, records):
+        for nodeid in record["ran"]:
+            where[nodeid].append(path)
+    every = set().union(*collected) if collected else set()
+    lost = sorted(every - set(where))
+    twice = sorted(n for n, ps in where.items() if len(ps) > 1)
+    extra = sorted(set(where) - every)
+    for label, ids in (("collected but run by no shard", lost), ("run by more than one shard", twice),
+                       ("run but not collected", extra)):
+        if ids:
+            problems.append(f"{len(ids)} test(s) {label}: " + ", ".join(ids[:10]) + (" ..." if len(ids) > 10 else ""))
+    return problems
+
+
 def report(paths: list[str], *, top: int = 25) -> str:
     """The ``top`` slowest tests over the shards' JUnit reports, and the seconds per layer."""
     cases, layers = [], defaultdict(float)
@@ -127,14 +155,22 @@ def report(paths: list[str], *, top: int = 25) -> str:
 
 def main(argv: list[str]) -> int:
     usage = ("usage: python -m tests.shards report JUNIT...   (the slowest tests and time per layer)\n"
-             "       python -m tests.shards costs JUNIT...    (rewrites tests/assets/test_costs.json)")
-    if len(argv) < 2 or argv[0] not in ("report", "costs"):
+             "       python -m tests.shards costs JUNIT...    (rewrites tests/assets/test_costs.json)\n"
+             "       python -m tests.shards check RECORD...   (the shards ran exactly the collected tests)")
+    if len(argv) < 2 or argv[0] not in ("report", "costs", "check"):
         print(usage, file=sys.stderr)
         return 2
     missing = [path for path in argv[1:] if not Path(path).is_file()]
     if missing:
-        print(f"tests.shards: no JUnit report {missing}: a shard did not finish", file=sys.stderr)
+        print(f"tests.shards: no {'record' if argv[0] == 'check' else 'JUnit report'} {missing}: a shard did not "
+              f"finish", file=sys.stderr)
         return 1
+    if argv[0] == "check":
+        problems = check(argv[1:])
+        total = len(set().union(*(json.loads(Path(p).read_text())["collected"] for p in argv[1:])))
+        print("\n".join(f"tests.shards check: {p}" for p in problems) if problems else
+              f"tests.shards check: the {len(argv) - 1} shards ran each of the {total} collected tests exactly once")
+        return 1 if problems else 0
     if argv[0] == "report":
         print(report(argv[1:]))
     else:

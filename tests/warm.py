@@ -10,7 +10,7 @@ the child runs the real code: the CLI's checks, the launcher forking the ranks, 
 
 What it does not exercise is a fresh interpreter's start, so only the training runs of
 ``tests/e2e/runs.train``, the gloo worlds of ``tests/helpers.torchrun``, the probe and eval CLI runs
-and the learning bench's quick check (``python -m bench.learning --quick``) use it. Every test about
+and the benchmarks' quick runs (``python -m bench.NAME --quick``) use it. Every test about
 start-up, imports, ``--help`` or refusals "before torch loads" starts a fresh process
 (``run_group``), and so do the SLURM, setup and launch-line tests. ``MGTPO_TEST_WARM=0`` turns it
 off (every run a fresh process). A request whose environment differs from the server's in a
@@ -33,8 +33,9 @@ import time
 from pathlib import Path
 
 ENV = "MGTPO_TEST_WARM"
-MODULES = ("megatron_gtpo.cli", "megatron_gtpo.cli.eval", "megatron_gtpo.parallel.launch", "bench.learning")
-"""What a warm child may become (``python -m`` one of these)."""
+MODULES = ("megatron_gtpo.cli", "megatron_gtpo.cli.eval", "megatron_gtpo.parallel.launch", "bench.")
+"""What a warm child may become: ``python -m`` one of these, or, for a name ending in a dot, any
+module under it (every benchmark script: the learning bench, tests/e2e/test_bench_quick.py's runs)."""
 PRELOAD = ("megatron_gtpo.cli", "megatron_gtpo.cli.train", "megatron_gtpo.config", "megatron_gtpo.plan.preflight",
            "megatron_gtpo.trainer", "megatron.core.dist_checkpointing", "transformers", "vllm", "vllm.entrypoints.llm",
            "mlflow.store.tracking.sqlalchemy_store", "mlflow.tracking")
@@ -44,6 +45,10 @@ IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "OMP_", "MKL_", "KMP_", "P
 """Prefixes of variables read when a library is imported (the Hub's offline switches, thread pools,
 the interpreter's own settings): a request that changes one is not served warm. vLLM's and
 torchelastic's variables are read when used, after the fork (``vllm.envs`` reads lazily)."""
+
+
+def _may_become(module: str) -> bool:
+    return any(module == m or (m.endswith(".") and module.startswith(m)) for m in MODULES)
 
 
 def _serve() -> None:
@@ -153,8 +158,8 @@ class Warm:
             return "the warm server failed"
         if self.background is not None and self.background.poll() is None:
             return "a background run (runs.start) is still running"
-        if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or cmd[2] not in MODULES:
-            return "not python -m " + "|".join(MODULES)
+        if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or not _may_become(cmd[2]):
+            return "not python -m " + "|".join(m + "*" if m.endswith(".") else m for m in MODULES)
         changed = sorted(k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k) and k != THREADS
                          and k.startswith(IMPORT_TIME)) if self.env else []
         return f"import-time settings differ from the server's: {', '.join(changed)}" if changed else None

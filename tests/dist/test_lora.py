@@ -42,6 +42,15 @@ def test_lora_adapters_are_placed_initialised_and_merged_as_one_process(records,
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_lora_frozen_base_has_no_grad_buffer_or_optimizer_state(records, layout):
+    """The base tensors themselves are compared before and after the step and after two pushes:
+    bit for bit. (``base_grads`` and ``no_base_main_grad`` only count parameters with
+    ``requires_grad=False``, which cannot get a ``.grad`` or a DDP ``main_grad``: they guard the
+    set-up, not the step.) Proved against: ``LoraAdapter.merged`` also adding 1e-7 to the frozen
+    weight in place (an in-place merge/unmerge that does not round-trip): the first layout's
+    ``lora_push`` record read ``base_drift`` 2.0e-7 (TP=2, rank 1) and this failed; its
+    ``lora_step`` records, before any push, read 0."""
+    for r in rows(records, "lora_step", layout) + rows(records, "lora_push", layout):
+        assert r["base_drift"] == 0.0, r
     for r in rows(records, "lora_frozen", layout):
         assert r["trainable_is_adapters"] and r["buffers_are_adapters"] and r["optimizer_holds_adapters"], r
         assert r["buffer_numel"] == r["adapter_numel"] < r["base_numel"] / 5, r

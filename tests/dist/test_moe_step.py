@@ -8,6 +8,22 @@ must agree to 1e-6 (relative; the expert loads are ratios of integer counts), ev
 gradient to 1e-5 of its tensor's largest entry (fp32 sums in another order: measured up to 2.4e-6
 at TP=2). Replay must move the router's weights (the gate's probabilities of the replayed experts
 carry the gradient) and report agreement 1.0 against the engine routing, free routing a lower one.
+
+The synthetic-routing replay cases check distribution (EP/TP/PP against one process), but their
+reference replays through the same ``RouterWatch``/``tokens_of`` as the step. The ``*_captured``
+cases do not: they replay the experts HF transformers' Qwen2-MoE picks (captured by hooks on its
+routers, through ``batch_routing`` as the rollout hands them over) and must equal FREE routing's
+loss and gradients in every layout. They are the regression cases for the replay bugs
+other stacks met: replay of the wrong layer, of another micro-batch's rows, of shifted or padded
+positions (the padded ``gtpo_captured`` case: sequence-major order with padding between rows), and
+across a pipeline stage boundary (PP=2: stage 2's routers must replay their global layers).
+Measured (one launch on the 2-core CI host): the captured cases match free routing to 5.9e-8 in
+loss and 1.9e-6 in gradients in every layout. Proved against replay of the wrong layer
+(``tokens.engine[:, (layer + 1) % L]`` in ``RouterWatch.micro_batch``): both captured cases failed
+at EP=2 and TP=2 x EP=2 by loss (rel 1.7e-5, 1.2e-3) and grad norm (3.7e-3, 5.4e-3), while the
+synthetic replay cases kept the reference's loss (it replays through the same bug) and failed only
+on the agreement. Not yet injected in this round (a launch takes ~10 min on the loaded host): the
+wrong micro-batch order, shifted/padded positions, the stage-boundary layer index.
 """
 
 from __future__ import annotations
@@ -31,13 +47,18 @@ def _check(r: dict) -> dict[str, float]:
     assert r["nonfinite"] == [], r
     assert set(r["moe"]) == set(r["moe_ref"]) and "moe/routing_agreement" in r["moe"], r
     assert set(r["gtpo"]) == set(r["gtpo_ref"]), r
+    # Judged against free routing by loss and gradients only: each row's last token (never fed to the
+    # engine) replays experts 0..k-1 where free routing picks its own, which moves that token's loads,
+    # later layers' router entropy (it feeds no scored position), and the agreement is another one.
+    captured = r["case"].endswith("_captured")
+    compared = [] if captured else list(r["moe"])
     errors = {"loss": _rel(r["loss"], r["loss_ref"]), "grad_norm": _rel(r["grad_norm"], r["grad_norm_ref"]),
-              "moe": max(_rel(r["moe"][k], r["moe_ref"][k]) for k in r["moe"]),
+              "moe": max((_rel(r["moe"][k], r["moe_ref"][k]) for k in compared), default=0.0),
               "gtpo": max((abs(r["gtpo"][k] - r["gtpo_ref"][k]) for k in r["gtpo"]), default=0.0)}
     assert max(errors.values()) <= TOL, (r["layout"], r["case"], errors)
     assert r["grad_err"] <= GRAD_TOL, (r["layout"], r["case"], r["worst"], r["grad_err"])
     assert r["router_grad"] > 0, r  # the router learns, with and without replay
-    replay = r["case"].endswith("_replay")
+    replay = r["case"].endswith(("_replay", "_captured"))
     assert (r["moe"]["moe/routing_agreement"] == 1.0) == replay, r  # random engine routing: free routing differs
     assert r["moe"]["moe/dropped_frac"] == 0.0 and r["moe"]["moe/expert_load_max"] >= 1.0, r
     if r["case"].startswith("gtpo"):  # the threshold splits the completions; the groups share tokens
@@ -46,10 +67,11 @@ def _check(r: dict) -> dict[str, float]:
     return {**errors, "grads": r["grad_err"]}
 
 
+@pytest.mark.timeout(900)  # 6 cases x 3 layouts: ~10 min on the 2-core host at load 40-100
 def test_moe_step_expert_parallel_layouts_equal_one_process(tmp_path):
     hf_dir = save_tiny_hf_model("qwen2_moe", tmp_path / "hf", seed=4)
-    results = torchrun(REPO / "tests/dist/scripts/moe_step.py", 4, str(hf_dir))
-    cases = {"gtpo", "gtpo_replay", "grpo_kl", "grpo_kl_replay"}
+    results = torchrun(REPO / "tests/dist/scripts/moe_step.py", 4, str(hf_dir), timeout=840)
+    cases = {"gtpo", "gtpo_replay", "grpo_kl", "grpo_kl_replay", "gtpo_captured", "grpo_kl_captured"}
     assert sorted((r["layout"], r["case"], r["rank"]) for r in results) == sorted(
         (layout, case, rank) for layout in LAYOUTS for case in cases for rank in range(4)), results
     worst: dict[str, float] = {}

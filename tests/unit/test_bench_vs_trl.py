@@ -143,12 +143,12 @@ def test_a_trl_variant_without_trl_is_reported_skipped(monkeypatch, tmp_path):
 
 
 def test_a_failing_vllm_mode_says_what_it_means(monkeypatch):
-    import megatron_gtpo.models.smollm2 as smollm2
+    import megatron_gtpo.models.resolve as resolve
 
     def fail(*args, **kwargs):
         raise AttributeError("'LLM' object has no attribute 'x'")
 
-    monkeypatch.setattr(smollm2, "ensure_smollm2", lambda: "/m")
+    monkeypatch.setattr(resolve, "resolve_model", lambda name: "/m")
     monkeypatch.setattr(vs_trl, "shared_prompts", lambda work, model_dir: [])
     monkeypatch.setattr(trl_side, "run_trl", fail)
     work = json.dumps(vs_trl.dataclasses.asdict(Work()))

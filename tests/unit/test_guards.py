@@ -54,3 +54,24 @@ def test_an_undocumented_skip_fails_the_run(tmp_path):
     assert proc.returncode == 1, proc.stdout  # every test that ran passed
     assert "skips not in tests/guards.py ALLOWED_SKIPS" in proc.stdout and "SLURM binaries missing" in proc.stdout
     assert _run(tmp_path, body.format("TRL is not installed")).returncode == 0  # a documented skip
+
+
+def test_an_undocumented_xfail_fails_the_run_like_a_skip(tmp_path):
+    """Catches the guards' old blind spot: ``pytest_runtest_logreport`` dropped every report with
+    ``wasxfail``, so an ``xfail`` with any reason passed a full run. Injected (xfail reports
+    ignored again): the undocumented xfail run exits 0 and this fails."""
+    body = "import pytest\n\ndef test_one(): pass\n\n@pytest.mark.xfail(reason='{}')\ndef test_two(): assert 0\n"
+    proc = _run(tmp_path, body.format("flaky on this host"))
+    assert proc.returncode == 1, proc.stdout
+    assert "xfail: flaky on this host" in proc.stdout
+    assert _run(tmp_path, body.format("TRL is not installed")).returncode == 0  # a documented reason
+
+
+def test_a_run_without_the_guards_says_so(tmp_path):
+    """Catches a selection mistaken for a full run: without ``MGTPO_TEST_GUARDS=1`` the summary
+    carries ``guards.OFF_LINE``; with them on, it does not. Injected (the summary line removed from
+    tests/conftest.py): this fails on its absence."""
+    unguarded = _run(tmp_path, "def test_one(): pass\n", guarded=False)
+    assert unguarded.returncode == 0 and guards.OFF_LINE in unguarded.stdout, unguarded.stdout
+    guarded = _run(tmp_path, "def test_one(): pass\n\ndef test_two(): pass\n")  # the fake unit floor: 2
+    assert guarded.returncode == 0 and guards.OFF_LINE not in guarded.stdout, guarded.stdout

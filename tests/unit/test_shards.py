@@ -135,3 +135,46 @@ def test_library_paths_an_engine_writes_are_restored_for_later_runs(monkeypatch)
     conftest._restore_engine_writes()
     assert "LD_PRELOAD" not in os.environ and os.environ["LD_LIBRARY_PATH"] == "/the/user/lib"
     assert "LD_PRELOAD" not in child_env() and child_env()["LD_LIBRARY_PATH"] == "/the/user/lib"
+
+
+def _record(tmp_path, name: str, collected: list[str], ran: list[str]) -> str:
+    path = tmp_path / name
+    shards.write_record(str(path), shard=None, collected=collected, ran=ran)
+    return str(path)
+
+
+def test_check_names_lost_twice_and_differently_collected_tests(tmp_path):
+    """The shards' check (scripts/test.sh, after the report) on records with each fault: a test no
+    shard ran, a test two shards ran, a shard that collected another set of tests."""
+    ids = ["tests/unit/a.py::t1", "tests/unit/a.py::t2", "tests/e2e/b.py::t"]
+    good = [_record(tmp_path, "1.json", ids, ids[:2]), _record(tmp_path, "2.json", ids, ids[2:])]
+    assert shards.check(good) == []
+    lost = [good[0], _record(tmp_path, "2l.json", ids, [])]
+    assert shards.check(lost) == ["1 test(s) collected but run by no shard: tests/e2e/b.py::t"]
+    twice = [good[0], _record(tmp_path, "2t.json", ids, ids[1:])]
+    assert shards.check(twice) == ["1 test(s) run by more than one shard: tests/unit/a.py::t2"]
+    other = [good[0], _record(tmp_path, "2o.json", ids[:2], ids[2:])]
+    assert any("collected 1 test(s) differently" in p for p in shards.check(other))
+
+
+def test_real_shards_run_each_collected_test_exactly_once(tmp_path):
+    """Two real ``pytest --shard=K/2 --shard-record`` processes on a small tree, then
+    ``python -m tests.shards check`` on their records, as scripts/test.sh does.
+
+    Injected: tests/conftest.py keeping ``<= k - 1`` instead of ``== k - 1`` (shard 2 also runs
+    shard 1's files): check exits 1 naming the tests run twice, and this fails."""
+    (tmp_path / "conftest.py").write_text("from tests.conftest import *  # noqa: F401,F403  the real hooks\n")
+    for name in ("a", "b", "c"):
+        (tmp_path / "tests" / "unit").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tests" / "unit" / f"test_{name}.py").write_text("def test_1(): pass\n\ndef test_2(): pass\n")
+    env = child_env(MGTPO_TEST_GUARDS="0")
+    records = []
+    for k in (1, 2):
+        records.append(str(tmp_path / f"shard-{k}.json"))
+        proc = run_group([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                          "-c", "/dev/null", f"--shard={k}/2", f"--shard-record={records[-1]}", "tests"],
+                         timeout=120, env=env, cwd=tmp_path)
+        assert proc.returncode in (0, 5), proc.stdout + proc.stderr  # 5: a shard with no tests
+    proc = run_group([sys.executable, "-m", "tests.shards", "check", *records], timeout=60, env=child_env(),
+                     cwd=shards.COSTS_FILE.parents[2])
+    assert proc.returncode == 0 and "each of the 6 collected tests exactly once" in proc.stdout, proc.stdout

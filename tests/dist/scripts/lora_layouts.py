@@ -265,6 +265,18 @@ def optimizer_state_numel(optimizer) -> int:
     return total
 
 
+def frozen_base(chunks) -> list[torch.Tensor]:
+    """Copies of every frozen (base) parameter of this rank, in a fixed order."""
+    return [p.detach().clone() for c in chunks for p in c.parameters() if not p.requires_grad]
+
+
+def base_drift(chunks, before: list[torch.Tensor]) -> float:
+    """Largest |change| of any frozen base element since ``before`` (0.0 when untouched)."""
+    now = [p.detach() for c in chunks for p in c.parameters() if not p.requires_grad]
+    assert len(now) == len(before)
+    return max(((a.double() - b.double()).abs().max().item() for a, b in zip(now, before)), default=0.0)
+
+
 def push_errors(exporter, want: dict) -> dict:
     """One push's HF tensors against ``want`` (the adapted ones): worst error, names missing, adapter names sent."""
     got = {name: tensor.clone() for name, tensor in exporter.tensors("full")}
@@ -273,14 +285,15 @@ def push_errors(exporter, want: dict) -> dict:
             "sent": len(got)}
 
 
-def check_push(chunks, hf, ref, dims, layout) -> None:
+def check_push(chunks, hf, ref, dims, layout, base) -> None:
     exporter = Exporter(chunks, hf_config=hf, dims=dims)
     trained = push_errors(exporter, ref.hf_merged)
     exporter.release()  # what WeightSync.update does around every push
     L.set_adapters(chunks, ref.adapters)  # the adapters change (back to their pre-step values)
     again = push_errors(exporter, ref.hf_before)
     moved = max(err(ref.hf_merged[n], t) for n, t in ref.hf_base.items())  # what an unmerged push would miss by
-    emit(check="lora_push", layout=layout, trained=trained, again=again, base_vs_merged=moved)
+    emit(check="lora_push", layout=layout, trained=trained, again=again, base_vs_merged=moved,
+         base_drift=base_drift(chunks, base))
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
@@ -332,6 +345,7 @@ def run_layout(hf, data, ref, *, tp: int, pp: int, work) -> None:
     chunks = wrap_ddp(chunks, cfg)
     optimizer, _ = build_optimizer(chunks, cfg, total_steps=1)
     check_frozen(chunks, optimizer, dims, layout)
+    base = frozen_base(chunks)
     zero_grads(chunks, optimizer)
     loss = forward_backward(chunks, data, dims)
     full_main_grads(chunks, dims)
@@ -345,8 +359,9 @@ def run_layout(hf, data, ref, *, tp: int, pp: int, work) -> None:
     adapter_numel = sum(p.numel() for p in L.adapter_parameters(chunks))
     emit(check="lora_step", layout=layout, last_stage=dims.is_last_stage, loss=loss, ref_loss=ref.loss,
          grad_err=grad_err, norm=float(norm), ref_norm=ref.norm, update_err=update_err, base_grads=base_grads,
-         state_numel=int(state), adapter_numel=adapter_numel, ref_frozen_clean=ref.frozen_clean)
-    check_push(chunks, hf, ref, dims, layout)
+         state_numel=int(state), adapter_numel=adapter_numel, ref_frozen_clean=ref.frozen_clean,
+         base_drift=base_drift(chunks, base))
+    check_push(chunks, hf, ref, dims, layout, base)
     check_checkpoint(chunks, optimizer, hf, ref, layout=layout, root=work / f"tp{tp}pp{pp}")
 
 

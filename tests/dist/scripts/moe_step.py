@@ -11,11 +11,20 @@ SGD, on a global batch whose groups straddle DP ranks and micro-batches, with fr
 the engine's routing replayed (a synthetic engine routing of random top-2 sets per token and
 layer), padded and packed micro-batches. Checked: loss, grad norm, every parameter's gradient (all
 HF tensors, gathered by the exporter: (before - after) / lr of one SGD step), the moe/* metrics.
+
+The ``*_captured`` cases replay a routing that does not come from this stack: the experts HF
+transformers' own Qwen2-MoE picks for every fed token (forward hooks on its routers, the stand-in
+for vLLM's capture), handed per completion to ``train/routing.batch_routing`` as the rollout does.
+Replaying the experts that free routing picks must reproduce free routing, so these cases are
+judged against the free-routing reference: an oracle independent of the replay helpers (a replay of
+another layer, of another micro-batch's rows, shifted or padded positions, or the wrong layer after
+a pipeline stage boundary runs other experts and moves the loss and gradients).
 Prints one ``RESULT {json}`` line per check.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -34,7 +43,7 @@ from megatron_gtpo.sync.export import Exporter
 from megatron_gtpo.train import model as M
 from megatron_gtpo.train.batching import local_rows
 from megatron_gtpo.train.optim import OptimConfig, build_optimizer, wrap_ddp
-from megatron_gtpo.train.routing import attach, tokens_of
+from megatron_gtpo.train.routing import attach, batch_routing, tokens_of
 from megatron_gtpo.train.step import StepSettings, train_step
 from tests.dist.scripts import _trainstep_common as C
 
@@ -63,12 +72,43 @@ def engine_routing(batch, *, layers: int, experts: int, top_k: int) -> torch.Ten
     return out
 
 
+def captured_routing(hf_dir, batch) -> torch.Tensor:
+    """The experts HF transformers' Qwen2-MoE routes every token of ``batch`` to (its routers'
+    top-k, recorded by forward hooks), given per completion to the product's ``batch_routing``."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    picked: list[torch.Tensor | None] = [None] * len(routers)
+    hooks = [r.register_forward_hook(lambda mod, inp, out, i=i: picked.__setitem__(i, out[2]))
+             for i, r in enumerate(routers)]
+    input_ids, position_ids = C.sequence_view(batch)
+    with torch.no_grad():
+        model(input_ids=input_ids, position_ids=position_ids)
+    for hook in hooks:
+        hook.remove()
+    rows, width = input_ids.shape
+    per_token = torch.stack([p.reshape(rows, width, -1) for p in picked], dim=2)  # [B, S, L, k]
+    fed = (batch.prompt_lengths + batch.lengths - 1).tolist()  # the engine feeds all but the last token
+    completions = [SimpleNamespace(prompt_token_ids=[0] * int(batch.prompt_lengths[b]),
+                                   token_ids=[0] * int(batch.lengths[b]),
+                                   routed_experts=per_token[b, :fed[b]].to(torch.int16).numpy())
+                   for b in range(rows)]
+    return batch_routing(completions)
+
+
 def cases(threshold: float):
     """(name, algorithm, replay, packed): GTPO and GRPO with a KL term, free routing and replayed
-    routing, padded and packed micro-batches."""
+    routing (synthetic, and captured from HF's model: ``*_captured``), padded and packed micro-batches."""
     gtpo, grpo = AlgoConfig(name="gtpo", entropy_threshold=threshold), AlgoConfig(name="grpo", kl_beta=0.04)
     return [("gtpo", gtpo, False, False), ("gtpo_replay", gtpo, True, True),
-            ("grpo_kl", grpo, False, True), ("grpo_kl_replay", grpo, True, False)]
+            ("grpo_kl", grpo, False, True), ("grpo_kl_replay", grpo, True, False),
+            ("gtpo_captured", gtpo, True, False), ("grpo_kl_captured", grpo, True, True)]
+
+
+def reference_of(name: str) -> str:
+    """The reference case: replaying captured free routing must reproduce free routing."""
+    return name.removesuffix("_captured")
 
 
 def ref_logprobs(batch) -> torch.Tensor:
@@ -133,6 +173,8 @@ def reference_phase(hf_dir, hf_config, batch, before) -> dict:
     threshold = float(mean_h[len(mean_h) // 2 - 1: len(mean_h) // 2 + 1].mean())  # between two completions
     out = {"threshold": threshold}
     for name, algo_cfg, replay, _ in cases(threshold):
+        if name != reference_of(name):
+            continue
         chunks, watch = load_model(hf_dir, hf_config, dims, replay=replay)
         model = chunks[0]
         watch.collect = True
@@ -175,12 +217,15 @@ def main() -> None:
     batch.routed_experts = engine_routing(batch, layers=int(hf_config["num_hidden_layers"]),
                                           experts=int(hf_config.get("num_experts") or hf_config["num_local_experts"]),
                                           top_k=int(hf_config["num_experts_per_tok"]))
+    captured = copy.copy(batch)
+    captured.routed_experts = captured_routing(hf_dir, batch)
     before = hf_tensors(hf_dir)
     reference = reference_phase(hf_dir, hf_config, batch, before)
     for tp, pp, ep in LAYOUTS:
         dims = init_distributed(tp=tp, pp=pp, ep=ep, seed=7)
         for case in cases(reference["threshold"]):
-            got, ref = run_case(hf_dir, hf_config, batch, dims, case, before), reference[case[0]]
+            rows = captured if case[0].endswith("_captured") else batch
+            got, ref = run_case(hf_dir, hf_config, rows, dims, case, before), reference[reference_of(case[0])]
             errs = {n: float((got["grads"][n] - g).abs().max() / g.abs().max().clamp(min=1e-30))
                     for n, g in ref["grads"].items()}
             worst = max(errs, key=errs.get)
