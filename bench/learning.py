@@ -68,6 +68,9 @@ def parse_args(argv=None):
     parser.add_argument("--timeout-s", type=float, default=4 * 3600, help="limit per child process (default 4 h)")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep each run's last checkpoint (1.6 GB)")
     parser.add_argument("--in-process", action="store_true", help="run every train in this process (--quick does)")
+    parser.add_argument("--summarise-only", action="store_true",
+                        help="train nothing: summarise the runs an earlier invocation left in --out (one stopped "
+                             "before its last runs), listing those that never finished")
     parser.add_argument("--reuse-base", default="", metavar="DIR",
                         help="take the base model's evaluation from an earlier invocation's DIR (same held-out set, "
                              "template, cap and eval settings: its base_*.json and samples are copied, not rerun)")
@@ -193,6 +196,35 @@ class LoadSampler:
         return {"min": round(min(s), 1), "mean": round(sum(s) / len(s), 1), "max": round(max(s), 1), "samples": len(s)}
 
 
+def summarise_existing(study, out: Path) -> dict:
+    """``--summarise-only``: the summary of the runs an earlier (stopped) invocation left in ``out``,
+    read from their MLflow stores and eval reports; runs that never finished are listed, not guessed."""
+    from megatron_gtpo.plotting import plot_runs
+
+    runs, missing = [], []
+    for seed in study.seeds:
+        for algo in study.algorithms:
+            run_dir = out / f"{algo}-s{seed}"
+            evaluated = not study.eval.n or (run_dir / "held_out_pass.json").is_file()
+            if not (run_dir / "run_id").is_file() or not evaluated:
+                missing.append(f"{algo}-s{seed}")
+                continue
+            row = {"algo": algo, "seed": seed, "status": "ok", **summarise_run(run_dir, steps=study.steps),
+                   "pass_after": pass_at_k(run_dir / "held_out_pass.json")}
+            runs.append(row)
+    greedy = pass_at_k(out / "base_greedy.json") or {}
+    base = {"greedy": greedy.get("pass@1"), "pass": pass_at_k(out / "base_pass.json")}
+    for run in runs:
+        run["pass_before"] = base["pass"]
+    dirs = {a: [str(out / f"{a}-s{r['seed']}") for r in runs if r["algo"] == a] for a in study.algorithms}
+    figures = [str(plot_runs([f"{a}={','.join(d)}" for a, d in dirs.items() if d], out / "curves.png",
+                             panels="study", smooth=max(1, min(5, study.steps // 8))))] if runs else []
+    summary = {"algorithms": aggregate(runs), "base": base}
+    if runs:
+        figures.append(str(plot_held_out(summary, out / "held_out.png")))
+    return {**summary, "runs": runs, "not_run": missing, "figures": figures}
+
+
 def run_study(study, args, out: Path) -> dict:
     """Data, the base evaluation, every run (``--jobs`` at a time), summaries and plots."""
     from megatron_gtpo.plotting import plot_runs
@@ -249,11 +281,13 @@ def main(argv=None) -> int:
              "prompts_per_step": study.shared["train"]["prompts_per_step"], "G": study.shared["rollout"]["n"],
              "max_tokens": study.shared["rollout"]["max_tokens"]}
     print(json.dumps({"bench": "learning", "study": str(study.path), "sizes": sizes, "out": str(out)}), flush=True)
-    result = run_study(study, args, out)
+    result = summarise_existing(study, out) if args.summarise_only else run_study(study, args, out)
     line = {"bench": "learning", "study": study.name, "mode": "quick" if args.quick else "full",
             "command": " ".join(["bench/learning.py", *(argv if argv is not None else sys.argv[1:])]), "sizes": sizes,
             "out": str(out), **result}
     failed = [f"{r['algo']}-s{r['seed']}" for r in result["runs"] if r["status"] != "ok"]
+    if args.summarise_only:
+        line["mode"] = "summarise-only"
     if args.quick:
         line["quick_check"] = quick_verdict(result["runs"], args.margin)
     (out / "summary.json").write_text(json.dumps(line, indent=1) + "\n")

@@ -170,3 +170,20 @@ def test_reuse_base_copies_an_earlier_evaluation_instead_of_running_it(tmp_path)
     got = evaluate_model("m", study=None, data=None, out=new / "base_greedy", args=None, reuse=old)
     assert got["pass"] == {"pass@1": 0.125} and got["reused"] == str(old)
     assert (new / "base_greedy.samples.jsonl").read_text() == (old / "base_greedy.samples.jsonl").read_text()
+
+
+def test_summarise_only_lists_the_runs_that_never_finished(tmp_path, capsys):
+    """--summarise-only trains nothing: runs without a run id (or without their pass@k report when the
+    study asks for one) are listed in not_run, never summarised from guesses. (Checked by hand on a
+    finished study: the same held-out, length and shift numbers as its own summary.json.)"""
+    from bench.learning import main
+
+    report = {"benchmarks": {"gsm8k": {"metrics": {"pass@1": 0.125}}}}
+    (tmp_path / "base_greedy.json").write_text(json.dumps(report))
+    (tmp_path / "gtpo-s0").mkdir()
+    (tmp_path / "gtpo-s0" / "run_id").write_text("x")       # started, never evaluated
+    assert main(["--study", str(REPO / "configs/study/paper.yaml"), "--out", str(tmp_path), "--summarise-only"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["runs"] == [] and summary["mode"] == "summarise-only"
+    assert summary["not_run"] == [f"{a}-s{s}" for s in (0, 1) for a in ("gtpo", "grpo", "drgrpo", "dapo")]
+    assert summary["base"]["greedy"] == 0.125
