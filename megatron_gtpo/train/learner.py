@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_gtpo.checkpoint.adapters import BaseIdentity
 from megatron_gtpo.checkpoint.store import load_model_weights
@@ -32,6 +33,7 @@ from megatron_gtpo.models.config import DTYPES, ModelConfig
 from megatron_gtpo.models.hf_config import has_hf_weights, read_hf_config
 from megatron_gtpo.models.resolve import resolve_model
 from megatron_gtpo.models.shape import shape_from_hf_config
+from megatron_gtpo.parallel import collectives
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.train.lora import LoraConfig, check_rank_fits
 from megatron_gtpo.train.lora_layers import apply_lora, lora_disabled
@@ -170,10 +172,6 @@ class Learner:
         then one all-reduce of (sum, count) over the world. Every row is counted by each of its
         TP x CP ranks on the last pipeline stage alike, so the ratio is the batch mean. The driver's
         ``entropy_threshold: auto`` rule reads it once per run."""
-        import torch.distributed as dist
-
-        from megatron_gtpo.parallel import collectives
-
         spec = self.settings.spec
         _, mbs = rank_micro_batches(batch, self.settings, self.dims)
         chunks = self.policy.chunks

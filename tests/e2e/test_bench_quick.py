@@ -55,7 +55,9 @@ HELPERS = {"alternating", "gpu_smoke_parts", "gpu_smoke_setup", "memory_meter", 
 """Modules of other scripts, not entry points (learning_report/_study: bench/learning.py's halves)."""
 
 ELSEWHERE = {"gpu_smoke": "tests/e2e/test_gpu_smoke_cpu.py runs it for real on CPU (--device cpu --tiny)",
-             "learning": "tests/e2e/test_learning_quick.py runs its --quick"}
+             "learning": "tests/e2e/test_learning_quick.py runs its --quick",
+             "learning_analysis": "tests/unit/test_bench_learning_analysis.py runs its --quick",
+             "bias_table": "tests/unit (the docs/algorithms.md D1-D4 table test) runs it"}
 """Entry points whose quick run is another test's subject."""
 
 GPU_ONLY = {"gpu_nccl_rules": "checks NCCL's rules on a CUDA device; without one it must import and say so (rc 2)"}

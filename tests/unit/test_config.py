@@ -169,7 +169,7 @@ def test_config_shows_the_allowed_values_of_a_choice():
     """`megatron-gtpo config` printed `algo.name (Literal, ...)`. Injected bug: `type_name` without
     its Literal branch -> "Literal", fails."""
     types_ = {key: type_name for key, type_name, _, _ in describe(RunConfig)}
-    assert types_["algo.name"] == "one of 'gtpo', 'grpo', 'drgrpo', 'dapo'"
+    assert types_["algo.name"] == "one of 'gtpo', 'grpo', 'drgrpo', 'dapo', 'gspo', 'cispo'"
     assert types_["algo.conflict_overlap"] == "one of 'product', 'union'"
     assert types_["algo.agg_mode"].endswith("'seq-mean-token-sum-norm' | None")
     assert types_["train.steps"] == "int" and types_["algo.kl_beta"] == "float | None"
