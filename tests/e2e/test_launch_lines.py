@@ -145,9 +145,21 @@ def _default_nodes(script: str) -> int:
     return int(match.group(1))
 
 
+def _earlier_job(cluster: LocalSlurm) -> str:
+    """A held job standing in for the job a doc's chain names by a shell variable ($j of ``j=$(sbatch ...)``)."""
+    out = cluster.run("sbatch", "--parsable", "--hold", "--nodes=1", "--wrap=true", cwd=REPO).stdout
+    return out.strip().split(";")[0]
+
+
+def _options(cluster: LocalSlurm, line: LaunchLine) -> list[str]:
+    """The line's options as the shell hands them to sbatch: a dependency on ``$var`` names a real earlier job."""
+    return [re.sub(r"\$\{?[a-z_][a-z0-9_]*\}?", lambda _: _earlier_job(cluster), o) if o.startswith("--dependency=")
+            else o for o in line.options]
+
+
 def _allocated_nodes(cluster: LocalSlurm, line: LaunchLine) -> int:
-    proc = cluster.run("sbatch", "--test-only", *line.options, line.script, *line.args, cwd=REPO, env=line.env,
-                       check=False)
+    proc = cluster.run("sbatch", "--test-only", *_options(cluster, line), line.script, *line.args, cwd=REPO,
+                       env=line.env, check=False)
     assert proc.returncode == 0 and "to start at" in proc.stderr, f"{line.where}: SLURM refused it: {proc.stderr}"
     nodelist = re.search(r" on nodes (\S+) in partition", proc.stderr).group(1)
     return len(cluster.run("scontrol", "show", "hostnames", nodelist).stdout.split())
@@ -158,14 +170,38 @@ def _ranks_per_node(line: LaunchLine) -> int:
     return int(line.env.get("NPROC_PER_NODE") or (gpus if gpus > 0 else 1))
 
 
-def _world_of(line: LaunchLine) -> int | None:
-    """tp x pp x dp of the line's recipe and overrides; None where the line is a template (RECIPE, ...)."""
+def _array_tasks(line: LaunchLine) -> list[int]:
+    """The task ids of ``--array=0-3`` / ``--array=0,2`` (``%N`` throttles dropped); [] when not an array job."""
+    spec = (line.option("--array") or "").split("%")[0]
+    tasks = []
+    for part in filter(None, spec.split(",")):
+        first, _, last = part.partition("-")
+        tasks += list(range(int(first), int(last or first) + 1))
+    return tasks
+
+
+def _task_args(line: LaunchLine, task: int | None) -> list[str]:
+    """The script's arguments for one array task, as train.sbatch builds them: ``%a`` is the task id, and
+    ARRAY_OVERRIDES' task-th ``;`` group follows the line's own overrides."""
+    if task is None:
+        return line.args
+    groups = [g.split() for g in line.env.get("ARRAY_OVERRIDES", "").split(";")] if "ARRAY_OVERRIDES" in line.env else []
+    return [a.replace("%a", str(task)) for a in line.args] + (groups[task] if groups else [])
+
+
+def _worlds_of(line: LaunchLine) -> list[int] | None:
+    """tp x pp x dp of the line's recipe and overrides, one per array task; None where the line is a template
+    (RECIPE, ...)."""
     from megatron_gtpo.config import load_config
 
-    recipe, overrides = line.args[0] if line.args else "", line.args[1:]
-    if not (REPO / recipe).is_file() or not all("=" in a and not a.startswith("[") for a in overrides):
-        return None
-    return load_config(str(REPO / recipe), overrides).parallel.world_size
+    worlds = []
+    for task in _array_tasks(line) or [None]:
+        args = _task_args(line, task)
+        recipe, overrides = args[0] if args else "", args[1:]
+        if not (REPO / recipe).is_file() or not all("=" in a and not a.startswith("[") for a in overrides):
+            return None
+        worlds.append(load_config(str(REPO / recipe), overrides).parallel.world_size)
+    return worlds
 
 
 @pytest.mark.parametrize("line", LINES, ids=lambda line: line.where)
@@ -177,9 +213,22 @@ def test_launch_line_gets_the_nodes_it_names(big_cluster, line):
     expected = int(named or line.env.get("NODES") or _default_nodes(line.script))
     got = _allocated_nodes(big_cluster, line)
     assert got == expected, f"{line.where}: names {expected} node(s), SLURM gives the job {got}"
-    if line.script != "slurm/train.sbatch" or (world := _world_of(line)) is None:
+    if line.script != "slurm/train.sbatch" or (worlds := _worlds_of(line)) is None:
         return
     trainer_nodes = got - int(line.env.get("ROLLOUT_NODES", 0))
     ranks = trainer_nodes * _ranks_per_node(line)
-    assert ranks == world, (f"{line.where}: {trainer_nodes} trainer node(s) x {_ranks_per_node(line)} ranks = {ranks}, "
-                            f"but the recipe's tp x pp x dp = {world}")
+    for world in worlds:
+        assert ranks == world, (f"{line.where}: {trainer_nodes} trainer node(s) x {_ranks_per_node(line)} ranks = "
+                                f"{ranks}, but the recipe's tp x pp x dp = {world}")
+
+
+def test_launch_line_array_tasks_read_as_train_sbatch_does():
+    """The array substitution above mirrors train.sbatch (``%a`` and the i-th ARRAY_OVERRIDES group); without it
+    ``train.seed=%a`` reached the config loader as a string (the failure it was written against)."""
+    line = LaunchLine(where="x", env={"ARRAY_OVERRIDES": "algo.entropy_threshold=0.6 ; algo.entropy_threshold=0.7"},
+                      options=["--nodes=2", "--array=0-1"], script="slurm/train.sbatch",
+                      args=["configs/gtpo.yaml", "train.seed=%a"])
+    assert _array_tasks(line) == [0, 1]
+    assert _task_args(line, 1) == ["configs/gtpo.yaml", "train.seed=1", "algo.entropy_threshold=0.7"]
+    script = (REPO / "slurm" / "train.sbatch").read_text()
+    assert '"${@//%a/$SLURM_ARRAY_TASK_ID}"' in script and "ARRAY_OVERRIDES" in script
