@@ -70,7 +70,7 @@ def identify_base(model_dir: str | Path) -> BaseIdentity:
     sizes = {name: FileRecord((directory / name).stat().st_size, "") for name in names}
     rank, world = control.world()
     mine = hash_files(directory, list(share_of(sizes, rank, world)))
-    records = {name: r for part in control.all_gather_object(mine) for name, r in part.items()}
+    records = {name: r for part in control.all_gather_data(mine, records=(FileRecord,)) for name, r in part.items()}
     digest = hashlib.sha256()
     for name in names:
         digest.update(f"{name}\0{records[name].digest}\n".encode())

@@ -44,7 +44,7 @@ from megatron_gtpo.checkpoint.files import (CHECKPOINTS, HASH, CheckpointError, 
                                             write_manifest)
 from megatron_gtpo.convert.offline import checkpoint_model_dir
 from megatron_gtpo.parallel.dims import current_dims
-from megatron_gtpo.parallel.control import all_gather_object, any_rank, barrier, broadcast_object
+from megatron_gtpo.parallel.control import all_gather_data, any_rank, barrier, broadcast_data
 from megatron_gtpo.train import optim_state
 from megatron_gtpo.train.lora_layers import is_adapter_name
 from megatron_gtpo.train.model import unwrap
@@ -238,7 +238,7 @@ def _hash_written(tmp: Path, rank: int) -> tuple[dict[str, FileRecord], tuple[in
     names = list_files(tmp)
     mine = [n for n in names if n.startswith(f"__{rank}_")]
     records = hash_files(tmp, mine, sync=True)
-    gathered = all_gather_object((records, time.perf_counter() - start))
+    gathered = all_gather_data((records, time.perf_counter() - start), records=(FileRecord,))
     if rank != 0:
         return {}, (0, 0.0)
     merged = {name: r for part, _ in gathered for name, r in part.items()}
@@ -267,7 +267,7 @@ def verify_parallel(directory: Path) -> list[str]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = share_of(files, rank, world)
     problems += file_problems(directory, mine, checksums=True)
-    gathered = all_gather_object((problems, time.perf_counter() - start))
+    gathered = all_gather_data((problems, time.perf_counter() - start))
     merged = list(dict.fromkeys(p for part, _ in gathered for p in part))
     if not merged and rank == 0:
         size = sum(r.size for r in files.values())
@@ -278,7 +278,7 @@ def verify_parallel(directory: Path) -> list[str]:
 
 def _select_verified(root: Path) -> tuple[ResumePoint | None, list[str]]:
     """Newest step dir under ``root`` that passes ``verify_parallel`` (collective; rank 0's listing)."""
-    candidates = broadcast_object(step_dirs(root))
+    candidates = broadcast_data(step_dirs(root))
     rank = dist.get_rank() if dist.is_initialized() else 0
     return select(candidates, verify_parallel, warn=rank == 0)  # one warning per bad step, not one per rank
 

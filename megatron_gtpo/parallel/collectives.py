@@ -52,4 +52,4 @@ def reduce_sums_and_maxima(sums: Tensor, maxima: Tensor, group) -> tuple[Tensor,
 def broadcast_from_last_stage(obj, *, pp_group, last_stage_rank: int):
     """Returns the last pipeline stage's ``obj`` (any picklable value, e.g. a metrics dict) on every
     stage of ``pp_group`` (over its gloo twin); ``last_stage_rank`` is that stage's global rank."""
-    return control.broadcast_object(obj, src=last_stage_rank, over=pp_group)
+    return control.broadcast_data(obj, src=last_stage_rank, over=pp_group)

@@ -1,6 +1,7 @@
 """Control plane: every collective that carries CPU data (Python objects, flags, a few floats) goes
 over gloo, never over the device groups (NCCL on GPU takes only device tensors, and object
-collectives there stage every pickle through GPU memory).
+collectives there stage every pickle through GPU memory). Values travel as data, never pickles
+(:mod:`parallel.objects`): a peer's bytes can build only the classes the receiver names.
 
 One gloo group spans all ranks (created by ``dims.init_distributed`` right after the default
 group). Collectives among the ranks of one of Megatron's device groups (e.g. the last pipeline
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from megatron_gtpo.parallel import objects
 
 _WORLD = None  # the gloo group over all ranks
 _TIMEOUT: datetime.timedelta | None = None
@@ -58,7 +61,7 @@ def add_twins(groups: Sequence) -> None:
     if not _multi():
         return
     mine = [tuple(dist.get_process_group_ranks(g)) for g in groups]
-    everyone = all_gather_object(mine)
+    everyone = all_gather_data(mine)
     for kind, group in enumerate(groups):
         for ranks in sorted({entry[kind] for entry in everyone}):
             twin = dist.new_group(list(ranks), backend="gloo", timeout=_TIMEOUT) if len(ranks) > 1 else None
@@ -81,24 +84,44 @@ def _group(over):
     return _TWINS[over]
 
 
-def broadcast_object(obj, *, src: int = 0, over=None):
-    """``obj`` of global rank ``src`` on every rank of ``over`` (None = all ranks)."""
+def broadcast_data(value, *, src: int = 0, over=None, records: Sequence[type] = ()):
+    """``value`` of global rank ``src`` on every rank of ``over`` (None = all ranks), as data: see
+    :mod:`parallel.objects` for what it may hold (``records``: the dataclasses and exception
+    classes it may contain). ``src`` gets its own ``value`` back; the others a decoded copy."""
     group = _group(over)
     if group is None:
-        return obj
-    box = [obj if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+        return value
+    mine = dist.get_rank() == src
+    data = objects.encode(value, records=records) if mine else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)  # host memory on purpose (gloo)
+    dist.broadcast(size, src=src, group=group)
+    buffer = _as_tensor(data) if mine else torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buffer, src=src, group=group)
+    return value if mine else objects.decode(buffer.numpy().data, records=records)
 
 
-def all_gather_object(obj, *, over=None) -> list:
-    """Every rank's ``obj``, in group-rank order (global rank order for ``over=None``)."""
+def all_gather_data(value, *, over=None, records: Sequence[type] = ()) -> list:
+    """Every rank's ``value``, in group-rank order (global rank order for ``over=None``), as data
+    (see :func:`broadcast_data`); this rank's own entry is ``value`` itself."""
     group = _group(over)
     if group is None:
-        return [obj]
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+        return [value]
+    data = objects.encode(value, records=records)
+    count = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(count)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)  # gloo's all_gather takes equal sizes
+    padded[:len(data)] = _as_tensor(data)
+    parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(count)]
+    dist.all_gather(parts, padded, group=group)
+    me = dist.get_group_rank(group, dist.get_rank())
+    return [value if i == me else objects.decode(part.numpy().data[:int(size.item())], records=records)
+            for i, (part, size) in enumerate(zip(parts, sizes))]
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
 def reduce_floats(values: Sequence[float], op: str, *, over=None) -> list[float]:

@@ -283,7 +283,7 @@ def _wrap_object_op(name: str, original):
             raise RuntimeError(
                 f"strict device groups: dist.{name} (a Python-object collective) on a device group "
                 "(NCCL on GPU); control-plane data goes over the gloo control group: use "
-                "megatron_gtpo.parallel.control (broadcast_object, all_gather_object, any_rank, reduce_floats)")
+                "megatron_gtpo.parallel.control (broadcast_data, all_gather_data, any_rank, reduce_floats)")
         return original(*args, **kwargs)
     return op
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_gtpo import algo
-from megatron_gtpo.parallel.control import broadcast_object
+from megatron_gtpo.parallel.control import broadcast_data
 from megatron_gtpo.reward.failures import RewardFunctionFailing
 from megatron_gtpo.reward.pool import RewardFunctionCrashed
 from megatron_gtpo.reward.score import RewardScorer, group_indices, score_groups
@@ -178,7 +178,7 @@ class RolloutCollector:
                            scored.stats.metrics(prefix=""))
             except (RewardFunctionCrashed, RewardFunctionFailing) as err:
                 payload = err  # every rank stops with the reward function's own message
-        payload = broadcast_object(payload, src=0)
+        payload = broadcast_data(payload, src=0, records=(RewardFunctionCrashed, RewardFunctionFailing))
         if isinstance(payload, Exception):
             raise payload
         rewards, correct, stats = payload

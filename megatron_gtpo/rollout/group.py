@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from megatron_gtpo.errors import ServerError, WeightPushError
 from megatron_gtpo.parallel import control
 from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.rollout.engine import call_seed, prompt_seeds
@@ -110,7 +111,7 @@ class RolloutGroup:
         # The other ranks of an engine hold the same shard: only an engine's first rank sends it (its
         # completions carry the routed experts of a mixture, ~1.5 MB each at 30B scale: issue 33's N5)
         lead = self._rank % self._per_engine == 0
-        shards = control.all_gather_object((lo, mine if lead else None))
+        shards = control.all_gather_data((lo, mine if lead else None), records=(Completion,))
         first_ranks = shards[::self._per_engine]
         return [c for start, part in first_ranks for c in _relink(part, prompts, offset=start)]
 
@@ -140,7 +141,7 @@ def _broadcast_outcome(own: Callable[[], list[Completion] | None]) -> list[Compl
             payload = own()
         except Exception as err:  # noqa: BLE001 - re-raised on every rank below
             payload = err
-    payload = control.broadcast_object(payload, src=0)
+    payload = control.broadcast_data(payload, src=0, records=(Completion, ServerError, WeightPushError))
     if isinstance(payload, Exception):
         raise payload
     return payload

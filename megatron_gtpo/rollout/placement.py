@@ -70,7 +70,7 @@ def _separate(rollout: RolloutConfig, placement: EnginePlacement, model_dir: str
             pool = connect(placement, model_dir=model_dir, vllm=rollout.vllm, seed=rollout.seed)
         except Exception as err:  # noqa: BLE001 - every rank raises it below
             error = f"{type(err).__name__}: {err}"
-    error = control.broadcast_object(error)
+    error = control.broadcast_data(error)
     if error:
         raise RuntimeError(f"rollout pool unavailable: {error}")
     return RolloutGroup(pool, shard=False, model_dir=model_dir, seed=rollout.seed)

@@ -150,7 +150,8 @@ def agree(error: BaseException | None, stats: SyncStats | None = None) -> SyncSt
     """Makes every rank of the job reach the same outcome: raises WeightPushError everywhere if
     any rank failed, else returns the first stats any rank passed (ranks without an engine pass
     none). A no-op outside a multi-rank world."""
-    outcomes = control.all_gather_object((None if error is None else f"{type(error).__name__}: {error}", stats))
+    outcomes = control.all_gather_data((None if error is None else f"{type(error).__name__}: {error}", stats),
+                                       records=(SyncStats,))
     failures = [(rank, msg) for rank, (msg, _) in enumerate(outcomes) if msg]
     if failures:
         if isinstance(error, WeightPushError):

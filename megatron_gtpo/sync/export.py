@@ -119,7 +119,7 @@ class Exporter:
         if self._entries is None:
             mine = [(local, layer, expert, tuple(p.shape), str(p.dtype))
                     for (local, layer, expert), p in self.params.items()]
-            gathered = control.all_gather_object((_coords(self.dims), mine))
+            gathered = control.all_gather_data((_coords(self.dims), mine))
             self.senders = sender_ranks([c for c, _ in gathered], moe=self.shapes.experts > 0)
             entries = []
             for c, items in gathered:

@@ -53,13 +53,13 @@ class PoolSync(WeightSync):
         super().__init__(export)
         self._pool, self._timeout = pool, timeout_s
         dims = export.dims
-        self.servers = control.broadcast_object(pool.servers() if pool else None)
+        self.servers = control.broadcast_data(pool.servers() if pool else None)
         """(address, hello info) of every server, on every rank."""
         self._stage = dims.pp_rank if dims.tp_rank == 0 and dims.first_copy else None
         self.sent_bytes = 0
         """Bytes this rank sent to the servers so far (all pushes; 0 on non-senders)."""
-        secret_file = control.broadcast_object(str(pool.secret_path) if pool else None)
-        self._groups = self._join(join_id=control.broadcast_object(f"mgtpo-{uuid.uuid4().hex}"), stages=dims.pp,
+        secret_file = control.broadcast_data(str(pool.secret_path) if pool else None)
+        self._groups = self._join(join_id=control.broadcast_data(f"mgtpo-{uuid.uuid4().hex}"), stages=dims.pp,
                                   secret_file=secret_file)
 
     def _join(self, *, join_id: str, stages: int, secret_file: str) -> list:
@@ -78,8 +78,8 @@ class PoolSync(WeightSync):
                 error = f"{type(err).__name__}: {err}"
         if self._pool is not None:
             failures.update(self._pool.collect())
-        failures = {k: v for part in control.all_gather_object(failures) for k, v in part.items()}
-        errors = [e for e in control.all_gather_object(error) if e]
+        failures = {k: v for part in control.all_gather_data(failures) for k, v in part.items()}
+        errors = [e for e in control.all_gather_data(error) if e]
         if failures or errors:
             listed = "; ".join([f"{where}: {msg}" for where, msg in failures.items()] + errors)
             raise ServerError(f"the rollout servers' transfer groups could not be set up: {listed}")
@@ -97,8 +97,8 @@ class PoolSync(WeightSync):
         failures.update(self._stream(source, plan, skip=failures, digests=digests))
         if self._pool is not None:  # every answer, so none is left pending (a dead server's fails at once)
             failures.update(self._pool.collect())
-        failures = {k: v for part in control.all_gather_object(failures) for k, v in part.items()}
-        digests = {k: v for part in control.all_gather_object(digests) for k, v in part.items()}
+        failures = {k: v for part in control.all_gather_data(failures) for k, v in part.items()}
+        digests = {k: v for part in control.all_gather_data(digests) for k, v in part.items()}
         timer.phase("transfer")  # export, packing, the sends and every server's staging
         if not failures:  # what arrived over the unauthenticated transfer groups is what was sent
             failures = self._on_servers("verify", {"version": version, "digests": [digests[b.index] for b in plan]})
@@ -167,7 +167,7 @@ class PoolSync(WeightSync):
 
     def _decide(self, failures: dict[str, str], version: int, what: str = "rejected before any byte moved") -> None:
         """Rank 0's verdict on every rank: raises WeightPushError naming each failed server."""
-        failures = control.broadcast_object(failures)
+        failures = control.broadcast_data(failures)
         if failures:
             listed = "; ".join(f"{where}: {msg}" for where, msg in failures.items())
             raise WeightPushError(f"weight push v{version} {what}. Failed: {listed}")

@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from megatron_gtpo.parallel.control import broadcast_object
+from megatron_gtpo.parallel.control import broadcast_data
 from megatron_gtpo.tracking.guards import RegimeGuards
 from megatron_gtpo.tracking.tracker import Tracker
 from megatron_gtpo.utils.atomic import write_text_atomic
@@ -41,7 +41,7 @@ class Reporter:
                 log.info("run directory %s made owner-only (mode %04o -> %04o)", self.run_dir, was, was & 0o700)
             self.tracker = Tracker(config, run_dir=self.run_dir, run_id=run_id, resume_step=resume_step)
         # None while the store has not answered (a resume then takes the id from the journal)
-        self.run_id: str | None = broadcast_object(self.tracker.run_id if self.tracker else None)
+        self.run_id: str | None = broadcast_data(self.tracker.run_id if self.tracker else None)
         """The MLflow run id on every rank (None when tracking is off or the store is not up yet)."""
 
     def start(self, config: dict) -> None:

@@ -51,8 +51,8 @@ def test_strict_mode_refuses_host_data_on_device_groups(nproc):
     values = {name: results[0]["value"] for name, results in checks.items()}
     assert all(r["value"] == values[name] for name, results in checks.items() for r in results)
     assert values["control_any_rank"] is True
-    assert values["control_broadcast_object"] == {"rank": last}
-    assert values["control_all_gather_object"] == ranks
+    assert values["control_broadcast_data"] == {"rank": last}
+    assert values["control_all_gather_data"] == ranks
     assert values["control_reduce_floats"] == [[0.0, -last], [last, 0.0], [sum(ranks), -sum(ranks)]]
     assert values["control_twin_dp"] == [1.0]  # TP = world: DP groups of one rank
     assert values["device_allreduce_tp"] == [nproc] * 3

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e import listeners
+from tests.e2e.listeners import JobListeners
 from tests.e2e.slurm_harness import batch_log, cluster, new_job_dir, requires_slurm, submit  # noqa: F401
 from tests.helpers import REPO, free_port
 
@@ -130,6 +132,8 @@ class RolloutNodesRun(SlurmRun):
     """Trainer rank 0's log."""
     server: str
     """The rollout server's log."""
+    listeners: JobListeners
+    """Every listening socket of the job's processes, sampled while it ran."""
 
 
 @pytest.fixture(scope="module")
@@ -145,11 +149,12 @@ def rollout_nodes(cluster) -> RolloutNodesRun:
            "TRANSFORMERS_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "VLLM_NO_USAGE_STATS": "1"}
     job = submit(cluster, job_dir, "train.sbatch", str(REPO / "configs" / "tiny.yaml"),
                  options=("--nodes=2", "--gpus-per-node=0", "--time=00:30:00"), env=env)
-    info = cluster.wait(job, timeout=840)
+    with JobListeners(job) as sampled:
+        info = cluster.wait(job, timeout=840)
     out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
     return RolloutNodesRun(job=job, info=info, job_dir=job_dir, out_dir=out_dir, batch=batch_log(job_dir, job),
                            trainer=_read(out_dir / "logs" / "train-r0-node0.log"),
-                           server=_read(out_dir / "logs" / "rollout-r0-node0.log"))
+                           server=_read(out_dir / "logs" / "rollout-r0-node0.log"), listeners=sampled)
 
 
 def test_rollout_nodes_real_training_with_a_rollout_server_on_its_own_node(rollout_nodes):
@@ -188,3 +193,36 @@ def test_security_the_job_secret_is_owner_only_and_never_in_logs_config_or_mlflo
     with sqlite3.connect(run.job_dir / "mlflow.db") as db:  # the params really are there: the search saw them
         params = dict(db.execute("select key, value from params"))
     assert params.get("sync.transport") == "separate" and not any(secret in v for v in params.values())
+
+
+
+def test_security_every_listening_socket_of_a_real_slurm_job_is_in_the_table(rollout_nodes, cluster):
+    """Every TCP socket that any process of the rollout-nodes job listened on while it ran (sampled
+    every 0.5 s from /proc: srun, torchrun, both trainer ranks, the rollout server and its vLLM
+    engine) belongs to a row of docs/security.md's listener table, is bound where that row says, and
+    only rows the table marks as open unpickle what arrives (torchrun's c10d rendezvous, S1; the
+    checkpoint object collectives of Megatron-Core and torch DCP; vLLM's own, on loopback). Injected: the rollout server started with ``--host 0.0.0.0`` (its port on every interface
+    where the table says its node's address) -> this test fails."""
+    run = rollout_nodes
+    rows = listeners.table((REPO / "docs" / "security.md").read_text())
+    master_port = int(re.search(r"rendezvous [\d.]+:(\d+)", run.batch).group(1))
+    rollout_port = int(re.search(r"rollout: 1 server\(s\) on \[[^]]*\] port (\d+)", run.batch).group(1))
+    nodes = set(re.findall(r"NodeAddr=(\S+)", cluster.run("scontrol", "show", "node", "-o").stdout))
+    seen: dict[str, set] = {}
+    for (host, port, command), _ in sorted(run.listeners.found.items()):
+        row = listeners.row_of(command, host, port, master_port=master_port, rollout_port=rollout_port)
+        assert row in rows, f"{host}:{port} of {command[:160]!r}: no row of docs/security.md's table ({row})"
+        bound = rows[row][1]
+        assert any(kind in bound for kind in listeners.bound_as(host, nodes)), \
+            f"{host}:{port} of {command[:120]!r}: the table's row {row!r} says it is bound to {bound!r}"
+        seen.setdefault(row, set()).add((host, port))
+    assert run.listeners.samples > 20, run.listeners.samples
+    # the job's own listeners were all seen (a sampler that missed the run would pass vacuously)
+    assert {"srun", "torchrun-rendezvous", "torchrun-world-store", "trainer-gloo", "rollout-port", "vllm-world"} \
+        <= set(seen), sorted(seen)
+    assert seen["rollout-port"] == {("127.0.0.1", rollout_port)}  # its one port, on its node's address
+    # what unpickles is known and marked open: torchrun's rendezvous (S1), the checkpoint object
+    # collectives of Megatron-Core and torch DCP over the ranks' gloo pairs, vLLM's own (loopback)
+    unpickling = {row for row in seen if rows[row][4].startswith("**yes**")}
+    assert unpickling == {"torchrun-rendezvous", "trainer-gloo", "vllm-world"}, {row: rows[row][4] for row in seen}
+    assert all("open" in rows[row][4] for row in unpickling), {row: rows[row][4] for row in unpickling}

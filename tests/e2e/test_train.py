@@ -146,7 +146,7 @@ def test_production_step_goes_through_strict_device_groups(run_packed_grpo_kl):
     assert match, run_packed_grpo_kl.log[-3000:]
     counts = {k: int(v) for k, v in re.findall(r"(\w+/\w+)=(\d+)", match.group(2))}
     assert counts.get("all_reduce/device", 0) > 100, counts  # 2 per layer, micro-batch and step at TP=2, and more
-    assert counts.get("broadcast/device", 0) > 0 and counts.get("all_gather_object/host", 0) > 0, counts
+    assert counts.get("broadcast/device", 0) > 0 and counts.get("all_gather/host", 0) > 0, counts
 
 
 def test_dapo_dynamic_sampling_refills_all_equal_groups(run_dapo_bf16):

@@ -14,8 +14,8 @@ from tests.helpers import REPO
 
 def test_single_process_is_the_identity():
     obj = {"a": [1, 2]}
-    assert control.broadcast_object(obj, src=0) is obj
-    assert control.all_gather_object(obj) == [obj]
+    assert control.broadcast_data(obj, src=0) is obj
+    assert control.all_gather_data(obj) == [obj]
     assert control.reduce_floats([1, -2.5], "min") == [1.0, -2.5]
     assert control.any_rank(True) is True and control.any_rank(False) is False
     control.barrier()

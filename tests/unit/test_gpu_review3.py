@@ -92,12 +92,12 @@ def test_only_the_first_rank_of_an_engine_sends_its_completions(monkeypatch):
     engine = SimpleNamespace(submit=lambda prompts, seeds, sampling: completions(), wait=lambda ticket: ticket)
     sent = []
 
-    def gather(payload):
+    def gather(payload, records=()):
         sent.append(payload)
         return [(0, completions()), payload]  # rank 0 (the engine's first rank), then this rank
 
     monkeypatch.setattr(control, "world", lambda: (1, 2))
-    monkeypatch.setattr(control, "all_gather_object", gather)
+    monkeypatch.setattr(control, "all_gather_data", gather)
     group = RolloutGroup(engine, shard=True, model_dir="/m", ranks_per_engine=2)
     prompt = Prompt(uid="p", token_ids=[1, 2])
     out = group.generate([prompt], Sampling(n=2, temperature=1.0, max_tokens=4))

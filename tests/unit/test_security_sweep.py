@@ -17,6 +17,11 @@ from tests.helpers import REPO
 
 FILES = sorted((REPO / "megatron_gtpo").rglob("*.py"))
 
+# torch's object collectives: they pickle on one rank and unpickle what a peer's gloo/NCCL socket
+# delivers (issue #34, S5); the package's control plane carries data (parallel/control.py, objects.py)
+OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+                      "send_object_list", "recv_object_list")
+
 ALLOWED = {
     # eval of an expression the module itself generates from digits and + - * (never input), with no builtins
     ("megatron_gtpo/data/arithmetic.py", "eval"),
@@ -43,6 +48,10 @@ def findings(path: Path, root: Path = REPO) -> list[tuple[str, str, int]]:
             if name in ("pickle.load", "pickle.loads", "yaml.load", "yaml.unsafe_load", "yaml.full_load",
                         "eval", "exec", "marshal.loads") or (name == "torch.load" and not safe_torch_load):
                 out.append((rel, name, node.lineno))
+            elif name.rsplit(".", 1)[-1] in OBJECT_COLLECTIVES:
+                out.append((rel, name, node.lineno))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch.distributed"):
+            out += [(rel, f"{node.module}.{a.name}", node.lineno) for a in node.names if a.name in OBJECT_COLLECTIVES]
         elif isinstance(node, ast.ImportFrom) and node.module in ("multiprocessing.connection", "pickle", "yaml"):
             out += [(rel, f"{node.module}.{a.name}", node.lineno) for a in node.names
                     if a.name in ("Listener", "Client", "load", "loads", "unsafe_load", "full_load", "Loader")]
@@ -52,6 +61,8 @@ def findings(path: Path, root: Path = REPO) -> list[tuple[str, str, int]]:
 
 
 def test_security_the_package_never_unpickles_evals_or_loads_unsafe_yaml():
+    """Nor calls torch's object collectives (injected: control.broadcast_data back on
+    dist.broadcast_object_list -> parallel/control.py is listed, the test fails)."""
     assert [f for path in FILES for f in findings(path)] == []
 
 
@@ -59,10 +70,13 @@ def test_security_the_sweep_sees_what_it_forbids(tmp_path):
     bad = tmp_path / "bad.py"  # the negative control of the check above
     bad.write_text("import pickle\nimport torch, yaml\nfrom multiprocessing.connection import Listener\n"
                    "torch.load('x')\ntorch.load('x', weights_only=False)\ntorch.load('x', weights_only=True)\n"
-                   "yaml.load(s)\npickle.loads(b)\n")
+                   "yaml.load(s)\npickle.loads(b)\ndist.all_gather_object(out, x)\n"
+                   "from torch.distributed import broadcast_object_list\ntorch.distributed.gather_object(x)\n")
     names = sorted(what for _, what, _ in findings(bad, root=tmp_path))
     assert names == sorted(["pickle", "multiprocessing.connection.Listener", "torch.load", "torch.load", "yaml.load",
-                            "pickle.loads"])  # weights_only=True is the one torch.load allowed
+                            "pickle.loads", "dist.all_gather_object",
+                            "torch.distributed.broadcast_object_list", "torch.distributed.gather_object"])
+    # weights_only=True is the one torch.load allowed
 
 
 def test_security_tracking_uri_with_a_password_is_refused_and_uris_are_redacted(tmp_path):

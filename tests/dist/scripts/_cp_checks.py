@@ -111,7 +111,7 @@ def check_one_sender(ddp, dims) -> None:
         buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=comm_device()) if dims.tp_rank == 0 else None
         sends.append(bool(exporter.pack(bucket, buffer)))
     exported = sum(len(b) for b in export_hf_weights(ddp, hf_config=model_config(), dims=dims, dst_ranks="first"))
-    senders = control.all_gather_object((dims.rank, sends, exported))
+    senders = control.all_gather_data((dims.rank, sends, exported))
     if dims.rank == 0:
         per_bucket = [sum(s[i] for _, s, _ in senders) for i in range(len(buckets))]
         emit(check="senders", layout=layout_name(dims), per_bucket=per_bucket,

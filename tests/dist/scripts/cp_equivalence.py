@@ -265,7 +265,7 @@ def layout_phase(batch, ref: dict, tp: int, cp: int, pp: int, seen: dict) -> Non
             if cp == 1:  # the CP=1 step: what the CP layouts must equal (every rank holds all of it at TP=PP=1)
                 ref["cp1"][case["name"], packed] = got
             emit(check="step", layout=K.layout_name(dims), case=case["name"], packed=packed, **out)
-            agreed = control.all_gather_object(out["metrics_digest"])
+            agreed = control.all_gather_data(out["metrics_digest"])
             if dims.rank == 0:
                 emit(check="metrics", layout=K.layout_name(dims), case=case["name"], packed=packed, metrics=metrics,
                      same_on_every_rank=len(set(agreed)) == 1)

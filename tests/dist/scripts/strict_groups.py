@@ -72,8 +72,8 @@ def checks() -> None:
     attempt("host_allreduce_tp", lambda: _reduced(torch.tensor([1.0]), tp_group))
     # the same data through the control plane
     attempt("control_any_rank", lambda: control.any_rank(dims.rank == world - 1))
-    attempt("control_broadcast_object", lambda: control.broadcast_object({"rank": dims.rank}, src=world - 1))
-    attempt("control_all_gather_object", lambda: control.all_gather_object(dims.rank))
+    attempt("control_broadcast_data", lambda: control.broadcast_data({"rank": dims.rank}, src=world - 1))
+    attempt("control_all_gather_data", lambda: control.all_gather_data(dims.rank))
     attempt("control_reduce_floats", lambda: [control.reduce_floats([dims.rank, -dims.rank], op) for op in
                                               ("min", "max", "sum")])
     attempt("control_twin_dp", lambda: control.reduce_floats([1.0], "sum", over=ps.get_data_parallel_group()))

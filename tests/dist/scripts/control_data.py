@@ -1,0 +1,62 @@
+"""The control plane's data encoding over a real gloo world (tests/dist/test_security_control_plane.py).
+
+Usage: control_data.py MARKER_DIR
+Every rank sends every payload kind of tests/unit/test_security_control_objects.py through
+``control.broadcast_data`` and ``control.all_gather_data`` and compares what arrives. Then rank 0
+plays a process in a peer's place: it sends, on the control group and in the control plane's own
+framing (an int64 length, then the bytes), a pickle whose unpickling creates MARKER_DIR/ran.
+Prints ``RESULT {"check": ..., "rank": ..., ...}`` lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_gtpo.parallel import control, objects
+from megatron_gtpo.parallel.dims import init_distributed
+from tests.unit.test_security_control_objects import RECORDS, _Marker, payloads, same
+
+
+def report(**record) -> None:
+    sys.stdout.flush()
+    os.write(1, ("\nRESULT " + json.dumps({"rank": dist.get_rank(), **record}) + "\n").encode())
+
+
+def round_trips(world: int) -> None:
+    rank, last = dist.get_rank(), world - 1
+    for i, value in enumerate(payloads()):
+        got = control.broadcast_data(value if rank == last else None, src=last, records=RECORDS)
+        everyone = control.all_gather_data(value, records=RECORDS)
+        report(check="round_trip", case=i, broadcast=same(value, got), gathered=len(everyone) == world
+               and all(same(value, v) for v in everyone))
+
+
+def pickle_in_a_peers_place(marker: Path) -> None:
+    group = control._group(None)
+    if dist.get_rank() == 0:
+        bomb = torch.frombuffer(bytearray(pickle.dumps(_Marker(marker))), dtype=torch.uint8)
+        dist.broadcast(torch.tensor([bomb.numel()], dtype=torch.int64), src=0, group=group)
+        dist.broadcast(bomb, src=0, group=group)
+        outcome = "sent"
+    else:
+        try:
+            control.broadcast_data(None, src=0)
+            outcome = "accepted"
+        except objects.DecodeError as err:
+            outcome = f"refused: {err}"
+    control.barrier()
+    report(check="pickle", outcome=outcome, ran=marker.exists())
+
+
+if __name__ == "__main__":
+    world_size = int(os.environ["WORLD_SIZE"])
+    init_distributed(tp=world_size, seed=1)
+    round_trips(world_size)
+    pickle_in_a_peers_place(Path(sys.argv[1]) / "ran")
