@@ -98,15 +98,21 @@ def _paths(group, tp_rank: int, shard: int):
             "megatron": megatron, "naive": naive}
 
 
+def _device_inputs(gen, tokens: int, shard: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits [tokens, shard], targets [tokens])`` on the collectives' device, where the train step
+    holds them. Drawn on the host (the seeded generator) and moved: host tensors handed to the TP
+    group's all-reduces are what NCCL refuses, and what strict device groups refuse here."""
+    from megatron_gtpo.parallel.collectives import comm_device
+
+    device = comm_device()
+    target = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+    logits = (3.0 * torch.randn(tokens, shard, generator=gen)).to(device).requires_grad_(True)
+    return logits, target
+
+
 def _measure(path, tokens: int, shard: int, vocab: int) -> float:
     """Peak transient memory of one forward + backward, over the shard size."""
-    gen = torch.Generator().manual_seed(0)
-    target = torch.randint(0, vocab, (tokens,), generator=gen)
-
-    def fresh():
-        return (3.0 * torch.randn(tokens, shard, generator=gen)).requires_grad_(True)
-
-    logits = fresh()
+    logits, target = _device_inputs(torch.Generator().manual_seed(0), tokens, shard, vocab)
     storage = logits.untyped_storage().data_ptr()
     peak, _ = peak_extra_bytes(lambda: path(logits, target))
     shard_bytes = logits.numel() * logits.element_size()
@@ -120,12 +126,11 @@ def _time_round_robin(paths: dict, tokens: int, shard: int, vocab: int, reps: in
     """Seconds per forward + backward of each path: the minimum over ``reps`` rounds, the paths
     interleaved within a round, so that load from other jobs hits them alike (shared machines)."""
     gen = torch.Generator().manual_seed(1)
-    target = torch.randint(0, vocab, (tokens,), generator=gen)
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(reps):
         for name, path in paths.items():
             # fresh logits for every run: two of the paths overwrite them
-            logits = (3.0 * torch.randn(tokens, shard, generator=gen)).requires_grad_(True)
+            logits, target = _device_inputs(gen, tokens, shard, vocab)
             _barrier(group)  # TP ranks start together: the time includes waiting in collectives
             start = time.perf_counter()
             path(logits, target)
@@ -169,6 +174,7 @@ def run_tp(tp: int, args) -> dict | None:
 def _cp_path(cp: int, rank: int, tokens: int, vocab: int):
     """The fused pass on this CP rank's share of one sequence of ``tokens`` (prompt of 64 tokens):
     log-probs and entropies in the completion view, <H>_i over the CP group, gradient through both."""
+    from megatron_gtpo.parallel.collectives import comm_device
     from megatron_gtpo.train.batching import MicroBatch
     from megatron_gtpo.train.cp_loss import cp_groups, mean_entropy, shard_token_stats
     from megatron_gtpo.train.cp_shard import shard_micro_batch
@@ -179,8 +185,9 @@ def _cp_path(cp: int, rank: int, tokens: int, vocab: int):
     mb = MicroBatch(rows=torch.zeros(1, dtype=torch.long), input_ids=torch.randint(0, vocab, (1, tokens), generator=gen),
                     position_ids=torch.arange(tokens)[None, :], start=torch.tensor([prompt]),
                     lengths=torch.tensor([width]), width=width)
-    shard = shard_micro_batch(mb, cp=cp, rank=rank, pad_id=0)
-    mask = torch.ones(1, width, dtype=torch.bool)
+    # built on the host, then moved, as the train step's plan does (train/plan.py)
+    shard = shard_micro_batch(mb, cp=cp, rank=rank, pad_id=0).to(comm_device())
+    mask = torch.ones(1, width, dtype=torch.bool, device=comm_device())
     group = cp_groups()[0] if cp > 1 else None
     settings = LogprobSettings(tp_group=None, tp_rank=0, vocab_size=vocab, temperature=1.0, chunk_tokens=None)
 

@@ -48,7 +48,7 @@ def _step(model, shard, settings, group):
 
     logits = forward(model, shard)
     logp, entropy = shard_token_stats(settings, logits, shard, inplace_backward=True)
-    mask = torch.ones(1, shard.width, dtype=torch.bool)
+    mask = torch.ones(1, shard.width, dtype=torch.bool, device=shard.held.device)
     mean_entropy(entropy, shard.held, mask, group)
     (-(logp * shard.held).sum() + 0.01 * entropy.sum()).backward()
 
@@ -72,6 +72,7 @@ def run_cp(cp: int, args) -> dict | None:
     from megatron.core import parallel_state as ps
 
     from bench.logprob_entropy import peak_extra_bytes
+    from megatron_gtpo.parallel.collectives import comm_device
     from megatron_gtpo.parallel.dims import init_distributed
     from megatron_gtpo.train import model as M
     from megatron_gtpo.train.cp_shard import shard_micro_batch
@@ -82,7 +83,8 @@ def run_cp(cp: int, args) -> dict | None:
     if dims.dp_rank == 0:  # CP=1: rank 0 alone; CP=2: the one CP group
         torch.manual_seed(0)
         model = M.build_model(MODEL, dims=dims)[0]
-        shard = shard_micro_batch(_micro_batch(args.cp_tokens), cp=cp, rank=dims.cp_rank, pad_id=0)
+        # built on the host, then moved, as the train step's plan does (train/plan.py)
+        shard = shard_micro_batch(_micro_batch(args.cp_tokens), cp=cp, rank=dims.cp_rank, pad_id=0).to(comm_device())
         settings = LogprobSettings(tp_group=None, tp_rank=0, vocab_size=MODEL["vocab_size"], temperature=1.0,
                                    chunk_tokens=None)
         group = ps.get_context_parallel_group() if cp > 1 else None
@@ -109,10 +111,13 @@ def run_cp(cp: int, args) -> dict | None:
 def main_rank(args) -> None:
     import torch.distributed as dist
 
+    from megatron_gtpo.parallel import control
+
     dist.init_process_group("gloo")
     one, two = run_cp(1, args), run_cp(2, args)
-    rows = [None, None]
-    dist.all_gather_object(rows, two)
+    # the rows are Python objects: the gloo control group carries them (an object collective on
+    # the default group is what strict device groups refuse, and NCCL would stage it through a GPU)
+    rows = control.all_gather_object(two)
     if dist.get_rank() != 0:
         return
     worst = max(rows, key=lambda r: r["peak_mb"])

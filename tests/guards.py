@@ -31,8 +31,6 @@ ALLOWED_SKIPS = [
     (r"TRL is not installed", "bench/vs_trl.py's TRL side: optional, never needed to train or test"),
     # Only on a machine with CUDA: CI's has none, so this never skips there.
     (r"checks the CPU-only answer", "the CPU-only branch of bench/gpu_smoke.py's dry run"),
-    # Two benchmarks whose --quick run fails after this round's merges: open bugs, named in the skip.
-    (r"known bug, issue 35 open", "bench/logprob_entropy.py and bench/memory_cp.py --quick (tests/e2e/test_bench_quick.py)"),
 ]
 
 

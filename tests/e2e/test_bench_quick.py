@@ -7,10 +7,14 @@ is a JSON object must carry the case's key). Scripts that start fresh processes 
 training CLI, torchrun ranks, rollout servers) still do. ``test_every_script_is_listed`` keeps the
 table complete: a new ``bench/*.py`` fails until it is a case, a helper, or skipped for a stated reason.
 
-Written for the two breakages of issue 35 (``bench/logprob_entropy.py`` importing
-``LogprobSettings`` from ``train/loss.py``, ``bench/lora_push.py`` importing ``architecture_of``
-from ``models/hf_config.py``), both fixed in the same change. NOT yet proved by re-injecting them
-here: the suite run of this file did not complete on the loaded host in this round.
+Written for the breakages of issue 35, each proved by injecting it once and seeing its case fail:
+``bench/logprob_entropy.py`` importing ``LogprobSettings`` from ``train/loss.py`` and
+``bench/lora_push.py`` importing ``architecture_of`` from ``models/hf_config.py`` (both cases
+failed with the ImportError); ``bench/logprob_entropy.py`` drawing its logits on the host, so
+Megatron's cross-entropy all-reduced a host tensor over the TP group (NCCL would refuse it; the
+runs here have strict device groups on, ``child_env``), and ``bench/memory_cp.py`` gathering its
+rows with ``dist.all_gather_object`` on the default (device) group instead of
+``parallel.control`` (both failed with strict mode's RuntimeError).
 
 The memory case also compares the memory plan with the measured peak (``bench/memory.py --quick``:
 the tiny recipe's 2 steps on CPU); see ``test_memory_plan_against_measured_peak``.
@@ -112,18 +116,8 @@ def test_every_script_is_listed():
         f"new script a --quick case in CASES (or name it a helper, or its GPU-only reason)")
 
 
-KNOWN_BROKEN = {
-    "logprob_entropy": "known bug, issue 35 open: its Megatron cross-entropy baseline all-reduces host tensors, "
-                       "which the strict device-group mode refuses",
-    "memory_cp": "known bug, issue 35 open: its CP launch fails in the merged suite (cause not found yet)",
-}
-"""Benchmarks whose --quick run fails today: skipped with their reason, never counted as passing."""
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_quick_run(case, quick_runs):
-    if case in KNOWN_BROKEN:
-        pytest.skip(KNOWN_BROKEN[case])
     proc, line = quick_runs(case)
     text = proc.stdout + proc.stderr
     where = f"bench/{_script(case)}.py --quick (rc {proc.returncode}):\n{text[-5000:]}"

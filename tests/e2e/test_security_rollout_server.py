@@ -124,14 +124,22 @@ def server(tmp_path_factory):
         srv.local.stop()
 
 
-def raw(server: Server, data: bytes, *, wait_s: float = 12.0) -> bytes:
-    """Sends ``data`` on a fresh connection and returns whatever comes back before the server closes it."""
+class NotEnded(AssertionError):
+    """The server did not end an outsider's connection within the client's timeout: the outsider
+    gave up, the server refused nothing (a client timeout never passes for a refusal)."""
+
+
+def raw(server: Server, data: bytes, *, wait_s: float = fz.CLIENT_TIMEOUT_S) -> bytes:
+    """Sends ``data`` on a fresh connection and returns whatever comes back before the server closes
+    it; raises :class:`NotEnded` when the server keeps it open past ``wait_s`` (twice its handshake limit)."""
     chunks = []
     with socket.create_connection((server.host, server.port), timeout=wait_s) as sock:
         try:
             sock.sendall(data)
             while chunk := sock.recv(4096):
                 chunks.append(chunk)
+        except TimeoutError:  # a subclass of OSError: caught first, it is no refusal
+            raise NotEnded(f"still open after {wait_s} s, {len(b''.join(chunks))} bytes back") from None
         except OSError:  # reset by the server while we were still sending
             pass
     return b"".join(chunks)
@@ -147,7 +155,8 @@ def parallel(*calls) -> list:
         except BaseException as err:  # noqa: BLE001 - returned for the assertions
             results[i] = err
 
-    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(calls)]
+    # daemon: an outsider still blocked after the join (no timeout of its own) must not hold pytest open
+    threads = [threading.Thread(target=run, args=(i, fn), daemon=True) for i, fn in enumerate(calls)]
     for t in threads:
         t.start()
     for t in threads:
@@ -167,7 +176,7 @@ def guessed_key(server: Server, key: bytes, payload: bytes) -> bytes:
     server's proof: it sends its frames (a control role with the pickle as a blob, then ``hello``)
     and returns every byte the server sent back."""
     got = b""
-    with socket.create_connection((server.host, server.port), timeout=12) as sock:
+    with socket.create_connection((server.host, server.port), timeout=fz.CLIENT_TIMEOUT_S) as sock:
         cn = os.urandom(ch.NONCE_BYTES)
         sock.sendall(ch.HELLO + cn)
         while len(got) < len(ch.HELLO) + ch.NONCE_BYTES and (chunk := sock.recv(4096)):
@@ -181,12 +190,19 @@ def guessed_key(server: Server, key: bytes, payload: bytes) -> bytes:
             outsider.send({"op": "hello", "args": {}})
             while chunk := sock.recv(4096):
                 got += chunk
+        except TimeoutError:  # the server kept the connection: no refusal
+            raise NotEnded(f"still open after {fz.CLIENT_TIMEOUT_S} s, {len(got)} bytes back") from None
         except (ch.ChannelError, OSError):
             pass
     return got
 
 
 def test_security_an_outsider_cannot_run_code_in_the_server(server, tmp_path):
+    """Every outsider is refused by the server, which ends each connection itself: a client timeout
+    is no refusal (``raw`` and ``guessed_key`` raise :class:`NotEnded`). Proved against: the server
+    holding a refused (bad-greeting) connection open for 30 s instead of closing it
+    (``Listener._authenticate``): the earlier helpers, which caught their own 12 s timeout as an
+    ``OSError`` and returned ``b""``, passed it; now the two raw pickles read ``NotEnded`` and it fails."""
     marker = tmp_path / "pwned"
     payload = pickle.dumps(Evil(marker))
     (tmp_path / "evil.pkl").write_bytes(payload)

@@ -227,20 +227,44 @@ def _check_vpp_guard(dims, tied) -> None:
 
 
 def _check_distributed_adam(batch, ref, dims, name, *, tied, overrides):
-    """Distributed optimizer + Adam + clipping: loss and (pre-clip) grad norm still match."""
+    """Distributed optimizer + Adam + clipping: loss and (pre-clip) grad norm match, and every local
+    parameter equals one-process Adam's first step from the reference gradients (``adam_excess``)."""
     chunks = M.build_model(C.tiny_config(tied=tied), dims=dims, overrides=overrides)
-    cfg = OptimConfig(optimizer={"optimizer": "adam", "lr": 1e-3, "clip_grad": 1e-3, "use_distributed_optimizer": True})
+    # no weight decay: the one-process reference below is Adam's update alone
+    cfg = OptimConfig(optimizer={"optimizer": "adam", "lr": 1e-3, "clip_grad": 1e-3, "weight_decay": 0.0,
+                                 "use_distributed_optimizer": True})
     ddp = wrap_ddp(chunks, cfg)
     C.load_full(ddp, ref["full"], tied=tied, tp=dims.tp, tp_rank=dims.tp_rank)
     optimizer, scheduler = build_optimizer(ddp, cfg, total_steps=4)
     algo_cfg, want = AlgoConfig(name="gtpo", entropy_threshold=ref["threshold"]), ref["cases"]["gtpo"]
     settings = StepSettings(spec=algo_cfg.resolve(max_completion_tokens=16), micro_batch_size=MBS,
                             temperature=TEMPERATURE)
-    metrics = train_step(SimpleNamespace(chunks=ddp, optimizer=optimizer, scheduler=scheduler), batch, settings, dims)
-    moved = max(float((p.detach() - C.local_piece(ref["full"][g], n, p, tp=dims.tp, tp_rank=dims.tp_rank)).abs().max())
-                for g, n, p in C.named_local_params(ddp, tied=tied))
+    metrics = train_step(SimpleNamespace(chunks=ddp, optimizer=optimizer, scheduler=scheduler), batch, settings,
+                         dims)
+    moved, adam_excess = 0.0, 0.0
+    for g, n, p in C.named_local_params(ddp, tied=tied):
+        start = C.local_piece(ref["full"][g], n, p, tp=dims.tp, tp_rank=dims.tp_rank).double()
+        grad = C.local_piece(want["grads"][g], n, p, tp=dims.tp, tp_rank=dims.tp_rank).double()
+        delta = start - p.detach().double()
+        moved = max(moved, float(delta.abs().max()))
+        adam_excess = max(adam_excess, float((delta - _first_adam_step(grad, want["grad_norms"][0], cfg)).abs().max()
+                                             / cfg.optimizer["lr"]))
     emit(check="distopt_adam", layout=name, loss=metrics["loss"], loss_ref=want["losses"][0],
-         grad_norm=metrics["optim/grad_norm"], grad_norm_ref=want["grad_norms"][0], max_param_change=moved)
+         grad_norm=metrics["optim/grad_norm"], grad_norm_ref=want["grad_norms"][0], max_param_change=moved,
+         adam_excess=adam_excess)
+
+
+def _first_adam_step(grad: torch.Tensor, norm: float, cfg: OptimConfig) -> torch.Tensor:
+    """One-process Adam's first update ``p0 - p1`` (float64) from the unclipped gradient ``grad`` and
+    the global grad norm: Megatron's clip (coefficient ``clip / (norm + 1e-6)`` when below 1), then
+    Adam at step 1, where the bias corrections cancel (m_hat = g, v_hat = g^2): ``lr g / (|g| + eps)``
+    (constant LR, no warm-up: OptimConfig's default schedule)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    opt = OptimizerConfig(**cfg.optimizer)  # Megatron's defaults for what the case leaves unset (eps)
+    assert opt.weight_decay == 0.0, "the reference has no weight decay term"
+    g = grad * min(1.0, opt.clip_grad / (norm + 1e-6))
+    return opt.lr * g / (g.abs() + opt.adam_eps)
 
 
 def _check_logprobs_and_greedy(chunks, batch, ref, dims, name) -> None:
