@@ -43,6 +43,8 @@ class Worker:
         self._make = make or (lambda: Publisher(journal))
         self.unavailable: str | None = None
         """Why this backend is off for the whole process (BackendUnavailable), else None."""
+        self.publisher = None
+        """The backend's publisher, once built (by this worker's thread)."""
         self.can_delete: bool | None = None
         """Whether the store can delete re-run steps (None until the store was reached)."""
         self.outage_since: float | None = None
@@ -98,7 +100,6 @@ class Worker:
         return self._served < self._requested and time.monotonic() >= self._retry_at
 
     def _loop(self) -> None:
-        publisher = None
         while True:
             with self._cv:
                 while not self._stopping and not self._due():
@@ -109,9 +110,9 @@ class Worker:
                 gen = self._requested
             error = None
             try:
-                publisher = publisher or self._make()
-                self.can_delete = publisher.can_delete
-                publisher.pump(stop=lambda: self._stopping)
+                self.publisher = self.publisher or self._make()
+                self.can_delete = self.publisher.can_delete
+                self.publisher.pump(stop=lambda: self._stopping)
             except BackendUnavailable as err:
                 self._give_up(str(err))
                 return
