@@ -30,7 +30,12 @@ def preflight(cfg) -> str:
     """Validates everything that can be checked without starting a rank; returns a summary."""
     check_output_dir(cfg.output_dir)
     tc = cfg.tracking  # early: a tracking server that does not answer fails in seconds, not after engine start
-    tracking = check_tracking_uri(resolve_uri(tc.uri, cfg.output_dir), tc.request_timeout_s) if tc.enabled else "off"
+    tracking = check_tracking_uri(resolve_uri(tc.uri, cfg.output_dir), tc.request_timeout_s) \
+        if tc.enabled and "mlflow" in tc.backends else "MLflow off"
+    if tc.enabled and set(tc.backends) - {"mlflow"}:
+        tracking += "; also " + ", ".join(b for b in tc.backends if b != "mlflow")
+    elif not tc.enabled:
+        tracking = "off"
     check_vllm_kwargs(cfg.rollout.vllm)
     on_gpu = torch.cuda.is_available()
     check_rollout_servers(cfg.sync, on_gpu=on_gpu)

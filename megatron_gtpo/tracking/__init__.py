@@ -1,5 +1,7 @@
 """MLflow tracking that never costs training: one run per run directory, params = the resolved
 config, metrics per step, artifacts; only rank 0 tracks (elsewhere :class:`Tracker` is a no-op).
+W&B (offline by default) and TensorBoard can publish the same journal beside it
+(``tracking.backends``; see ``sinks.py`` for what they get and their exactly-once rule).
 
 Where records go: ``tracking.uri``, else ``$MLFLOW_TRACKING_URI``, else a SQLite file
 ``<run dir>/mlflow.db`` (artifacts of local stores in ``<run dir>/mlartifacts``).
@@ -69,12 +71,15 @@ What the driver calls (rank 0)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from megatron_gtpo.tracking.reporter import Reporter, sample_table, step_metrics
 from megatron_gtpo.tracking.tracker import FlushReport, Tracker
 from megatron_gtpo.tracking.uri import check_tracking_uri, redact_uri, resolve_uri, uri_password
 from megatron_gtpo.utils.configuration import ConfigError, require
+
+Backend = Literal["mlflow", "wandb", "tensorboard"]
 
 __all__ = ["FlushReport", "Reporter", "Tracker", "TrackingConfig", "check_tracking_uri", "resolve_uri", "sample_table", "step_metrics"]
 
@@ -84,7 +89,17 @@ class TrackingConfig:
     """Where and how the run is tracked."""
 
     enabled: bool = True
-    """Log to MLflow at all (rank 0 only)."""
+    """Track at all (rank 0 only); false turns every backend off."""
+    backends: list[Backend] = field(default_factory=lambda: ["mlflow"])
+    """Where the journal is published, each by its own thread (one backend's outage never stops
+    training or the others): 'mlflow' (the URI below), 'wandb' (a W&B run; offline files in
+    <output_dir>/wandb, see wandb_mode), 'tensorboard' (event files in <output_dir>/tensorboard)."""
+    wandb_project: str | None = None
+    """W&B project; None = $WANDB_PROJECT if set, else the MLflow experiment's name."""
+    wandb_mode: Literal["offline", "online"] | None = None
+    """W&B mode; None = $WANDB_MODE when it is 'online' or 'offline', else 'offline' (upload later
+    with `wandb sync <output_dir>/wandb/offline-run-*`). Online needs WANDB_API_KEY in the
+    environment (never in a config file: wandb reads it there itself)."""
     uri: str | None = None
     """Tracking URI; None = $MLFLOW_TRACKING_URI if set, else sqlite:///<output_dir>/mlflow.db. No
     password in it (it is written to config.yaml and the MLflow params): MLflow takes credentials
@@ -112,6 +127,8 @@ class TrackingConfig:
                               "and MLflow: remove it and export MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD (or "
                               "MLFLOW_TRACKING_TOKEN), or leave tracking.uri unset and export the full "
                               "MLFLOW_TRACKING_URI")
+        require(bool(self.backends) and len(set(self.backends)) == len(self.backends), "backends", self.backends,
+                "a list of distinct backends among 'mlflow', 'wandb', 'tensorboard' (enabled=false tracks nothing)")
         require(self.samples_every >= 0, "samples_every", self.samples_every, ">= 0")
         require(self.num_samples >= 1, "num_samples", self.num_samples, ">= 1")
         require(self.request_timeout_s >= 1, "request_timeout_s", self.request_timeout_s, "an integer >= 1")

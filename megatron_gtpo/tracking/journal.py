@@ -3,8 +3,9 @@
 Layout under ``<run dir>/tracking/``::
 
     journal.jsonl   one JSON record a line, append-only, in the order the driver logged them
-    state.json      how far MLflow has it (byte offset), the run id, the commit watermark, the
-                    wanted run status; rewritten atomically
+    state.json      how far MLflow has it (byte offset), and each other backend (W&B,
+                    TensorBoard: ``sinks``), the run id, the commit watermark, the wanted run
+                    status; rewritten atomically
     files/          copies of logged artifact files (the originals may change before they are sent)
     lock            flock'ed by the live process that writes the journal
 
@@ -74,6 +75,9 @@ class JournalState:
     """Records the store refused as invalid; they stay in the journal and are not retried."""
     owner: dict[str, Any] = field(default_factory=dict)
     """pid, host and start time of the process that last opened the journal."""
+    sinks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Progress of each backend other than MLflow (``wandb``, ``tensorboard``): ``offset`` (bytes
+    of journal.jsonl it has, as ``sent_offset`` for MLflow) and ``status`` (last run status set)."""
 
 
 class Journal:
@@ -108,13 +112,21 @@ class Journal:
     def snapshot(self) -> JournalState:
         """A copy of the current state (safe to read while the other thread updates it)."""
         with self._lock:
-            return dataclasses.replace(self._state, rewinds=[list(r) for r in self._state.rewinds])
+            return dataclasses.replace(self._state, rewinds=[list(r) for r in self._state.rewinds],
+                                       sinks={k: dict(v) for k, v in self._state.sinks.items()})
 
     def update(self, **changes: Any) -> None:
         """Sets fields of the state and writes state.json atomically."""
         with self._lock:
             for key, value in changes.items():
                 setattr(self._state, key, value)
+            self._save()
+
+    def update_sink(self, name: str, **changes: Any) -> None:
+        """Sets fields of backend ``name``'s entry in ``sinks`` (under the lock: the workers of
+        several backends update the state at once)."""
+        with self._lock:
+            self._state.sinks = {**self._state.sinks, name: {**self._state.sinks.get(name, {}), **changes}}
             self._save()
 
     def _save(self) -> None:
@@ -248,11 +260,29 @@ def held(record: dict[str, Any], state: JournalState) -> bool:
     return step is not None and not state.release_all and step > state.committed_step
 
 
-def backlog(journal: Journal, state: JournalState, *, can_delete: bool | None) -> tuple[int, int]:
-    """(unsent records, of which held for a checkpoint) from ``state.sent_offset`` on.
-    ``can_delete`` None: the store type is not known yet, nothing is counted as held."""
+def next_batch(journal: Journal, state: JournalState, offset: int, *, can_delete: bool,
+               max_records: int) -> tuple[list[tuple[dict[str, Any], int]], int]:
+    """The records a backend may publish now from ``offset`` (up to ``max_records``), each with the
+    offset after it, and the offset after them all: every record for a backend that can delete
+    re-run steps; for one that cannot, up to the first record still held for a checkpoint.
+    Superseded records are included (the backend skips them, and the offset passes them)."""
+    batch: list[tuple[dict[str, Any], int]] = []
+    end = offset
+    for record, after in journal.read(offset, max_records=max_records):
+        if not superseded(record, state.rewinds) and not can_delete and held(record, state):
+            break
+        batch.append((record, after))
+        end = after
+    return batch, end
+
+
+def backlog(journal: Journal, state: JournalState, *, can_delete: bool | None,
+            offset: int | None = None) -> tuple[int, int]:
+    """(unsent records, of which held for a checkpoint) from ``offset`` (default MLflow's
+    ``state.sent_offset``) on. ``can_delete`` None: the store type is not known yet, nothing is
+    counted as held."""
     unsent = waiting = 0
-    for record, _ in journal.read(state.sent_offset):
+    for record, _ in journal.read(state.sent_offset if offset is None else offset):
         if record.get("t") == "rewind" or superseded(record, state.rewinds):
             continue
         unsent += 1

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from megatron_gtpo.models.smollm2 import default_cache_dir
-from megatron_gtpo.tracking.journal import TERMINAL, Journal, JournalState, held, superseded
+from megatron_gtpo.tracking.journal import TERMINAL, Journal, JournalState, next_batch, superseded
 from megatron_gtpo.tracking.sqlite_seed import seed_sqlite_store
 from megatron_gtpo.tracking.uri import redact_uri
 from megatron_gtpo.utils.atomic import write_text_atomic
@@ -98,16 +98,11 @@ class Publisher:
     def _send_round(self, run_id: str) -> bool:
         """Publishes up to READ_RECORDS ready records; False when nothing more is ready."""
         state = self.journal.snapshot()
-        batch: list[dict[str, Any]] = []
-        end = state.sent_offset
-        for record, offset in self.journal.read(state.sent_offset, max_records=READ_RECORDS):
-            if not superseded(record, state.rewinds) and not self.can_delete and held(record, state):
-                break
-            batch.append(record)
-            end = offset
+        batch, end = next_batch(self.journal, state, state.sent_offset, can_delete=self.can_delete,
+                                max_records=READ_RECORDS)
         if not batch:
             return False
-        self._publish(run_id, batch, state)
+        self._publish(run_id, [record for record, _ in batch], state)
         self.journal.update(sent_offset=end)
         return True
 

@@ -9,12 +9,13 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megatron_gtpo.tracking.journal import TERMINAL, Journal, JournalState, backlog
 from megatron_gtpo.tracking.publisher import configure_http
+from megatron_gtpo.tracking.sinks import side_workers
 from megatron_gtpo.tracking.uri import redact_uri, resolve_experiment, resolve_uri
 from megatron_gtpo.tracking.worker import Worker
 from megatron_gtpo.utils.configuration import ConfigError, flatten
@@ -37,6 +38,8 @@ class FlushReport:
     """The final status reached MLflow."""
     journal: Path
     """The journal that keeps the unsent records."""
+    others: dict[str, int] = field(default_factory=dict)
+    """Records not in each other backend (wandb, tensorboard) yet; sent at the next --resume."""
 
 
 class Tracker:
@@ -55,16 +58,24 @@ class Tracker:
         self._finished = False
         if not self.enabled:
             return
-        configure_http(cfg.request_timeout_s)
+        if "mlflow" in cfg.backends:
+            configure_http(cfg.request_timeout_s)
         self.journal = Journal(self.run_dir / "tracking")
         self._locked = self._acquire()
         self._open_state(run_id, fresh=resume_step is None)
         self.journal.open_for_append()
         if resume_step is not None:
             self._rewind(resume_step)
-        self.worker = Worker(self.journal, uri=self.uri)
+        self.workers: dict[str, Worker] = {}
+        """One publishing thread per backend of ``tracking.backends``."""
+        if "mlflow" in cfg.backends:
+            self.workers["mlflow"] = Worker(self.journal, uri=self.uri)
+        self.workers.update(side_workers(cfg, self.journal, self.run_dir, self.journal.snapshot().experiment))
+        self.worker: Worker | None = self.workers.get("mlflow")
+        """MLflow's worker (None when 'mlflow' is not in tracking.backends)."""
         atexit.register(self._at_exit)
-        self.worker.wait_for_run(2.0 * cfg.request_timeout_s)
+        if self.worker is not None:
+            self.worker.wait_for_run(2.0 * cfg.request_timeout_s)
 
     @property
     def run_id(self) -> str | None:
@@ -80,7 +91,7 @@ class Tracker:
             return
         self.journal.append({"t": "params", "params": {k: str(v)[:6000] for k, v in flatten(params).items()}})
         self.journal.update(params_logged=True)
-        self.worker.notify()
+        self._notify()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Logs ``metrics`` at ``step`` (timestamped now); a step logged again after a resume
@@ -89,19 +100,19 @@ class Tracker:
             return
         self.journal.append({"t": "metrics", "step": int(step), "ts": int(time.time() * 1000),
                              "m": {k: float(v) for k, v in metrics.items()}})
-        self.worker.notify()
+        self._notify()
 
     def set_tag(self, key: str, value: str) -> None:
         """Sets the run's tag ``key`` (MLflow's 5000-character limit applies to ``value``)."""
         if self.enabled:
             self.journal.append({"t": "tag", "key": key, "value": str(value)[:5000]})
-            self.worker.notify()
+            self._notify()
 
     def log_artifact(self, path: str | os.PathLike, subdir: str | None = None) -> None:
         """Logs a file (copied into the journal now: it may change before it is sent)."""
         if self.enabled:
             self.journal.append({"t": "file", "file": self.journal.keep_file(path), "dir": subdir})
-            self.worker.notify()
+            self._notify()
 
     def log_json(self, data: Any, name: str, step: int | None = None) -> None:
         """Stores ``data`` as a JSON artifact called ``name``; with ``step`` it is published with
@@ -109,7 +120,7 @@ class Tracker:
         if self.enabled:
             record = {"t": "text", "path": name, "text": json.dumps(data, indent=1, default=str)}
             self.journal.append(record if step is None else {**record, "step": int(step)})
-            self.worker.notify()
+            self._notify()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -120,7 +131,7 @@ class Tracker:
             return
         self.journal.fsync()
         self.journal.update(committed_step=max(self.journal.snapshot().committed_step, int(step)))
-        self.worker.notify()
+        self._notify()
 
     def finish(self, status: str = "FINISHED", reason: str | None = None,
                timeout_s: float | None = None) -> FlushReport | None:
@@ -136,8 +147,11 @@ class Tracker:
         atexit.unregister(self._at_exit)
         self.journal.fsync()
         self.journal.update(status=status, reason=reason, release_all=status == "FINISHED")
-        self.worker.flush(self._cfg.flush_timeout_s if timeout_s is None else timeout_s)
-        self.worker.stop()
+        deadline = time.monotonic() + (self._cfg.flush_timeout_s if timeout_s is None else timeout_s)
+        for worker in self.workers.values():  # they publish at once: the waits overlap
+            worker.flush(max(deadline - time.monotonic(), 0.0))
+        for worker in self.workers.values():
+            worker.stop()
         report = self.backlog()
         self.journal.close()
         if report.unsent or not report.status_sent:
@@ -146,14 +160,27 @@ class Tracker:
                         f" ({report.held} wait for a --resume)" if report.held else "",
                         "" if report.status_sent else f", run status {status} not set yet",
                         report.journal, self.run_dir)
+        for name, unsent in report.others.items():
+            if unsent:
+                log.warning("tracking: %d record(s) not in %s; kept in %s: sent at the next --resume", unsent,
+                            self.workers[name].label, report.journal)
         return report
 
     def backlog(self) -> FlushReport:
-        """What is not in MLflow now."""
+        """What is not in MLflow (all zero without it) and in each other backend now."""
         state = self.journal.snapshot()
-        unsent, waiting = backlog(self.journal, state, can_delete=self.worker.can_delete)
-        return FlushReport(unsent=unsent, held=waiting, status_sent=state.published_status == state.status,
-                           journal=self.journal.path)
+        unsent = waiting = 0
+        if self.worker is not None:
+            unsent, waiting = backlog(self.journal, state, can_delete=self.worker.can_delete)
+        others = {name: backlog(self.journal, state, can_delete=w.can_delete,
+                                offset=state.sinks.get(name, {}).get("offset", 0))[0]
+                  for name, w in self.workers.items() if name != "mlflow"}
+        return FlushReport(unsent=unsent, held=waiting, journal=self.journal.path, others=others,
+                           status_sent=self.worker is None or state.published_status == state.status)
+
+    def _notify(self) -> None:
+        for worker in self.workers.values():
+            worker.notify()
 
     def _at_exit(self) -> None:
         """The process exits without finish() (an uncaught exception): the run becomes FAILED."""

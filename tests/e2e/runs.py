@@ -72,11 +72,13 @@ class Run:
     returncode: int = 0
 
 
-def train(out: Path, *args: str, steps: int, timeout: float = RUN_TIMEOUT_S, ok: bool = True) -> Run:
+def train(out: Path, *args: str, steps: int, timeout: float = RUN_TIMEOUT_S, ok: bool = True,
+          env: dict[str, str] | None = None) -> Run:
     """``megatron-gtpo train configs/tiny.yaml --output-dir out --steps steps *args``; its output is
-    also kept in ``<out>-<n>.log`` next to the run dir. Fails the test unless it exits 0 (``ok``)."""
+    also kept in ``<out>-<n>.log`` next to the run dir. Fails the test unless it exits 0 (``ok``).
+    ``env``: variables added to the run's environment."""
     proc = run_group([*CLI, "--output-dir", str(out), "--steps", str(steps), *args], timeout=timeout,
-                     env=child_env(), cwd=REPO, warm=True)
+                     env=child_env(**(env or {})), cwd=REPO, warm=True)
     text = proc.stdout + proc.stderr
     n = len(list(out.parent.glob(f"{out.name}-*.log")))
     (out.parent / f"{out.name}-{n}.log").write_text(text)
