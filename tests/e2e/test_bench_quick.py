@@ -34,6 +34,7 @@ CASES = {
     "diagnostics_overhead": ([], "overhead_frac"),
     "packing": ([], "packed_vs_padded"),
     "step_time": ([], "gtpo_over_grpo"),
+    "train_limit": ([], "ours_over_torch"),
     "reward_throughput": ([], "math_verify_workers1_cps"),
     "logprob_entropy": ([], "time_per_token_vs_cp1"),
     "engine_start": ([], "frozen_over_unfrozen"),
