@@ -27,6 +27,7 @@ from megatron_gtpo.rollout.routing import replay_problem
 from megatron_gtpo.rollout.staleness import staleness_problem
 from megatron_gtpo.sync.config import SyncConfig
 from megatron_gtpo.tracking import TrackingConfig
+from megatron_gtpo.tracking.perf import PerfConfig
 from megatron_gtpo.train.batching import token_budget_problem
 from megatron_gtpo.train.optim import OptimConfig
 from megatron_gtpo.train.config import TrainConfig
@@ -63,6 +64,8 @@ class RunConfig:
     """Steps, batch sizes, checkpoints, periodic evaluation."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """MLflow tracking."""
+    perf: PerfConfig = field(default_factory=PerfConfig)
+    """MFU's peak FLOP rate (``perf/mfu``) and the dry-run's throughput assumption."""
 
     def __post_init__(self):
         spec = self.algorithm

@@ -89,6 +89,12 @@ ROWS: list[tuple[tuple[str, ...], str]] = [
     (("throughput/tokens_per_gpu_s",),
      "completion tokens / (step time x trainer GPUs): the per-GPU throughput peers report (verl's perf/throughput "
      "counts prompt tokens too); rollout servers' GPUs are not counted"),
+    (("perf/tokens_per_s", "perf/tokens_per_gpu_s"),
+     "tokens (prompt + completion) the train phase processed per second of `time/train_s`, and per trainer GPU"),
+    (("perf/tflops_per_gpu", "perf/mfu"),
+     "model TFLOPS per trainer GPU of the train phase (6N + 12 L d S per token, PaLM's count: mu updates, the KL "
+     "reference's forward, LoRA's frozen base at 4N; models/flops.py) and MFU, its share of `perf.peak_tflops` "
+     "(detected: H100/H200 datasheets, a CPU matmul probe)"),
     (("eval/accuracy", "eval/reward_mean"), "greedy accuracy on held-out prompts every `train.eval_every` steps"),
     (("data/prompts", "data/prompts_dropped_too_long"),
      "once per run (at the start step): prompts kept, and dropped for exceeding `data.max_prompt_tokens`"),

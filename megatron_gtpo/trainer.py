@@ -19,10 +19,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from megatron_gtpo.algo.config import filter_rule
 from megatron_gtpo.checkpoint.adapters import lora_start
 from megatron_gtpo.checkpoint.store import Checkpointer, prepare_resume
 from megatron_gtpo.data.dataset import build_dataset
+from megatron_gtpo.models.shape import shape_from_hf_config
 from megatron_gtpo.parallel.dims import init_distributed
 from megatron_gtpo.parallel.control import barrier
 from megatron_gtpo.plan.recipe import plan_engine_memory
@@ -34,8 +37,10 @@ from megatron_gtpo.rollout.placement import build_engines
 from megatron_gtpo.sync import ExportPlan, WeightSync
 from megatron_gtpo.sync.build import build_weight_sync
 from megatron_gtpo.tracking import Reporter, step_metrics
+from megatron_gtpo.tracking.perf import TrainWork, peak_tflops, precision_of
 from megatron_gtpo.train.batching import collate
 from megatron_gtpo.train.learner import Learner
+from megatron_gtpo.train.lora import adapter_params
 from megatron_gtpo.train.offload import TrainerOffload
 from megatron_gtpo.train.snapshot import ParamSnapshot
 from megatron_gtpo.train.step import StepSettings
@@ -119,7 +124,8 @@ def one_step(parts: Parts, step: int, *, version: int, prompts_per_step: int, af
              "step": t3 - t0}
     return StepRecord(rollout=rollout, train=train, metrics=step_metrics(
         rollout_metrics(rollout), train, sync, times=times, completion_tokens=float(batch.lengths.sum()),
-        gpus=learner.dims.world))
+        gpus=learner.dims.world, work=parts.work.of(batch.prompt_lengths, batch.lengths),
+        peak_tflops=parts.work.peak_tflops))
 
 
 @dataclass(kw_only=True)
@@ -138,6 +144,8 @@ class Parts:
     """Held-out prompts of the periodic evaluation (empty when it is off)."""
     pad_id: int
     start_step: int
+    work: TrainWork
+    """Tokens and model FLOPs of a batch's train phase and the device's peak (``perf/*``)."""
 
 
 def build(cfg, *, resume: bool | str) -> Parts:
@@ -198,7 +206,23 @@ def build(cfg, *, resume: bool | str) -> Parts:
     log.info("ready: %d prompts, starting at step %d of %d (%s)", len(dataset), start_step, cfg.train.steps,
              startup_report())
     return Parts(learner=learner, collector=collector, weight_sync=weight_sync, checkpointer=checkpointer,
-                 reporter=reporter, memory=memory, scorer=scorer, held_out=held_out, pad_id=int(pad_id), start_step=start_step)
+                 reporter=reporter, memory=memory, scorer=scorer, held_out=held_out, pad_id=int(pad_id),
+                 start_step=start_step, work=train_work(cfg, policy))
+
+
+def train_work(cfg, policy) -> TrainWork:
+    """What a train phase of ``cfg`` computes per batch (the policy's shape, mu updates, the KL
+    reference's forward, the LoRA adapters) and one device's peak TFLOPS: ``perf/*``'s inputs."""
+    spec = cfg.algorithm
+    shape = shape_from_hf_config(policy.hf_config, name=str(cfg.model.path))
+    peak, source = peak_tflops(cfg.perf, precision=precision_of(cfg.model.dtype, cfg.model.megatron))
+    work = TrainWork(shape=shape, updates=spec.mu, forward_passes=int(spec.needs_reference),
+                     lora_params=adapter_params(cfg.model.lora, shape), peak_tflops=peak)
+    row = work.of(torch.tensor([cfg.longest_row]), torch.tensor([0]))[1] / cfg.longest_row
+    log.info("MFU: %.3g GFLOP per token of a %d-token row (6N + attention, %d update(s)%s) against %.3g TFLOPS per "
+             "device (%s)", row / 1e9, cfg.longest_row, work.updates,
+             " + a reference forward" if work.forward_passes else "", peak, source)
+    return work
 
 
 def decide_entropy_filter(parts: Parts, batch) -> None:

@@ -20,7 +20,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from functools import partial
 from pathlib import Path
+
+import torch
 
 from megatron_gtpo.config import load_config
 from megatron_gtpo.models.hub import CONFIG_ONLY
@@ -32,6 +35,7 @@ from megatron_gtpo.plan.layout import Layout, LayoutError, LayoutRequest, plan_l
 from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, \
     expert_data_parallel, in_flight, micro_batch_dims, optimizer_bytes_per_param, push_bytes
 from megatron_gtpo.plan.recipe import recipe_request
+from megatron_gtpo.tracking.perf import TrainWork, known_peak, precision_of
 from megatron_gtpo.train.lora import adapter_params
 from megatron_gtpo.utils.configuration import ConfigError, apply_overrides, load_recipe
 
@@ -85,7 +89,28 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = cfg.rollout.vllm.get("max_model_len")
     lines, warnings = _checkpoint_lines(cfg, shape, sizes, args)
     return report(request, sizes, notes=[*notes, *warnings], title=" ".join([args.recipe, *args.overrides]),
-                  max_model_len=None if max_model_len is None else int(max_model_len), extra_lines=lines)
+                  max_model_len=None if max_model_len is None else int(max_model_len), extra_lines=lines,
+                  perf_line=partial(_perf_line, cfg, shape))
+
+
+def _perf_line(cfg, shape: ModelShape, lay: Layout) -> str:
+    """Model FLOPs of a step's train phase at full-length rows (an upper bound) and what an assumed
+    MFU (``perf.plan_mfu``) makes of them on ``lay``'s trainer GPUs: seconds and tokens/s/GPU."""
+    spec, row = cfg.algorithm, cfg.longest_row
+    rows = cfg.train.prompts_per_step * cfg.rollout.n
+    precision = precision_of(cfg.model.dtype, cfg.model.megatron)
+    peak, source = cfg.perf.peak_tflops, "perf.peak_tflops"
+    if peak is None:
+        peak, source = known_peak("H100", precision), f"H100 SXM {precision} datasheet; set perf.peak_tflops for others"
+    work = TrainWork(shape=shape, updates=spec.mu, forward_passes=int(spec.needs_reference),
+                     lora_params=adapter_params(cfg.model.lora, shape))
+    tokens, flops = work.of(torch.full((rows,), row), torch.zeros(rows, dtype=torch.long))
+    seconds = flops / (lay.trainer_gpus * peak * 1e12 * cfg.perf.plan_mfu)
+    return (f"perf     {flops / tokens / 1e9:.3g} GFLOP per token (6N + 12LdS at {row}-token rows, {spec.mu} update(s)"
+            f"{' + reference forward' if work.forward_passes else ''}), {flops / 1e12:.3g} TFLOP per train phase of "
+            f"{rows} full-length rows; peak {peak:g} TFLOPS/GPU ({source}); at an assumed MFU of "
+            f"{cfg.perf.plan_mfu:.0%} (perf.plan_mfu): ~{seconds:.3g} s per train phase, "
+            f"{tokens / seconds / lay.trainer_gpus:.3g} tokens/s/GPU")
 
 
 def _checkpoint_lines(cfg, shape: ModelShape, sizes: MemorySizes, args) -> tuple[list[str], list[str]]:
@@ -103,8 +128,8 @@ def _checkpoint_lines(cfg, shape: ModelShape, sizes: MemorySizes, args) -> tuple
 
 
 def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (), title: str = "", out=None,
-           max_model_len: int | None = None, extra_lines: list[str] = ()) -> int:
-    """Plans, estimates and prints; returns the exit status."""
+           max_model_len: int | None = None, extra_lines: list[str] = (), perf_line=None) -> int:
+    """Plans, estimates and prints; returns the exit status (``perf_line(layout)``: the MFU line)."""
     out = out or sys.stdout
     print(f"dry-run: {title}", file=out)
     print(f"cluster  {request.nodes} node(s) x {request.gpus_per_node} GPU(s) = "
@@ -129,7 +154,8 @@ def report(request: LayoutRequest, sizes: MemorySizes, *, notes: list[str] = (),
     problems, warnings = check_memory(mem, layout)
     lines = [*_layout_lines(layout, sizes), _push_line(request.shape, layout, sizes),
              *_routing_lines(request.shape, layout), *_host_lines(mem, layout),
-             *_lora_lines(mem, sizes), *_memory_lines(mem, layout, sizes), *extra_lines]
+             *_lora_lines(mem, sizes), *_memory_lines(mem, layout, sizes), *extra_lines,
+             *([perf_line(layout)] if perf_line else [])]
     for line in lines:
         print(line, file=out)
     for note in [*notes, *layout.warnings, *warnings]:

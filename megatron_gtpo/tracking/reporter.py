@@ -65,11 +65,12 @@ class Reporter:
         self._timed.append(get("time/step_s"))
         log.info("step %d/%d | reward %.3f acc %.2f | len %.1f trunc %.2f drift %+.1f | H %.3f | conflicts %.2f | "
                  "shift %.2f filtered %.2f | gnorm %.3f | rollout %.1fs reward %.1fs train %.1fs sync %.1fs = %.1fs | "
-                 "ETA %s", step, self.total_steps, get("reward/mean"), get("reward/accuracy"),
+                 "train %.0f tok/s/GPU MFU %.1f%% | ETA %s", step, self.total_steps, get("reward/mean"), get("reward/accuracy"),
                  get("completion/length_mean"), get("completion/truncated_frac"), get("bias/length_drift"),
                  get("entropy/mean"), get("gtpo/conflict_tokens_per_completion"), get("gtpo/shift_share"),
                  get("gtpo/filtered_frac"), get("optim/grad_norm"), get("time/rollout_s"), get("time/reward_s"),
-                 get("time/train_s"), get("time/sync_s"), get("time/step_s"), eta(self._timed, self.total_steps - step))
+                 get("time/train_s"), get("time/sync_s"), get("time/step_s"), get("perf/tokens_per_gpu_s"),
+                 100 * get("perf/mfu"), eta(self._timed, self.total_steps - step))
         for name, warning in self.guards.check(metrics):
             log.warning("step %d: regime guard %s", step, warning)
             self.tracker.set_tag(f"guard/{name}", f"step {step}: {warning}")
@@ -136,9 +137,12 @@ class Reporter:
 
 
 def step_metrics(*parts: dict[str, float], times: dict[str, float], completion_tokens: float,
-                 gpus: int = 1) -> dict[str, float]:
-    """One flat dict of a step: the stages' metrics, ``time/<stage>_s`` and throughput (``gpus``:
-    the trainer's ranks, each with its colocated engine; rollout servers' GPUs are not counted)."""
+                 gpus: int = 1, work: tuple[float, float] | None = None,
+                 peak_tflops: float | None = None) -> dict[str, float]:
+    """One flat dict of a step: the stages' metrics, ``time/<stage>_s``, throughput and ``perf/*``
+    (``gpus``: the trainer's ranks, each with its colocated engine; rollout servers' GPUs are not
+    counted). ``work``: (tokens, model FLOPs) of the train phase (``tracking.perf.TrainWork``);
+    ``peak_tflops``: one trainer device's peak; without them no ``perf/*``."""
     out: dict[str, float] = {}
     for part in parts:
         out.update(part)
@@ -146,6 +150,14 @@ def step_metrics(*parts: dict[str, float], times: dict[str, float], completion_t
     out["throughput/completion_tokens"] = completion_tokens
     out["throughput/tokens_per_s"] = completion_tokens / max(times["step"], 1e-9)
     out["throughput/tokens_per_gpu_s"] = out["throughput/tokens_per_s"] / gpus  # verl's perf/throughput unit
+    if work is not None:
+        train_s = max(times["train"], 1e-9)
+        tokens, flops = work
+        out["perf/tokens_per_s"] = tokens / train_s
+        out["perf/tokens_per_gpu_s"] = tokens / train_s / gpus
+        out["perf/tflops_per_gpu"] = flops / train_s / gpus / 1e12
+        if peak_tflops:
+            out["perf/mfu"] = out["perf/tflops_per_gpu"] / peak_tflops
     return out
 
 
