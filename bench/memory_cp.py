@@ -115,9 +115,9 @@ def main_rank(args) -> None:
 
     dist.init_process_group("gloo")
     one, two = run_cp(1, args), run_cp(2, args)
-    # the rows are Python objects: the gloo control group carries them (an object collective on
+    # the rows are plain data: the gloo control group carries them as JSON (an object collective on
     # the default group is what strict device groups refuse, and NCCL would stage it through a GPU)
-    rows = control.all_gather_object(two)
+    rows = control.all_gather_data(two)
     if dist.get_rank() != 0:
         return
     worst = max(rows, key=lambda r: r["peak_mb"])

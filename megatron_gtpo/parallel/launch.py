@@ -23,12 +23,14 @@ import atexit
 import ctypes
 import importlib
 import os
+import random
 import runpy
 import signal
 import socket
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 from megatron_gtpo.utils.runtime import freeze_imported_heap
 from megatron_gtpo.utils.vllm_shm import remove_world_segments
@@ -55,9 +57,30 @@ def use_fork() -> bool:
 
 
 def free_port() -> int:
+    """A port free now for rank 0's store, picked below the kernel's ephemeral range: a port from
+    ``bind(0)`` is an ephemeral one, which the host's own outgoing connections may take between this
+    check and rank 0's bind (EADDRINUSE under load, seen in the suite); ports below the range are
+    handed out by nobody but such explicit choices. Falls back to ``bind(0)`` when none is free."""
+    low = _ephemeral_low()
+    candidates = list(range(max(1024, low - 10000), low))
+    random.SystemRandom().shuffle(candidates)
+    for port in candidates[:64]:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range starts here
 
 
 def launch(target: str, args: Sequence[str], world: int, *, preload: Sequence[str] = TRAINER_PRELOAD) -> int:

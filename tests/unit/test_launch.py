@@ -197,3 +197,19 @@ def test_a_killed_worlds_vllm_segments_are_removed(tmp_path):
     assert len(written) == 2 and all(name.startswith(world_tag({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": ""}))
                                      for name in written), proc.stdout
     assert not [name for name in written if (SHM_DIR / name).exists()], written
+
+
+def test_free_port_is_below_the_ephemeral_range_and_bindable():
+    """Rank 0's store port comes from below the kernel's ephemeral range, which outgoing connections
+    draw from: ``bind(0)``'s port (the injected bug: free_port back to ``bind(0)``) lies inside it, and
+    a busy host took it before rank 0 bound it (EADDRINUSE in bench/train_limit.py --quick under load)."""
+    import socket
+
+    from megatron_gtpo.parallel.launch import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(8)}
+    assert all(1024 <= p < low for p in ports), (ports, low)
+    assert len(ports) > 1  # random, so two jobs starting together do not pick the same one
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))
