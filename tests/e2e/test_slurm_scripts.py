@@ -81,9 +81,12 @@ def test_train_two_nodes_rendezvous_and_pass_through(cluster, job_dir):
     assert prep["argv"] == ["train", "configs/tiny.yaml", "train.seed=7", "--output-dir", str(out_dir),
                             "--world-size", "2", "--prepare-only", "--steps", "3", "--resume=auto"]  # 2 x 1 rank
     starts = sorted(records(job_dir, "start"), key=lambda r: r["env"]["RANK"])
-    # c10d numbers the nodes in the order their agents join, so rank 0 may be on either node.
+    # The static rendezvous numbers the nodes by their SLURM_NODEID: rank 0 on the first node, which hosts the store.
     assert [(r["env"]["RANK"], r["env"]["WORLD_SIZE"]) for r in starts] == [("0", "2"), ("1", "2")]
-    assert {r["env"]["SLURMD_NODENAME"] for r in starts} == {"node1", "node2"}
+    assert [r["env"]["SLURMD_NODENAME"] for r in starts] == ["node1", "node2"]
+    # Static, not c10d (S1: c10d pickles its rendezvous state into its store and unpickles what it reads):
+    # the ranks use the rendezvous store itself, where c10d hands them a second store on a free port.
+    assert {(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"]) for r in starts} == {("127.0.0.1", env["MASTER_PORT"])}
     assert all(r["allreduce"] == 1 for r in starts)  # 0 + 1 over gloo across the two nodes
     assert all(r["argv"] == [str(out_dir / "config.yaml"), "--resume=auto"] for r in starts)  # RESUME=auto
     assert all(r["env"]["MLFLOW_TRACKING_URI"] == "http://mlflow.example:5000" for r in starts)
