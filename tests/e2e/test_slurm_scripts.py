@@ -94,11 +94,16 @@ def test_train_two_nodes_rendezvous_and_pass_through(cluster, job_dir):
     for node in (0, 1):
         assert f"step 3" in (out_dir / "logs" / f"train-r0-node{node}.log").read_text()
     assert "training finished with exit code 0" in batch_log(job_dir, job)
+    assert None not in {r["secret"] for r in starts} and not (out_dir / ".secret").exists()  # removed at the end
 
 
 def test_train_usr1_checkpoints_requeues_and_resumes(cluster, job_dir):
     """SIGUSR1 to the batch shell (what --signal=B:USR1@600 sends) reaches both ranks through srun
-    and torchrun; they checkpoint and exit; the job requeues itself and resumes with --resume."""
+    and torchrun; they checkpoint and exit; the job requeues itself and resumes with --resume. Each
+    run's ranks read a job secret of their own, and OUTPUT_DIR/.secret is gone once the job has ended.
+    Injected: no `trap remove_secret EXIT` -> the secret is left behind and this test fails; the
+    secret made only on the first run (RESTART 0) while requeue still removes it -> the requeued
+    ranks find none and this test fails."""
     env = standin_env(job_dir, NPROC_PER_NODE="2", STEPS="30", STANDIN_STEP_S="0.2")
     job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml", options=CPU, env=env)
     log0 = job_dir / "runs" / f"mgtpo-train-{job}" / "logs" / "train-r0-node0.log"
@@ -129,6 +134,10 @@ def test_train_usr1_checkpoints_requeues_and_resumes(cluster, job_dir):
     assert {r["step"] for r in records(job_dir, "done")} == {30}
     assert "SIGUSR1: asking the ranks to checkpoint and exit" in text and "requeueing job" in text
     assert (out_dir / "logs" / "train-r1-node0.log").exists()
+    # The job secret: each run's ranks found one, a new one per run, and none is left once the job has ended.
+    digests = [{r["secret"] for r in run} for run in (first, second)]
+    assert all(len(d) == 1 and None not in d for d in digests) and digests[0] != digests[1], digests
+    assert not (out_dir / ".secret").exists(), sorted(p.name for p in (out_dir / ".secret").iterdir())
 
 
 def wait_for(path: Path, text: str, job_dir: Path, job: int, timeout: float = 240) -> None:
