@@ -198,8 +198,12 @@ def test_train_array_tasks_get_their_own_seed_and_overrides(cluster, job_dir):
     """sbatch --array=0-1: `%a` in an argument is the task id (train.seed=%a) and task i appends the
     i-th `;` group of ARRAY_OVERRIDES; each task has its own OUTPUT_DIR. Injected bug: the groups
     indexed from 1 (`${array_groups[$SLURM_ARRAY_TASK_ID + 1]}`) -> task 0 gets kl 0.04, task 1 the
-    refusal "no group in ARRAY_OVERRIDES"."""
-    env = standin_env(job_dir, NPROC_PER_NODE="1", STEPS="1", ARRAY_OVERRIDES="algo.kl_beta=0 ; algo.kl_beta=0.04")
+    refusal "no group in ARRAY_OVERRIDES". The tasks run at the same time (a step of 8 s), here on one
+    address: each has its own rendezvous port (the default, 20000 + its job id % 20000). Injected: one
+    MASTER_PORT for both (what a hand-set MASTER_PORT does) -> the second static store fails to bind
+    (EADDRINUSE) and that task ends FAILED."""
+    env = standin_env(job_dir, NPROC_PER_NODE="1", STEPS="1", STANDIN_STEP_S="8",
+                      ARRAY_OVERRIDES="algo.kl_beta=0 ; algo.kl_beta=0.04", MASTER_PORT="")
     job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml", "train.seed=%a",
                  options=(*CPU, "--array=0-1"), env=env)
     for task in (0, 1):
@@ -210,6 +214,9 @@ def test_train_array_tasks_get_their_own_seed_and_overrides(cluster, job_dir):
     assert [r["argv"][1:4] for r in preps] == [["configs/tiny.yaml", "train.seed=0", "algo.kl_beta=0"],
                                                ["configs/tiny.yaml", "train.seed=1", "algo.kl_beta=0.04"]]
     assert len({r["argv"][r["argv"].index("--output-dir") + 1] for r in preps}) == 2
+    starts = records(job_dir, "start")
+    ports = {r["env"]["MASTER_PORT"] for r in starts}
+    assert len(starts) == 2 and len(ports) == 2 and all(20000 <= int(p) < 40000 for p in ports), ports
 
 
 def test_train_rollout_nodes_start_servers_and_point_the_trainer_at_them(cluster, job_dir):
