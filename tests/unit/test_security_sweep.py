@@ -95,7 +95,8 @@ def test_security_every_launcher_uses_torchruns_static_rendezvous():
     assert found["train.sbatch"] and found["torchrun_node.sh"], found  # the parse sees both launches
     for name, lines in found.items():
         for line in lines:
-            backends = [w.split("=", 1)[1].strip("'\"") for w in line.split() if w.startswith(("--rdzv-backend=", "--rdzv_backend="))]
+            backends = [w.split("=", 1)[1].strip("'\"") for w in line.split()
+                        if w.startswith(("--rdzv-backend=", "--rdzv_backend="))]
             assert backends == ["static"], (name, line)
     bad = 'srun x \\\n  "$P" -m torch.distributed.run --nnodes=2 \\\n  --rdzv-backend=c10d --rdzv-endpoint=h:1\n'
     [line] = _torchrun_lines(bad)
