@@ -98,6 +98,8 @@ def _torchrun(target: str, args: list[str], world: int) -> int:
     from torch.distributed.run import get_args_parser, run
 
     script = [target] if target.endswith(".py") else ["-m", target]
+    # --master_port keeps torchrun's static rendezvous (torch's run() turns a one-node launch without it
+    # into c10d, whose store state is pickled: docs/security.md); tests/unit/test_launch.py checks it.
     argv = [f"--nproc_per_node={world}", "--master_port", os.environ.get("MASTER_PORT", str(free_port())),
             *script, *args]
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM is forwarded below

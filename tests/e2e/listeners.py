@@ -158,8 +158,8 @@ def row_of(command: str, host: str, port: int, *, master_port: int, rollout_port
     the process that holds it; None for a process the table does not know."""
     if command.startswith("srun "):
         return "srun"
-    if "torch.distributed.run" in command:
-        return "torchrun-rendezvous" if port == master_port else "torchrun-world-store"
+    if "torch.distributed.run" in command:  # the static rendezvous: its one store, on MASTER_PORT
+        return "torchrun-store" if port == master_port else None
     if "megatron_gtpo.cli.worker" in command:
         return "trainer-gloo"
     if "rollout-server" in command:

@@ -17,12 +17,15 @@ and every rank exits 0; with ``--resume`` it starts after that step and fails wi
 worker does), with ``--resume=auto`` it starts after it or at 0 when there is none. The prepare
 step touches ``$STANDIN_DIR/preparing`` first and then sleeps STANDIN_PREPARE_S seconds. STANDIN_ALLREDUCE=1 first joins a gloo group
 through torchrun's rendezvous variables and all-reduces the ranks (a real cross-"node" connection).
+Each rank's ``start`` record carries the SHA-256 of the job secret it found at ``$MGTPO_SECRET_FILE``
+(None when there was no file), never the secret itself.
 ``CLI rollout-server``: records, then sleeps until terminated. ``CLI eval``/``CLI convert``: record
 and exit 0 (``eval`` writes ``{}`` to its last ``--output``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -45,6 +48,11 @@ def _record(**fields) -> None:
 def _option(args: list[str], name: str, default: str | None = None) -> str | None:
     values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == name]
     return values[-1] if values else default
+
+
+def _secret_digest() -> str | None:
+    path = Path(os.environ.get("MGTPO_SECRET_FILE") or "/nonexistent")
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def _allreduce() -> int:
@@ -80,7 +88,7 @@ def rank(args: list[str]) -> int:
     resume = "--resume" in args or "--resume=auto" in args
     start = json.loads(ckpt.read_text())["step"] if resume and ckpt.exists() else 0
     total = _allreduce() if os.environ.get("STANDIN_ALLREDUCE") == "1" else None
-    _record(event="start", step=start, allreduce=total)
+    _record(event="start", step=start, allreduce=total, secret=_secret_digest())
     for step in range(start + 1, cfg["steps"] + 1):
         time.sleep(float(os.environ.get("STANDIN_STEP_S", "0.2")))
         if stop:

@@ -81,9 +81,12 @@ def test_train_two_nodes_rendezvous_and_pass_through(cluster, job_dir):
     assert prep["argv"] == ["train", "configs/tiny.yaml", "train.seed=7", "--output-dir", str(out_dir),
                             "--world-size", "2", "--prepare-only", "--steps", "3", "--resume=auto"]  # 2 x 1 rank
     starts = sorted(records(job_dir, "start"), key=lambda r: r["env"]["RANK"])
-    # c10d numbers the nodes in the order their agents join, so rank 0 may be on either node.
+    # The static rendezvous numbers the nodes by their SLURM_NODEID: rank 0 on the first node, which hosts the store.
     assert [(r["env"]["RANK"], r["env"]["WORLD_SIZE"]) for r in starts] == [("0", "2"), ("1", "2")]
-    assert {r["env"]["SLURMD_NODENAME"] for r in starts} == {"node1", "node2"}
+    assert [r["env"]["SLURMD_NODENAME"] for r in starts] == ["node1", "node2"]
+    # Static, not c10d (S1: c10d pickles its rendezvous state into its store and unpickles what it reads):
+    # the ranks use the rendezvous store itself, where c10d hands them a second store on a free port.
+    assert {(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"]) for r in starts} == {("127.0.0.1", env["MASTER_PORT"])}
     assert all(r["allreduce"] == 1 for r in starts)  # 0 + 1 over gloo across the two nodes
     assert all(r["argv"] == [str(out_dir / "config.yaml"), "--resume=auto"] for r in starts)  # RESUME=auto
     assert all(r["env"]["MLFLOW_TRACKING_URI"] == "http://mlflow.example:5000" for r in starts)
@@ -91,11 +94,16 @@ def test_train_two_nodes_rendezvous_and_pass_through(cluster, job_dir):
     for node in (0, 1):
         assert f"step 3" in (out_dir / "logs" / f"train-r0-node{node}.log").read_text()
     assert "training finished with exit code 0" in batch_log(job_dir, job)
+    assert None not in {r["secret"] for r in starts} and not (out_dir / ".secret").exists()  # removed at the end
 
 
 def test_train_usr1_checkpoints_requeues_and_resumes(cluster, job_dir):
     """SIGUSR1 to the batch shell (what --signal=B:USR1@600 sends) reaches both ranks through srun
-    and torchrun; they checkpoint and exit; the job requeues itself and resumes with --resume."""
+    and torchrun; they checkpoint and exit; the job requeues itself and resumes with --resume. Each
+    run's ranks read a job secret of their own, and OUTPUT_DIR/.secret is gone once the job has ended.
+    Injected: no `trap remove_secret EXIT` -> the secret is left behind and this test fails; the
+    secret made only on the first run (RESTART 0) while requeue still removes it -> the requeued
+    ranks find none and this test fails."""
     env = standin_env(job_dir, NPROC_PER_NODE="2", STEPS="30", STANDIN_STEP_S="0.2")
     job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml", options=CPU, env=env)
     log0 = job_dir / "runs" / f"mgtpo-train-{job}" / "logs" / "train-r0-node0.log"
@@ -126,6 +134,10 @@ def test_train_usr1_checkpoints_requeues_and_resumes(cluster, job_dir):
     assert {r["step"] for r in records(job_dir, "done")} == {30}
     assert "SIGUSR1: asking the ranks to checkpoint and exit" in text and "requeueing job" in text
     assert (out_dir / "logs" / "train-r1-node0.log").exists()
+    # The job secret: each run's ranks found one, a new one per run, and none is left once the job has ended.
+    digests = [{r["secret"] for r in run} for run in (first, second)]
+    assert all(len(d) == 1 and None not in d for d in digests) and digests[0] != digests[1], digests
+    assert not (out_dir / ".secret").exists(), sorted(p.name for p in (out_dir / ".secret").iterdir())
 
 
 def wait_for(path: Path, text: str, job_dir: Path, job: int, timeout: float = 240) -> None:
@@ -186,8 +198,12 @@ def test_train_array_tasks_get_their_own_seed_and_overrides(cluster, job_dir):
     """sbatch --array=0-1: `%a` in an argument is the task id (train.seed=%a) and task i appends the
     i-th `;` group of ARRAY_OVERRIDES; each task has its own OUTPUT_DIR. Injected bug: the groups
     indexed from 1 (`${array_groups[$SLURM_ARRAY_TASK_ID + 1]}`) -> task 0 gets kl 0.04, task 1 the
-    refusal "no group in ARRAY_OVERRIDES"."""
-    env = standin_env(job_dir, NPROC_PER_NODE="1", STEPS="1", ARRAY_OVERRIDES="algo.kl_beta=0 ; algo.kl_beta=0.04")
+    refusal "no group in ARRAY_OVERRIDES". The tasks run at the same time (a step of 8 s), here on one
+    address: each has its own rendezvous port (the default, 20000 + its job id % 20000). Injected: one
+    MASTER_PORT for both (what a hand-set MASTER_PORT does) -> the second static store fails to bind
+    (EADDRINUSE) and that task ends FAILED."""
+    env = standin_env(job_dir, NPROC_PER_NODE="1", STEPS="1", STANDIN_STEP_S="8",
+                      ARRAY_OVERRIDES="algo.kl_beta=0 ; algo.kl_beta=0.04", MASTER_PORT="")
     job = submit(cluster, job_dir, "train.sbatch", "configs/tiny.yaml", "train.seed=%a",
                  options=(*CPU, "--array=0-1"), env=env)
     for task in (0, 1):
@@ -198,6 +214,9 @@ def test_train_array_tasks_get_their_own_seed_and_overrides(cluster, job_dir):
     assert [r["argv"][1:4] for r in preps] == [["configs/tiny.yaml", "train.seed=0", "algo.kl_beta=0"],
                                                ["configs/tiny.yaml", "train.seed=1", "algo.kl_beta=0.04"]]
     assert len({r["argv"][r["argv"].index("--output-dir") + 1] for r in preps}) == 2
+    starts = records(job_dir, "start")
+    ports = {r["env"]["MASTER_PORT"] for r in starts}
+    assert len(starts) == 2 and len(ports) == 2 and all(20000 <= int(p) < 40000 for p in ports), ports
 
 
 def test_train_rollout_nodes_start_servers_and_point_the_trainer_at_them(cluster, job_dir):

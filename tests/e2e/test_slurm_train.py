@@ -20,6 +20,7 @@ and one run continued across the restart.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import pytest
 
 from tests.e2e import listeners
 from tests.e2e.listeners import JobListeners
-from tests.e2e.slurm_harness import batch_log, cluster, new_job_dir, requires_slurm, submit  # noqa: F401
+from tests.e2e.slurm_harness import FINISHED, batch_log, cluster, new_job_dir, requires_slurm, submit  # noqa: F401
 from tests.helpers import REPO, free_port
 
 pytestmark = [requires_slurm, pytest.mark.slow, pytest.mark.timeout(900)]  # real training jobs under SLURM
@@ -134,6 +135,26 @@ class RolloutNodesRun(SlurmRun):
     """The rollout server's log."""
     listeners: JobListeners
     """Every listening socket of the job's processes, sampled while it ran."""
+    secret: str
+    """The job secret, read while the job ran (train.sbatch removes it when the job ends)."""
+    secret_modes: tuple[int, int]
+    """Modes of the secret file and of its directory, read at the same time."""
+
+
+def _wait_reading_the_secret(cluster, job: int, key: Path) -> tuple[dict[str, str], str, tuple[int, int]]:
+    """Waits for the job to finish; reads its secret file (value and modes) once it is there."""
+    secret, modes = "", (0, 0)
+    deadline = time.monotonic() + 840
+    while True:
+        if not secret and key.is_file():
+            with contextlib.suppress(OSError):
+                secret = key.read_text().strip()
+                modes = (key.stat().st_mode & 0o777, key.parent.stat().st_mode & 0o777)
+        info = cluster.job(job)
+        if info.get("JobState") in FINISHED:
+            return info, secret, modes
+        assert time.monotonic() < deadline, f"job {job} not finished: {info}"
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -149,12 +170,13 @@ def rollout_nodes(cluster) -> RolloutNodesRun:
            "TRANSFORMERS_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "VLLM_NO_USAGE_STATS": "1"}
     job = submit(cluster, job_dir, "train.sbatch", str(REPO / "configs" / "tiny.yaml"),
                  options=("--nodes=2", "--gpus-per-node=0", "--time=00:30:00"), env=env)
-    with JobListeners(job) as sampled:
-        info = cluster.wait(job, timeout=840)
     out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
+    with JobListeners(job) as sampled:
+        info, secret, modes = _wait_reading_the_secret(cluster, job, out_dir / ".secret" / "job.key")
     return RolloutNodesRun(job=job, info=info, job_dir=job_dir, out_dir=out_dir, batch=batch_log(job_dir, job),
                            trainer=_read(out_dir / "logs" / "train-r0-node0.log"),
-                           server=_read(out_dir / "logs" / "rollout-r0-node0.log"), listeners=sampled)
+                           server=_read(out_dir / "logs" / "rollout-r0-node0.log"), listeners=sampled,
+                           secret=secret, secret_modes=modes)
 
 
 def test_rollout_nodes_real_training_with_a_rollout_server_on_its_own_node(rollout_nodes):
@@ -170,20 +192,23 @@ def test_rollout_nodes_real_training_with_a_rollout_server_on_its_own_node(rollo
 
 
 def test_security_the_job_secret_is_owner_only_and_never_in_logs_config_or_mlflow(rollout_nodes):
-    """The secret train.sbatch made for the job: a 0600 file in the owner-only run directory, and its
-    value in no log of the job (batch, trainer, rollout server), not in config.yaml, not in MLflow's
-    store (params, tags, metrics: the whole SQLite file) and in no other file of the job."""
+    """The secret train.sbatch made for the job: a 0600 file in the owner-only run directory while the
+    job runs, gone once it has ended, and its value in no log of the job (batch, trainer, rollout
+    server), not in config.yaml, not in MLflow's store (params, tags, metrics: the whole SQLite file)
+    and in no other file of the job. Injected: no `trap remove_secret EXIT` in train.sbatch -> the
+    secret is still there after the job and this test fails."""
     run = rollout_nodes
     key = run.out_dir / ".secret" / "job.key"
-    assert (key.stat().st_mode & 0o777, key.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+    assert run.secret_modes == (0o600, 0o700), oct(run.secret_modes[0])
+    assert not key.parent.exists()  # removed when the job ended
     assert run.out_dir.stat().st_mode & 0o077 == 0  # the run directory: owner only
     assert (run.out_dir / "checkpoints").stat().st_mode & 0o077 == 0
-    secret = key.read_text().strip()
+    secret = run.secret
     assert len(secret) == 64 and int(secret, 16) > 0
     needles = [secret.encode(), secret.upper().encode(), bytes.fromhex(secret)]
     searched = []
     for path in run.job_dir.rglob("*"):
-        if path.is_file() and path != key:
+        if path.is_file():
             data = path.read_bytes()
             searched.append(path.name)
             assert not any(n in data for n in needles), f"the job secret is in {path}"
@@ -200,9 +225,12 @@ def test_security_every_listening_socket_of_a_real_slurm_job_is_in_the_table(rol
     """Every TCP socket that any process of the rollout-nodes job listened on while it ran (sampled
     every 0.5 s from /proc: srun, torchrun, both trainer ranks, the rollout server and its vLLM
     engine) belongs to a row of docs/security.md's listener table, is bound where that row says, and
-    only rows the table marks as open unpickle what arrives (torchrun's c10d rendezvous, S1; the
-    checkpoint object collectives of Megatron-Core and torch DCP; vLLM's own, on loopback). Injected: the rollout server started with ``--host 0.0.0.0`` (its port on every interface
-    where the table says its node's address) -> this test fails."""
+    only rows the table marks as open unpickle what arrives (the checkpoint object collectives of
+    Megatron-Core and torch DCP; vLLM's own, on loopback). torchrun listens on MASTER_PORT only (the
+    static rendezvous: one store, nothing unpickled). Injected: the rollout server started with
+    ``--host 0.0.0.0`` (its port on every interface where the table says its node's address) -> this
+    test fails; torchrun started with ``--rdzv-backend=c10d`` again (which unpickles its rendezvous
+    state, and opens a second store on a free port) -> this test fails (a torchrun port of no row)."""
     run = rollout_nodes
     rows = listeners.table((REPO / "docs" / "security.md").read_text())
     master_port = int(re.search(r"rendezvous [\d.]+:(\d+)", run.batch).group(1))
@@ -218,11 +246,11 @@ def test_security_every_listening_socket_of_a_real_slurm_job_is_in_the_table(rol
         seen.setdefault(row, set()).add((host, port))
     assert run.listeners.samples > 20, run.listeners.samples
     # the job's own listeners were all seen (a sampler that missed the run would pass vacuously)
-    assert {"srun", "torchrun-rendezvous", "torchrun-world-store", "trainer-gloo", "rollout-port", "vllm-world"} \
-        <= set(seen), sorted(seen)
+    assert {"srun", "torchrun-store", "trainer-gloo", "rollout-port", "vllm-world"} <= set(seen), sorted(seen)
+    assert {port for _, port in seen["torchrun-store"]} == {master_port}
     assert seen["rollout-port"] == {("127.0.0.1", rollout_port)}  # its one port, on its node's address
-    # what unpickles is known and marked open: torchrun's rendezvous (S1), the checkpoint object
-    # collectives of Megatron-Core and torch DCP over the ranks' gloo pairs, vLLM's own (loopback)
+    # what unpickles is known and marked open: the checkpoint object collectives of Megatron-Core and
+    # torch DCP over the ranks' gloo pairs, vLLM's own (loopback); torchrun's store no more (S1)
     unpickling = {row for row in seen if rows[row][4].startswith("**yes**")}
-    assert unpickling == {"torchrun-rendezvous", "trainer-gloo", "vllm-world"}, {row: rows[row][4] for row in seen}
+    assert unpickling == {"trainer-gloo", "vllm-world"}, {row: rows[row][4] for row in seen}
     assert all("open" in rows[row][4] for row in unpickling), {row: rows[row][4] for row in unpickling}

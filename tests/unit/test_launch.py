@@ -58,6 +58,20 @@ def test_ranks_get_torchruns_environment_and_arguments(tmp_path, launcher):
     assert all(e["argv"] == ["--flag", "x"] and e["main"] == "__main__" for e in seen)
 
 
+def test_security_the_torchrun_path_uses_the_static_rendezvous(tmp_path):
+    """torchrun's c10d rendezvous pickles its state into its store and unpickles what it reads back
+    (docs/security.md); the static one, which the launcher asks for with --master_port, hands the
+    ranks its own store at MASTER_PORT, where c10d would hand them a second store on a free port.
+    Injected: `--master_port` dropped from `_torchrun`'s argv -> torch's run() switches a one-node
+    static launch to c10d (localhost:0) and this test fails."""
+    port = free_port()
+    cmd = [*LAUNCH, "--nproc=2", str(_script(tmp_path, ENV_REPORT))]
+    proc = run_group(cmd, timeout=60, env=child_env(MGTPO_LAUNCHER="torchrun", MASTER_PORT=str(port)), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ENV ")]
+    assert len(seen) == 2 and {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in seen} == {("127.0.0.1", str(port))}, seen
+
+
 def test_a_failed_rank_stops_the_others_and_is_named(tmp_path):
     """Catches a launcher that waits forever on the surviving rank (stuck in a collective with a
     dead peer) or reports success: rank 1 exits 3 while rank 0 would sleep for 5 minutes."""

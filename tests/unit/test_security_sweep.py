@@ -79,6 +79,30 @@ def test_security_the_sweep_sees_what_it_forbids(tmp_path):
     # weights_only=True is the one torch.load allowed
 
 
+def _torchrun_lines(text: str) -> list[str]:
+    """The torchrun commands of a shell script, continuation lines joined, comments dropped."""
+    joined = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#")).replace("\\\n", " ")
+    return [line for line in joined.splitlines() if "torch.distributed.run" in line]
+
+
+def test_security_every_launcher_uses_torchruns_static_rendezvous():
+    """torchrun's c10d (and etcd) rendezvous pickle their state into the store and unpickle what they
+    read back (docs/security.md): every script that starts torchrun asks for the static backend.
+    Injected: `--rdzv-backend=c10d` back in slurm/train.sbatch -> this test fails (its negative
+    control below checks the same parse on such a line)."""
+    scripts = [*sorted((REPO / "slurm").glob("*.sbatch")), *sorted((REPO / "launch").glob("*.sh"))]
+    found = {path.name: _torchrun_lines(path.read_text()) for path in scripts}
+    assert found["train.sbatch"] and found["torchrun_node.sh"], found  # the parse sees both launches
+    for name, lines in found.items():
+        for line in lines:
+            backends = [w.split("=", 1)[1].strip("'\"") for w in line.split()
+                        if w.startswith(("--rdzv-backend=", "--rdzv_backend="))]
+            assert backends == ["static"], (name, line)
+    bad = 'srun x \\\n  "$P" -m torch.distributed.run --nnodes=2 \\\n  --rdzv-backend=c10d --rdzv-endpoint=h:1\n'
+    [line] = _torchrun_lines(bad)
+    assert "--rdzv-backend=c10d" in line.split()
+
+
 def test_security_tracking_uri_with_a_password_is_refused_and_uris_are_redacted(tmp_path):
     with pytest.raises(ConfigError, match=r"tracking.uri='https://bob:\*\*\*@mlflow.example' holds a password") as err:
         load_config(REPO / "configs" / "tiny.yaml", ["tracking.uri=https://bob:s3cret@mlflow.example"])
