@@ -159,7 +159,7 @@ def test_train_requeue_before_the_first_checkpoint_starts_fresh(cluster, job_dir
     info = cluster.wait(job, timeout=300, restarts=1)
     text = batch_log(job_dir, job)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
-        f"{info}\n{text}\n{records(job_dir)}"
+        f"{info}\n{text}\n{records(job_dir)}\n{cluster.logs()}"  # the daemons' tails: a launch refused shows there
     assert "SIGUSR1 before the ranks started; requeueing job" in text
     out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
     starts = records(job_dir, "start")
