@@ -63,7 +63,7 @@ def build_prompts(examples: list[Example], *, tokenizer, template: str, system_p
                       disable=not progress, leave=False):
         token_ids += tokenize_texts(texts[start:start + _TOKENIZE_BATCH], tokenizer=tokenizer,
                                     use_chat_template=use_chat_template)
-    prompts = [Prompt(uid=e.uid, token_ids=ids, text=text, gold=e.gold, task=e.task)
+    prompts = [Prompt(uid=e.uid, token_ids=ids, text=text, gold=e.gold, task=e.task, row=e.row)
                for e, text, ids in zip(examples, texts, token_ids)
                if max_prompt_tokens is None or len(ids) <= max_prompt_tokens]
     return prompts, DatasetStats(num_rows=len(examples), num_prompts=len(prompts),

@@ -80,6 +80,8 @@ class Example:
     """Checker task."""
     choices: tuple[str, ...] = field(default_factory=tuple)
     """Answer options of a multiple-choice row (rendered A., B., ...), empty otherwise."""
+    row: dict = field(default_factory=dict, compare=False)
+    """All columns of the row as read (for reward functions that declare ``row``)."""
 
 
 SHIPPED_DATA = Path(__file__).resolve().parent / "benchmarks"
@@ -150,7 +152,7 @@ def _example(record: dict, *, fields: FieldMap, task: str, source: str, path: Pa
     uid = _column(record, fields.uid, path, row, "uid") if fields.uid else row
     return Example(uid=f"{source}:{uid}", question=str(_column(record, fields.question, path, row, "question")),
                    gold=_gold_text(_column(record, fields.gold, path, row, "gold"), row_task), task=row_task,
-                   choices=tuple(str(c) for c in choices))
+                   choices=tuple(str(c) for c in choices), row=record)
 
 
 def read_examples(path: str | os.PathLike, *, fields: FieldMap, task: str, source: str | None = None,
