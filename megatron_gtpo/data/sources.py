@@ -1,8 +1,9 @@
-"""Reading prompt sources: the benchmark files shipped in ``megatron_gtpo/data/benchmarks`` and user
-jsonl/parquet files.
+"""Reading prompt sources: the benchmark files shipped in ``megatron_gtpo/data/benchmarks``, user
+jsonl/parquet files and Hugging Face ``datasets`` (local files and directories, or the datasets cache).
 
     benchmark name --BENCHMARKS--> file + column schema --read_rows--> list[Example]
     user file + FieldMap ----------------------------------^
+    datasets.load_dataset(...) + FieldMap -----------------^
 
 An ``Example`` is a row before templating and tokenisation: question, gold in the checker's format,
 task, optional choices. A missing column or file is reported with the file, the row and the fix.
@@ -165,6 +166,42 @@ def read_examples(path: str | os.PathLike, *, fields: FieldMap, task: str, sourc
         records = records[:limit]
     source = source or path.stem
     return [_example(r, fields=fields, task=task, source=source, path=path, row=i) for i, r in enumerate(records)]
+
+
+HF_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+"""``datasets``' packaged builder for a local data file, by suffix."""
+
+
+def _load_hf(spec: str, split: str):
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"data.hf_datasets={spec!r} needs Hugging Face `datasets` (requirements/cpu.lock has it; "
+                          f"elsewhere: pip install 'megatron-gtpo[data]'), or list the file in data.paths") from None
+    path = Path(spec)
+    if path.is_file():
+        if path.suffix not in HF_FILE_BUILDERS:
+            raise ValueError(f"data.hf_datasets: {spec} is a file datasets cannot read by its suffix; use a "
+                             f"{', '.join(HF_FILE_BUILDERS)} file, a dataset directory or a hub id")
+        # data_files under the split's own name, so data.hf_split names the split of a single file too
+        return datasets.load_dataset(HF_FILE_BUILDERS[path.suffix], data_files={split: str(path)}, split=split)
+    try:  # a directory of data files, or a hub id: the cache first, offline with HF_DATASETS_OFFLINE=1
+        return datasets.load_dataset(spec, split=split)
+    except (FileNotFoundError, ValueError, ConnectionError) as err:
+        raise ValueError(f"data.hf_datasets: could not load {spec!r} split {split!r} ({type(err).__name__}: "
+                         f"{err}); give a local file or directory, or a hub id in the cache (`hf download "
+                         f"{spec} --repo-type dataset` on a machine with network), and data.hf_split") from None
+
+
+def read_hf_dataset(spec: str, *, split: str, fields: FieldMap, task: str, limit: int = 0) -> list[Example]:
+    """Examples of one ``datasets.load_dataset`` source: a local data file (jsonl/json/parquet/csv), a
+    directory of them or a hub id, split ``split``, mapped through ``fields`` as a user file is."""
+    table = _load_hf(spec, split)
+    if limit:
+        table = table.select(range(min(limit, len(table))))
+    source = Path(spec).stem if Path(spec).is_file() else spec.rstrip("/").rsplit("/", 1)[-1]
+    where = Path(f"{spec} ({split})")  # how errors name the source
+    return [_example(r, fields=fields, task=task, source=source, path=where, row=i) for i, r in enumerate(table)]
 
 
 def load_benchmark(name: str, *, data_root: str | os.PathLike | None = None, limit: int = 0) -> list[Example]:
