@@ -15,10 +15,10 @@ from huggingface_hub import constants
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def add_to_hub_cache(hf_home: Path, repo_id: str, files: dict[str, Path | bytes]) -> Path:
-    """Puts ``files`` (name -> source file or content) into the cache of ``repo_id``; returns the
-    snapshot directory."""
-    repo = Path(hf_home) / "hub" / f"models--{repo_id.replace('/', '--')}"
+def add_to_hub_cache(hf_home: Path, repo_id: str, files: dict[str, Path | bytes], repo_type: str = "model") -> Path:
+    """Puts ``files`` (name -> source file or content) into the cache of ``repo_id`` (a ``model`` or
+    ``dataset`` repo); returns the snapshot directory."""
+    repo = Path(hf_home) / "hub" / f"{repo_type}s--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / COMMIT
     (repo / "blobs").mkdir(parents=True, exist_ok=True)
     snapshot.mkdir(parents=True, exist_ok=True)

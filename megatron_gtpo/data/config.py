@@ -28,8 +28,8 @@ class DataConfig:
 
     hf_datasets: list[str] = field(default_factory=list)
     """Sources read by Hugging Face ``datasets.load_dataset``: a local data file (``.jsonl``, ``.json``,
-    ``.parquet``, ``.csv``), a directory of such files, or a dataset hub id (from the datasets cache;
-    offline with ``HF_DATASETS_OFFLINE=1``). Columns mapped by ``fields``."""
+    ``.parquet``, ``.csv``), a directory of such files, or a dataset hub id (the hub cache first, as
+    ``hf download ID --repo-type dataset`` fills it; else downloaded). Columns mapped by ``fields``."""
 
     hf_split: str = "train"
     """Split of every ``hf_datasets`` source (a single local file is that split)."""

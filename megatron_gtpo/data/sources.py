@@ -185,12 +185,27 @@ def _load_hf(spec: str, split: str):
                              f"{', '.join(HF_FILE_BUILDERS)} file, a dataset directory or a hub id")
         # data_files under the split's own name, so data.hf_split names the split of a single file too
         return datasets.load_dataset(HF_FILE_BUILDERS[path.suffix], data_files={split: str(path)}, split=split)
-    try:  # a directory of data files, or a hub id: the cache first, offline with HF_DATASETS_OFFLINE=1
-        return datasets.load_dataset(spec, split=split)
+    snapshot = _hub_snapshot(spec)
+    try:  # a directory of data files, or a hub id: the hub cache first, else datasets' own lookup
+        return datasets.load_dataset(str(snapshot) if snapshot else spec, split=split)
     except (FileNotFoundError, ValueError, ConnectionError) as err:
         raise ValueError(f"data.hf_datasets: could not load {spec!r} split {split!r} ({type(err).__name__}: "
                          f"{err}); give a local file or directory, or a hub id in the cache (`hf download "
                          f"{spec} --repo-type dataset` on a machine with network), and data.hf_split") from None
+
+
+def _hub_snapshot(spec: str) -> Path | None:
+    """The hub cache's snapshot of dataset repo ``spec`` (what ``hf download --repo-type dataset`` writes),
+    or None. datasets itself finds a hub id offline only in its own cache of an earlier online load."""
+    if Path(spec).exists() or spec.count("/") != 1:
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(spec, repo_type="dataset", local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError):
+        return None
 
 
 def read_hf_dataset(spec: str, *, split: str, fields: FieldMap, task: str, limit: int = 0) -> list[Example]:

@@ -61,6 +61,18 @@ def test_a_directory_of_data_files_and_the_benchmarks_beside_it(tmp_path):
     assert len(examples) == 30 + 3 and examples[-1].uid == "my_set:2"
 
 
+def test_a_dataset_hub_id_from_the_hub_cache(tmp_path, monkeypatch):
+    """A dataset repo in the hub cache (the layout `hf download --repo-type dataset` writes), read offline.
+    Injected bug: `_hub_snapshot` returning None (datasets' own offline lookup only) -> "could not load", fails."""
+    from tests.hub_cache import add_to_hub_cache, offline_hub
+
+    home = offline_hub(tmp_path / "hf", monkeypatch)
+    add_to_hub_cache(home, "someone/tiny-math", {"data/train.jsonl": _jsonl(tmp_path / "src.jsonl")},
+                     repo_type="dataset")
+    config = DataConfig(benchmarks=[], hf_datasets=["someone/tiny-math"], fields=FIELDS)
+    assert [e.uid for e in load_examples(config)] == ["tiny-math:0", "tiny-math:1", "tiny-math:2"]
+
+
 def test_bad_sources_name_the_field_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"data.hf_datasets: could not load 'nobody/no-such-set'.*hf download"):
         load_examples(DataConfig(benchmarks=[], hf_datasets=["nobody/no-such-set"]))
