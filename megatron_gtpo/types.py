@@ -29,6 +29,9 @@ class Prompt:
     """Reference answer in the task's own format (GSM8K '#### N' solution, MATH LaTeX, choice letter)."""
     task: str = "gsm8k"
     """Task name that selects the answer checker: gsm8k, math, aime, amc, mmlu."""
+    row: dict = field(default_factory=dict)
+    """The dataset row the prompt was built from (all its columns); handed to a reward function that
+    declares a ``row`` parameter (``reward/functions.py``)."""
 
 
 @dataclass(kw_only=True)

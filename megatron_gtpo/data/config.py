@@ -26,11 +26,20 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)
     """User files (``.jsonl``, ``.json`` lines or ``.parquet``) read with the ``fields`` mapping."""
 
+    hf_datasets: list[str] = field(default_factory=list)
+    """Sources read by Hugging Face ``datasets.load_dataset``: a local data file (``.jsonl``, ``.json``,
+    ``.parquet``, ``.csv``), a directory of such files, or a dataset hub id (the hub cache first, as
+    ``hf download ID --repo-type dataset`` fills it; else downloaded). Columns mapped by ``fields``."""
+
+    hf_split: str = "train"
+    """Split of every ``hf_datasets`` source (a single local file is that split)."""
+
     fields: FieldMap = field(default_factory=FieldMap)
-    """Column mapping for ``paths``."""
+    """Column mapping for ``paths`` and ``hf_datasets``."""
 
     task: str = "gsm8k"
-    """Checker task of rows from ``paths`` (gsm8k, math, aime, amc, mmlu) unless ``fields.task`` is set."""
+    """Checker task of rows from ``paths`` and ``hf_datasets`` (gsm8k, math, aime, amc, mmlu) unless
+    ``fields.task`` is set."""
 
     template: Template = "reasoning_tags"
     """Prompt template: ``reasoning_tags`` (the GTPO paper's system prompt asking for
@@ -62,8 +71,12 @@ class DataConfig:
     files shipped in megatron_gtpo/data/benchmarks."""
 
     def __post_init__(self) -> None:
-        require(bool(self.benchmarks or self.paths), "benchmarks", self.benchmarks,
-                "at least one benchmark name or one file in paths")
+        require(bool(self.benchmarks or self.paths or self.hf_datasets), "benchmarks", self.benchmarks,
+                "at least one benchmark name, one file in paths or one source in hf_datasets")
+        for spec in self.hf_datasets:
+            require(isinstance(spec, str) and bool(spec.strip()), "hf_datasets", spec,
+                    "a local data file or directory, or a dataset hub id")
+        require(bool(self.hf_split.strip()), "hf_split", self.hf_split, "a split name such as train")
         for name in self.benchmarks:
             require_choice(name, sorted(BENCHMARKS), "benchmarks")
         for path in self.paths:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from megatron_gtpo.data.config import DataConfig
-from megatron_gtpo.data.sources import Example, load_benchmark, read_examples
+from megatron_gtpo.data.sources import Example, load_benchmark, read_examples, read_hf_dataset
 from megatron_gtpo.data.templates import build_messages, render_text, tokenize_texts
 from megatron_gtpo.types import Prompt
 
@@ -63,7 +63,7 @@ def build_prompts(examples: list[Example], *, tokenizer, template: str, system_p
                       disable=not progress, leave=False):
         token_ids += tokenize_texts(texts[start:start + _TOKENIZE_BATCH], tokenizer=tokenizer,
                                     use_chat_template=use_chat_template)
-    prompts = [Prompt(uid=e.uid, token_ids=ids, text=text, gold=e.gold, task=e.task)
+    prompts = [Prompt(uid=e.uid, token_ids=ids, text=text, gold=e.gold, task=e.task, row=e.row)
                for e, text, ids in zip(examples, texts, token_ids)
                if max_prompt_tokens is None or len(ids) <= max_prompt_tokens]
     return prompts, DatasetStats(num_rows=len(examples), num_prompts=len(prompts),
@@ -73,12 +73,16 @@ def build_prompts(examples: list[Example], *, tokenizer, template: str, system_p
 
 
 def load_examples(config: DataConfig) -> list[Example]:
-    """All Examples named by ``config`` (benchmarks first, then user files, each in file order)."""
+    """All Examples named by ``config`` (benchmarks, then user files, then ``datasets`` sources, each in
+    file order)."""
     examples: list[Example] = []
     for name in config.benchmarks:
         examples += load_benchmark(name, data_root=config.data_root or None, limit=config.limit)
     for path in config.paths:
         examples += read_examples(path, fields=config.fields, task=config.task, limit=config.limit)
+    for spec in config.hf_datasets:
+        examples += read_hf_dataset(spec, split=config.hf_split, fields=config.fields, task=config.task,
+                                    limit=config.limit)
     return examples
 
 

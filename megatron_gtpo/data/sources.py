@@ -1,8 +1,9 @@
-"""Reading prompt sources: the benchmark files shipped in ``megatron_gtpo/data/benchmarks`` and user
-jsonl/parquet files.
+"""Reading prompt sources: the benchmark files shipped in ``megatron_gtpo/data/benchmarks``, user
+jsonl/parquet files and Hugging Face ``datasets`` (local files and directories, or the datasets cache).
 
     benchmark name --BENCHMARKS--> file + column schema --read_rows--> list[Example]
     user file + FieldMap ----------------------------------^
+    datasets.load_dataset(...) + FieldMap -----------------^
 
 An ``Example`` is a row before templating and tokenisation: question, gold in the checker's format,
 task, optional choices. A missing column or file is reported with the file, the row and the fix.
@@ -80,6 +81,8 @@ class Example:
     """Checker task."""
     choices: tuple[str, ...] = field(default_factory=tuple)
     """Answer options of a multiple-choice row (rendered A., B., ...), empty otherwise."""
+    row: dict = field(default_factory=dict, compare=False)
+    """All columns of the row as read (for reward functions that declare ``row``)."""
 
 
 SHIPPED_DATA = Path(__file__).resolve().parent / "benchmarks"
@@ -150,7 +153,7 @@ def _example(record: dict, *, fields: FieldMap, task: str, source: str, path: Pa
     uid = _column(record, fields.uid, path, row, "uid") if fields.uid else row
     return Example(uid=f"{source}:{uid}", question=str(_column(record, fields.question, path, row, "question")),
                    gold=_gold_text(_column(record, fields.gold, path, row, "gold"), row_task), task=row_task,
-                   choices=tuple(str(c) for c in choices))
+                   choices=tuple(str(c) for c in choices), row=record)
 
 
 def read_examples(path: str | os.PathLike, *, fields: FieldMap, task: str, source: str | None = None,
@@ -163,6 +166,57 @@ def read_examples(path: str | os.PathLike, *, fields: FieldMap, task: str, sourc
         records = records[:limit]
     source = source or path.stem
     return [_example(r, fields=fields, task=task, source=source, path=path, row=i) for i, r in enumerate(records)]
+
+
+HF_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+"""``datasets``' packaged builder for a local data file, by suffix."""
+
+
+def _load_hf(spec: str, split: str):
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"data.hf_datasets={spec!r} needs Hugging Face `datasets` (requirements/cpu.lock has it; "
+                          f"elsewhere: pip install 'megatron-gtpo[data]'), or list the file in data.paths") from None
+    path = Path(spec)
+    if path.is_file():
+        if path.suffix not in HF_FILE_BUILDERS:
+            raise ValueError(f"data.hf_datasets: {spec} is a file datasets cannot read by its suffix; use a "
+                             f"{', '.join(HF_FILE_BUILDERS)} file, a dataset directory or a hub id")
+        # data_files under the split's own name, so data.hf_split names the split of a single file too
+        return datasets.load_dataset(HF_FILE_BUILDERS[path.suffix], data_files={split: str(path)}, split=split)
+    snapshot = _hub_snapshot(spec)
+    try:  # a directory of data files, or a hub id: the hub cache first, else datasets' own lookup
+        return datasets.load_dataset(str(snapshot) if snapshot else spec, split=split)
+    except (FileNotFoundError, ValueError, ConnectionError) as err:
+        raise ValueError(f"data.hf_datasets: could not load {spec!r} split {split!r} ({type(err).__name__}: "
+                         f"{err}); give a local file or directory, or a hub id in the cache (`hf download "
+                         f"{spec} --repo-type dataset` on a machine with network), and data.hf_split") from None
+
+
+def _hub_snapshot(spec: str) -> Path | None:
+    """The hub cache's snapshot of dataset repo ``spec`` (what ``hf download --repo-type dataset`` writes),
+    or None. datasets itself finds a hub id offline only in its own cache of an earlier online load."""
+    if Path(spec).exists() or spec.count("/") != 1:
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(spec, repo_type="dataset", local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError):
+        return None
+
+
+def read_hf_dataset(spec: str, *, split: str, fields: FieldMap, task: str, limit: int = 0) -> list[Example]:
+    """Examples of one ``datasets.load_dataset`` source: a local data file (jsonl/json/parquet/csv), a
+    directory of them or a hub id, split ``split``, mapped through ``fields`` as a user file is."""
+    table = _load_hf(spec, split)
+    if limit:
+        table = table.select(range(min(limit, len(table))))
+    source = Path(spec).stem if Path(spec).is_file() else spec.rstrip("/").rsplit("/", 1)[-1]
+    where = Path(f"{spec} ({split})")  # how errors name the source
+    return [_example(r, fields=fields, task=task, source=source, path=where, row=i) for i, r in enumerate(table)]
 
 
 def load_benchmark(name: str, *, data_root: str | os.PathLike | None = None, limit: int = 0) -> list[Example]:

@@ -16,7 +16,8 @@ class RewardConfig:
     fn: str = "correctness"
     """Reward function: a built-in name (``correctness`` 0/1, ``format`` 0/1 for the paper's tags,
     ``gtpo`` the paper's 10+10 scheme, ``dapo`` +1/-1) or a dotted import path of a user function
-    ``fn(completion, gold, task) -> float | RewardOutput`` (``my_pkg.rewards.fn``)."""
+    ``fn(completion, gold, task) -> float | RewardOutput`` (``my_pkg.rewards.fn``), which may also
+    declare ``prompt`` (the prompt text) and/or ``row`` (the dataset row) to receive them."""
 
     scale: float = 1.0
     """Factor phi on every reward (the function's value plus DAPO's overlong term), applied where the

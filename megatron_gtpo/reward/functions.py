@@ -3,7 +3,12 @@
 Contract of every reward function (built-in or user, picked by ``RewardConfig.fn``)::
 
     fn(completion: str, gold: str, task: str) -> float | RewardOutput
+    fn(completion, gold, task, *, prompt: str, row: dict) -> ...   # either or both, when declared
 
+A function that declares a ``prompt`` parameter also gets the rendered prompt text, one that declares
+``row`` the dataset row the prompt came from (every column, as read); ``**kwargs`` gets both. The
+signature is read once when the reward is loaded (``context_args``), so a function that declares
+neither is called exactly as before and nothing more is sent to the scoring workers.
 A plain float is the reward; correctness for the accuracy metric is then judged by ``is_correct``.
 Functions run inside scorer worker processes, so a user function must be importable by dotted path
 (``my_pkg.rewards.fn`` or ``my_pkg.rewards:fn``) and must not rely on state of the training process.
@@ -20,6 +25,7 @@ L_max = ``rollout.max_tokens``); the driver hands the resolved values to the sco
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -215,6 +221,24 @@ def resolve_reward(name: str) -> Callable:
         raise ValueError(f"reward.fn={name!r} is a {type(fn).__name__}, not a function "
                          f"fn(completion, gold, task) -> float | RewardOutput")
     return fn
+
+
+CONTEXT_ARGS = ("prompt", "row")
+"""Keyword parameters a reward function may declare beyond (completion, gold, task): the rendered
+prompt text and the dataset row (``Prompt.text``, ``Prompt.row``)."""
+
+
+def context_args(fn: Callable) -> tuple[str, ...]:
+    """Which of CONTEXT_ARGS ``fn`` takes: those it names as parameters, or all when it has ``**kwargs``
+    (TRL's reward functions do). Read once per loaded reward, never per sample."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a callable without a readable signature (a C builtin): the plain contract
+        return ()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return CONTEXT_ARGS
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return tuple(name for name in CONTEXT_ARGS if name in named)
 
 
 def as_output(value: object, completion: str, gold: str, task: str) -> RewardOutput:

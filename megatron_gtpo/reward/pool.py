@@ -88,16 +88,18 @@ def load_callable(path: str):
     return getattr(importlib.import_module(module_name), attr)
 
 
-def score_one(fn, text: str, gold: str, task: str, timeout_s: float | None, with_answer: bool = False) -> SampleScore:
+def score_one(fn, text: str, gold: str, task: str, timeout_s: float | None, with_answer: bool = False,
+              context: dict | None = None) -> SampleScore:
     """Runs reward ``fn`` on one sample, under a SIGALRM time limit when ``timeout_s`` is set (only
     valid in a process's main thread); ``with_answer`` also extracts the canonical answer (maj@k
-    needs it, training does not). Never raises for a bad sample."""
+    needs it, training does not); ``context`` holds the keyword arguments the function declared
+    (``prompt``/``row``, see ``functions.context_args``). Never raises for a bad sample."""
 
     try:
         if timeout_s:
             signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:
-            out = as_output(fn(text, gold, task), text, gold, task)
+            out = as_output(fn(text, gold, task, **(context or {})), text, gold, task)
             answer = _judge_cached(text, gold, task).answer if with_answer else None
         finally:
             if timeout_s:
@@ -122,7 +124,7 @@ def install_alarm() -> bool:
 
 
 def _worker_main(conn: Connection, fn_path: str, timeout_s: float) -> None:
-    """Worker loop: receive ``(with_answers, [(index, text, gold, task), ...])``, send
+    """Worker loop: receive ``(with_answers, [(index, text, gold, task, context), ...])``, send
     ``(index, score)`` per sample; ``None`` ends the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     # SIGUSR1 is the trainer's "checkpoint and exit" (SLURM preemption), sent to the whole process
@@ -145,8 +147,8 @@ def _worker_main(conn: Connection, fn_path: str, timeout_s: float) -> None:
         if chunk is None:
             return
         with_answers, samples = chunk
-        for index, text, gold, task in samples:
-            conn.send((index, score_one(fn, text, gold, task, timeout_s, with_answers)))
+        for index, text, gold, task, context in samples:
+            conn.send((index, score_one(fn, text, gold, task, timeout_s, with_answers, context)))
 
 
 class _Worker:
@@ -192,6 +194,7 @@ class ScoringPool:
         self._ctx = mp.get_context(start_method)
         self._workers: list[_Worker] = []
         self._items: list[tuple[str, str, str]] = []  # the batch being scored (named in crash reports)
+        self._contexts: list[dict] = []  # its reward keyword arguments, one dict per item
         self._deaths: collections.Counter[int] = collections.Counter()  # worker deaths per sample index
 
     def __enter__(self) -> ScoringPool:
@@ -220,26 +223,30 @@ class ScoringPool:
         self._workers = []
 
     def score(self, items: list[tuple[str, str, str]], *, with_answers: bool = False, desc: str = "scoring",
-              progress: bool = False) -> list[SampleScore]:
+              progress: bool = False, contexts: list[dict] | None = None) -> list[SampleScore]:
         """Scores ``[(completion_text, gold, task), ...]`` in order; one SampleScore per item.
-        ``with_answers`` fills ``SampleScore.answer`` (the maj@k voting key)."""
+        ``with_answers`` fills ``SampleScore.answer`` (the maj@k voting key); ``contexts`` (one dict per
+        item, or None for none) are extra keyword arguments of the reward function."""
         bar = tqdm(total=len(items), desc=desc, unit="sample", disable=not progress, leave=False)
+        contexts = contexts if contexts is not None else [{}] * len(items)
+        if len(contexts) != len(items):
+            raise ValueError(f"ScoringPool.score: {len(contexts)} contexts for {len(items)} items; give one per item")
         try:
             if self.num_workers == 0:
-                return self._score_inline(items, bar, with_answers)
-            return self._score_parallel(items, bar, with_answers)
+                return self._score_inline(items, contexts, bar, with_answers)
+            return self._score_parallel(items, contexts, bar, with_answers)
         finally:
             bar.close()
 
-    def _score_inline(self, items, bar, with_answers: bool) -> list[SampleScore]:
+    def _score_inline(self, items, contexts, bar, with_answers: bool) -> list[SampleScore]:
         fn = load_callable(self.fn_path)
         in_main = threading.current_thread() is threading.main_thread()
         previous = signal.getsignal(signal.SIGALRM) if in_main else None
         timeout = self.timeout_s if install_alarm() else None
         try:
             out = []
-            for text, gold, task in items:
-                out.append(score_one(fn, text, gold, task, timeout, with_answers))
+            for (text, gold, task), context in zip(items, contexts):
+                out.append(score_one(fn, text, gold, task, timeout, with_answers, context))
                 bar.update(1)
             return out
         finally:
@@ -252,25 +259,25 @@ class ScoringPool:
         while len(self._workers) < self.num_workers:
             self._workers.append(_Worker(self._ctx, self.fn_path, self.timeout_s))
 
-    def _score_parallel(self, items, bar, with_answers: bool) -> list[SampleScore]:
+    def _score_parallel(self, items, contexts, bar, with_answers: bool) -> list[SampleScore]:
         self._ensure_workers()
-        self._items, self._deaths = items, collections.Counter()
+        self._items, self._contexts, self._deaths = items, contexts, collections.Counter()
         queue = collections.deque(range(len(items)))
         results: list[SampleScore | None] = [None] * len(items)
         while queue or any(w.pending for w in self._workers):
-            self._dispatch(queue, items, with_answers)
+            self._dispatch(queue, with_answers)
             busy = {w.conn: w for w in self._workers if w.pending or not w.ready}
             for conn in wait(list(busy), timeout=0.5):
                 self._receive(busy[conn], queue, results, bar)
             self._enforce_deadlines(queue, results, bar)
         return results  # type: ignore[return-value]
 
-    def _dispatch(self, queue, items, with_answers: bool) -> None:
+    def _dispatch(self, queue, with_answers: bool) -> None:
         for worker in self._workers:
             if worker.ready and not worker.pending and queue:
                 size = max(1, min(self.chunk_size, -(-len(queue) // len(self._workers))))
                 chunk = [queue.popleft() for _ in range(min(size, len(queue)))]
-                worker.conn.send((with_answers, [(i, *items[i]) for i in chunk]))
+                worker.conn.send((with_answers, [(i, *self._items[i], self._contexts[i]) for i in chunk]))
                 worker.pending.extend(chunk)
                 worker.since = time.monotonic()
 

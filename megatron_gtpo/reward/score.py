@@ -1,6 +1,7 @@
 """Rollout -> reward stage: prompts + completions -> ScoredGroups, plus failure counters.
 
     list[Prompt], list[Completion] --group by prompt_index--> per-sample (text, gold, task)
+        [+ prompt text / dataset row, when the reward function declares them]
         --ScoringPool (workers, per-sample timeout)--> reward, correct
         --+ overlong punishment (token counts, DAPO)--> ScoredBatch(groups, stats)
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 from megatron_gtpo.reward.config import RewardConfig
 from megatron_gtpo.reward.failures import ErrorLog, FailureMonitor, RewardError, ScoringStats
-from megatron_gtpo.reward.functions import OverlongPunishment, resolve_reward, reward_path
+from megatron_gtpo.reward.functions import OverlongPunishment, context_args, resolve_reward, reward_path
 from megatron_gtpo.reward.pool import STATUS_ERROR, STATUS_TIMEOUT, SampleScore, ScoringPool
 from megatron_gtpo.types import Completion, Prompt, ScoredGroup
 
@@ -43,7 +44,9 @@ class RewardScorer:
         self.config = config
         self.overlong = overlong
         """DAPO's soft overlong punishment added to every reward, or None."""
-        resolve_reward(config.fn)  # fail fast on a typo or an unimportable user reward
+        # Fails fast on a typo or an unimportable user reward; its signature is read here, once.
+        self.context_args = context_args(resolve_reward(config.fn))
+        """What the function declared of ``prompt``/``row`` (functions.CONTEXT_ARGS); () for the plain contract."""
         self.pool = ScoringPool(fn_path=reward_path(config.fn), num_workers=config.num_workers,
                                 timeout_s=config.timeout_s, start_method=config.start_method,
                                 chunk_size=config.chunk_size, label=config.fn)
@@ -67,13 +70,25 @@ class RewardScorer:
         self.pool.close()
 
     def score(self, items: list[tuple[str, str, str]], *, with_answers: bool = False, progress: bool = False,
-              desc: str = "scoring") -> list[SampleScore]:
+              desc: str = "scoring", prompts: list[Prompt] | None = None) -> list[SampleScore]:
         """Scores ``[(completion_text, gold, task), ...]``; one SampleScore per item, in order.
-        ``with_answers`` also returns each canonical extracted answer (for maj@k). Raises
+        ``with_answers`` also returns each canonical extracted answer (for maj@k); ``prompts`` (each
+        item's prompt) feed a function that declares ``prompt``/``row``. Raises
         RewardFunctionCrashed when the function kills its worker process twice on one sample."""
-        scores = self.pool.score(items, with_answers=with_answers, progress=progress, desc=desc)
+        scores = self.pool.score(items, with_answers=with_answers, progress=progress, desc=desc,
+                                 contexts=self._contexts(prompts, len(items)))
         self.errors.record(items, scores)
         return scores
+
+    def _contexts(self, prompts: list[Prompt] | None, num_items: int) -> list[dict] | None:
+        """Each item's extra keyword arguments; None (send nothing) when the function declared none."""
+        if not self.context_args:
+            return None
+        if prompts is None or len(prompts) != num_items:
+            raise ValueError(f"reward.fn={self.config.fn!r} declares {', '.join(self.context_args)}: score() needs "
+                             f"prompts= with one Prompt per item ({num_items})")
+        return [{name: value for name, value in (("prompt", p.text), ("row", p.row)) if name in self.context_args}
+                for p in prompts]
 
     def new_errors(self) -> list[RewardError]:
         """Distinct reward failures (first occurrence, with traceback) seen since the previous call;
@@ -111,7 +126,7 @@ def score_groups(prompts: list[Prompt], completions: list[Completion], *, scorer
     start = time.perf_counter()
     index_groups = group_indices(len(prompts), completions)
     items = [(c.text, prompts[c.prompt_index].gold, prompts[c.prompt_index].task) for c in completions]
-    scores = scorer.score(items, progress=progress)
+    scores = scorer.score(items, progress=progress, prompts=[prompts[c.prompt_index] for c in completions])
     stats = ScoringStats(num_samples=len(completions))
     rewards = []
     for completion, score in zip(completions, scores):

@@ -52,3 +52,18 @@ def dies_once_reward(completion, gold, task):
 def always_dies_reward(completion, gold, task):
     """Ends its process on every sample (a reward that segfaults on everything)."""
     os._exit(5)
+
+
+def prompt_reward(completion, gold, task, *, prompt):
+    """1.0 when the completion's first word appears in the prompt (needs the prompt), else 0.0."""
+    return float(completion.split()[0] in prompt)
+
+
+def row_reward(completion, gold, task, row, prompt=None):
+    """The row's own ``points`` column, plus 0.5 when the prompt came along too."""
+    return float(row["points"]) + (0.5 if prompt else 0.0)
+
+
+def kwargs_reward(completion, gold, task, **kwargs):
+    """TRL's style: 1.0 when **kwargs got exactly prompt and row."""
+    return float(sorted(kwargs) == ["prompt", "row"])

@@ -5,6 +5,7 @@ runs on a GPU; the recipes themselves are untested on GPUs (said in each header)
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -22,8 +23,42 @@ def _dry_run_line(recipe) -> list[str]:
     return [str(REPO / argv[0]), *[str(REPO / a) if a.startswith("configs/") else a for a in argv[1:]]]
 
 
+STARTERS = {
+    "gtpo_qwen2.5-math-1.5b_1x1": ("Qwen/Qwen2.5-Math-1.5B", "1.54 B parameters"),
+    "gtpo_qwen2.5-math-7b_1x8": ("Qwen/Qwen2.5-Math-7B", "7.62 B parameters"),
+    "gtpo_qwen3-1.7b_1x8": ("Qwen/Qwen3-1.7B", "1.72 B parameters"),
+    "gtpo_qwen3-8b_1x8": ("Qwen/Qwen3-8B", "8.19 B parameters"),
+    "gtpo_llama3.2-3b_1x8": ("meta-llama/Llama-3.2-3B-Instruct", "3.21 B parameters"),
+}
+"""The models people start RL from (issue 36): recipe -> (hub id, parameter count of the model card)."""
+
+
 def test_there_are_gpu_recipes():
     assert len(RECIPES) >= 3
+    assert any("--gpus-per-node 1 " in r.read_text() and "--nodes 1 " in r.read_text() for r in RECIPES), \
+        "a one-GPU recipe"
+
+
+@pytest.mark.parametrize("stem", STARTERS)
+def test_starter_recipe_dry_runs_from_its_hub_id_in_the_cache(stem, tmp_path, monkeypatch, capsys):
+    """Each starter recipe names its model by hub id and its dry-run line passes with no --hf-config,
+    config.json coming from an offline hub cache under that id (the stand-in of configs/models/), and the
+    size the dry-run derives matches the model card: a mistyped stand-in number (layers, widths,
+    tie_word_embeddings) changes it. Injected bugs: Qwen3-1.7B's tie_word_embeddings false (2.03 B
+    parameters) fails; model.path of the 7B recipe as a local directory (/path/to/Qwen2.5-Math-7B) fails."""
+    from tests.hub_cache import add_to_hub_cache, offline_hub
+
+    hub_id, size = STARTERS[stem]
+    recipe = REPO / "configs" / "gpu" / f"{stem}.yaml"
+    assert f"  path: {hub_id} " in recipe.read_text(), f"{stem}: model.path must be the hub id {hub_id}"
+    argv = _dry_run_line(recipe)
+    stand_in = argv[argv.index("--hf-config") + 1]
+    add_to_hub_cache(offline_hub(tmp_path / "hf", monkeypatch), hub_id, {"config.json": Path(stand_in)})
+    monkeypatch.chdir(REPO)
+    status = dry_run.main([a for a in argv if a not in ("--hf-config", stand_in)])
+    out = capsys.readouterr()
+    assert status == 0, out.out + out.err
+    assert size in out.out, out.out
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)

@@ -17,7 +17,7 @@ from megatron_gtpo.cli import dry_run
 from megatron_gtpo.models.hub import CONFIG_ONLY, METADATA, is_hub_id
 from megatron_gtpo.models.resolve import resolve_model
 from tests.helpers import REPO, child_env
-from tests.hub_cache import add_to_hub_cache
+from tests.hub_cache import add_to_hub_cache, offline_hub
 
 QWEN = "Qwen/Qwen2.5-3B-Instruct"
 QWEN_CONFIG = REPO / "configs" / "models" / "qwen2.5-3b-instruct.json"
@@ -25,11 +25,8 @@ QWEN_CONFIG = REPO / "configs" / "models" / "qwen2.5-3b-instruct.json"
 
 @pytest.fixture
 def hf_home(tmp_path, monkeypatch) -> Path:
-    """HF_HOME of this test, offline (the hub library reads both into constants at import)."""
-    home = tmp_path / "hf"
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return home
+    """HF_HOME of this test, offline."""
+    return offline_hub(tmp_path / "hf", monkeypatch)
 
 
 def test_hub_ids_and_paths_are_told_apart(tmp_path, monkeypatch):
