@@ -40,7 +40,6 @@ from megatron_gtpo.tracking import Reporter, step_metrics
 from megatron_gtpo.tracking.perf import TrainWork, peak_tflops, precision_of
 from megatron_gtpo.train.batching import collate
 from megatron_gtpo.train.learner import Learner
-from megatron_gtpo.train.lora import adapter_params
 from megatron_gtpo.train.offload import TrainerOffload
 from megatron_gtpo.train.snapshot import ParamSnapshot
 from megatron_gtpo.train.step import StepSettings
@@ -216,8 +215,7 @@ def train_work(cfg, policy) -> TrainWork:
     spec = cfg.algorithm
     shape = shape_from_hf_config(policy.hf_config, name=str(cfg.model.path))
     peak, source = peak_tflops(cfg.perf, precision=precision_of(cfg.model.dtype, cfg.model.megatron))
-    work = TrainWork(shape=shape, updates=spec.mu, forward_passes=int(spec.needs_reference),
-                     lora_params=adapter_params(cfg.model.lora, shape), peak_tflops=peak)
+    work = TrainWork.of_run(shape, spec=spec, lora=cfg.model.lora, peak_tflops=peak)
     row = work.of(torch.tensor([cfg.longest_row]), torch.tensor([0]))[1] / cfg.longest_row
     log.info("MFU: %.3g GFLOP per token of a %d-token row (6N + attention, %d update(s)%s) against %.3g TFLOPS per "
              "device (%s)", row / 1e9, cfg.longest_row, work.updates,

@@ -102,8 +102,7 @@ def _perf_line(cfg, shape: ModelShape, lay: Layout) -> str:
     peak, source = cfg.perf.peak_tflops, "perf.peak_tflops"
     if peak is None:
         peak, source = known_peak("H100", precision), f"H100 SXM {precision} datasheet; set perf.peak_tflops for others"
-    work = TrainWork(shape=shape, updates=spec.mu, forward_passes=int(spec.needs_reference),
-                     lora_params=adapter_params(cfg.model.lora, shape))
+    work = TrainWork.of_run(shape, spec=spec, lora=cfg.model.lora)
     tokens, flops = work.of(torch.full((rows,), row), torch.zeros(rows, dtype=torch.long))
     seconds = flops / (lay.trainer_gpus * peak * 1e12 * cfg.perf.plan_mfu)
     return (f"perf     {flops / tokens / 1e9:.3g} GFLOP per token (6N + 12LdS at {row}-token rows, {spec.mu} update(s)"

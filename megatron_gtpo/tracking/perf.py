@@ -19,6 +19,7 @@ import torch
 
 from megatron_gtpo.models.flops import train_phase_flops
 from megatron_gtpo.models.shape import ModelShape
+from megatron_gtpo.train.lora import adapter_params
 from megatron_gtpo.utils.configuration import require
 
 # Dense TFLOPS per GPU. Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM / PCIe / NVL columns;
@@ -114,6 +115,14 @@ class TrainWork:
     """Adapter parameters (0: full fine-tuning)."""
     peak_tflops: float | None = None
     """One trainer device's peak (``peak_tflops``): the denominator of ``perf/mfu`` (None: no MFU)."""
+
+    @classmethod
+    def of_run(cls, shape: ModelShape, *, spec, lora, peak_tflops: float | None = None) -> TrainWork:
+        """A run's train phase: ``spec.mu`` forward + backward passes, a no-grad forward when the KL
+        reference is on, ``lora``'s adapters (``spec``: the resolved AlgoSpec; ``lora``: LoraConfig).
+        The driver's ``perf/*`` and the dry-run's plan both count it here."""
+        return cls(shape=shape, updates=spec.mu, forward_passes=int(spec.needs_reference),
+                   lora_params=adapter_params(lora, shape), peak_tflops=peak_tflops)
 
     def of(self, prompt_lengths: torch.Tensor, completion_lengths: torch.Tensor) -> tuple[float, float]:
         """(tokens, model FLOPs) of a batch whose rows have these prompt and completion lengths [B]."""
