@@ -49,6 +49,10 @@ def free_port_block(count: int, start: int = 40000, stop: int = 60000) -> int:
     raise RuntimeError(f"no {count} consecutive free ports in {start}-{stop}")
 
 
+REQUEUE_SETTLE_S = 3.0
+"""Seconds a requeued job stays held before the harness starts it (see LocalSlurm.wait)."""
+
+
 @dataclass
 class LocalSlurm:
     """Handle on a running local cluster."""
@@ -84,14 +88,21 @@ class LocalSlurm:
         """Waits until the job has finished after ``restarts`` requeues; returns its final record.
 
         A requeued job waits ~2 min for its new begin time (slurmctld's requeue delay); the harness
-        moves that to now, as an admin would, so tests do not sleep through it.
+        moves that to now, as an admin would, so tests do not sleep through it, but only once the
+        requeue is REQUEUE_SETTLE_S old. The delay is what lets slurmd drop the old run's revoked
+        job credential (it compares whole seconds): a relaunch in the requeue's own second is refused
+        ("Killing non-startable batch JobId=N: Job credential revoked", the run ends FAILED 1:0
+        with no output), which the fast requeue paths hit under load.
         """
         deadline = time.monotonic() + timeout
+        pending_since: dict[int, float] = {}  # restart count -> when this wait first saw it held
         while time.monotonic() < deadline:
             info = self.job(job_id)
             state, count = info.get("JobState", ""), int(info.get("Restarts", "0"))
             if state == "PENDING" and info.get("Reason") == "BeginTime" and count > 0:
-                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+                since = pending_since.setdefault(count, time.monotonic())
+                if time.monotonic() - since >= REQUEUE_SETTLE_S:
+                    self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
             elif state in FINISHED and count >= restarts:
                 return info
             time.sleep(poll)
