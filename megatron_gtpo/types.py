@@ -53,11 +53,22 @@ class Completion:
     truncated: bool = False
     """True when generation hit max_tokens without stopping."""
     weight_version: int = 0
-    """Version of the policy weights that produced this completion (see sync/)."""
+    """Version of the policy weights that sampled this completion's first token (see sync/); with
+    partial rollouts the oldest of its ``token_versions``."""
+    token_versions: list[int] | None = None
+    """Version of the weights that sampled each token, len == len(token_ids), never decreasing (a
+    request continued across weight pushes, ``rollout.partial: continue``); None: every token is
+    ``weight_version``'s."""
     routed_experts: np.ndarray | None = None  # [len(prompt) + len(completion) - 1, moe layers, top_k] int16
     """Mixture-of-experts engines asked for routing (``model.moe_routing_replay: rollout``): the
     experts the engine routed each fed token to, prompt then completion (the last sampled token is
     never fed); None otherwise."""
+
+    def versions(self) -> list[int]:
+        """The weight version of each token (``token_versions``, else ``weight_version`` for all)."""
+        if self.token_versions is None:
+            return [self.weight_version] * len(self.token_ids)
+        return list(self.token_versions)
 
 
 @dataclass(kw_only=True)
