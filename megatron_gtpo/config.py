@@ -74,6 +74,11 @@ class RunConfig:
                               f"<= rollout.max_tokens ({self.rollout.max_tokens}), the L_max of DAPO's punishment")
         if problem := staleness_problem(self.rollout.staleness, self.algo.mismatch_correction):
             raise ConfigError(problem)
+        if self.rollout.partial != "off" and self.sync.transport != "separate":
+            raise ConfigError(f"rollout.partial={self.rollout.partial} is not allowed with sync.transport="
+                              f"{self.sync.transport}: colocated engines generate every batch inside the trainer's "
+                              f"processes before the step trains, so no request is generating when weights are "
+                              f"pushed; set rollout.partial=off, or sync.transport=separate (a pool of rollout servers)")
         if self.model.moe_routing_replay == "rollout" and (
                 problem := replay_problem(transport=self.sync.transport, vllm=self.rollout.vllm)):
             raise ConfigError(problem)

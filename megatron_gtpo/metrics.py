@@ -19,9 +19,11 @@ ROWS: list[tuple[tuple[str, ...], str]] = [
      "completion tokens; share that hit `rollout.max_tokens`"),
     (("rollout/groups", "rollout/tries", "rollout/dropped_groups", "rollout/skipped_step"),
      "groups trained on; DAPO dynamic-sampling refills and drops"),
-    (("rollout/weight_version_min", "rollout/weight_version_max", "rollout/staleness_max"),
-     "policy version (step of the weight push) that sampled the step's completions, oldest and newest; most "
-     "weight pushes between a completion's sampler and the trained weights (<= `rollout.staleness`, checked)"),
+    (("rollout/weight_version_min", "rollout/weight_version_max", "rollout/staleness_max", "rollout/staleness_mean",
+      "rollout/partial_frac"),
+     "policy version (step of the weight push) that sampled the step's tokens, oldest and newest; most and mean "
+     "weight pushes between a token's sampler and the trained weights (<= `rollout.staleness`, checked on every "
+     "token); share of completions sampled by more than one version (`rollout.partial: continue`)"),
     (("entropy/mean",),
      "mean over completions of `<H>_i`, the mean token entropy (nats, full vocabulary) of the policy before "
      "the update; for GTPO the filter's statistic (probabilities floored at 1e-6 inside the log, as the "

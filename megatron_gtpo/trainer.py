@@ -253,7 +253,7 @@ class StartPoint:
 
 
 def start_point(parts: Parts) -> StartPoint:
-    return StartPoint(params=ParamSnapshot(parts.learner.policy.chunks), cursor=parts.collector.dataset.state_dict())
+    return StartPoint(params=ParamSnapshot(parts.learner.policy.chunks), cursor=parts.collector.cursor.state_dict())
 
 
 def restart(parts: Parts, cfg, start: StartPoint, *, steps: int, reward_scale: float, version: int) -> None:
@@ -270,7 +270,7 @@ def restart(parts: Parts, cfg, start: StartPoint, *, steps: int, reward_scale: f
     parts.memory = Choreography(parts.collector.engines, _trainer_offload(cfg, learner.policy),
                                 colocated=cfg.sync.transport == "colocated")
     parts.collector.dynamic = dynamic_sampling(spec)
-    parts.collector.dataset.load_state_dict(start.cursor)
+    parts.collector.cursor.load_state_dict(start.cursor)  # batches in flight from the last run are dropped
     if parts.scorer is not None:  # rank 0 scores
         parts.scorer.config = dataclasses.replace(cfg.reward, scale=reward_scale)
         parts.scorer.overlong = overlong_punishment(spec)

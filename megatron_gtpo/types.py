@@ -96,14 +96,17 @@ class RolloutBatch:
     reward_stats: dict[str, float] = field(default_factory=dict)
     """Scoring counters summed over the tries (num_samples, timeouts, errors, overlong)."""
     rollout_s: float = 0.0
-    """Wall time this step's collect spent in generate calls (submitting and waiting). One-step-off:
-    colocated engines generate the next step's batch in it too; a pool's background generation is
-    not in it (the push after the step waits for it)."""
+    """Wall time this step's collect spent in generate calls (submitting and waiting). Off-policy:
+    colocated engines generate a later step's batch in it too; a pool's background generation is
+    not in it (with ``rollout.staleness`` <= 1 and no partial rollouts the push after the step waits
+    for it)."""
     reward_s: float = 0.0
     """Wall time spent scoring."""
     staleness: int = 0
-    """Most weight pushes between the policy that sampled a kept completion and the one the step
-    trains from: at most the ``rollout.staleness`` setting (megatron_gtpo/rollout/staleness.py)."""
+    """Most weight pushes between the policy that sampled a kept token and the one the step trains
+    from: at most the ``rollout.staleness`` setting (megatron_gtpo/rollout/staleness.py)."""
+    staleness_mean: float = 0.0
+    """Mean of that over the kept tokens."""
     reward_errors: list = field(default_factory=list)
     """Distinct reward-function failures first seen during this step (``reward.failures.RewardError``,
     with traceback; rank 0 only): the reporter saves them as an artifact."""

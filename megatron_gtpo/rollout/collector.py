@@ -9,21 +9,29 @@ Every rank draws the same prompts (identical dataset cursors) and holds the same
 The sampling seed of each try is derived from the step, so a resumed step samples exactly what the
 uninterrupted run sampled.
 
-One-step-off rollouts (``OffPolicy.staleness`` = 1, ``rollout.staleness``): ``collect(k)`` also
-submits step k+1's first rollout batch, before step k trains, to the engines that serve the weights
-step k starts from. A pool of rollout servers generates it while the trainer trains (the weight push
-after step k waits for it: ``rollout.pool.RolloutPool.drain``); engines inside the trainer processes
-generate it right away, one version behind, with nothing to overlap. ``collect(k + 1)`` then scores
-it. Prompts and seeds per step are those of ``staleness: 0``; only the weights differ. Every
-completion's weight version is checked (``rollout/staleness.py``). A checkpoint saves the prompt
-cursor from before the batch in flight (:class:`PromptCursor`), so a resume draws the same prompts
-again and regenerates that batch with the restored weights (staleness 0 for that one step).
+Off-policy rollouts (``OffPolicy.staleness`` = k, ``rollout.staleness``): ``collect(s)`` keeps the
+first rollout batches of steps s+1..s+k submitted (step s+k's is submitted during ``collect(s)``,
+after step s's groups are gathered and before step s trains) to the engines that serve the weights
+step s starts from. A pool of rollout servers generates them while the trainer trains and pushes
+(``rollout.pool.RolloutPool``); engines inside the trainer processes generate them right away, with
+nothing to overlap. ``collect(s + j)`` then scores its batch. Prompts and seeds per step are those
+of ``staleness: 0`` (a step's first batch is drawn at its turn in the data order, refills after the
+batches in flight); only the weights differ. Every token's weight version is checked
+(``rollout/staleness.py``).
+
+Nothing lost, nothing repeated (:class:`PromptCursor`): a checkpoint saves the prompt stream's
+cursor and, for every batch in flight, its step and the cursor it was drawn from. A resumed run
+draws those batches again from their cursors and regenerates them, same seeds, with the restored
+weights, in step order, then continues the stream where it stood: every step trains exactly the
+prompts the uninterrupted run trains at that step, each prompt once. What the engines had already
+generated for the batches in flight is not saved (it is regenerated, fresher).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +62,8 @@ class OffPolicy:
     """How far rollouts run ahead of training (``rollout.staleness``; module docstring)."""
 
     staleness: int = 0
-    """0: every step generates its batch with the weights it trains from. 1: step k+1's first rollout
-    batch is submitted during ``collect(k)``, before step k trains (one-step-off)."""
+    """0: every step generates its batch with the weights it trains from. k: the first rollout
+    batches of the next k steps are in flight while a step trains."""
     last_step: int | None = None
     """The run's last step: nothing is submitted for a later one (None: no end)."""
 
@@ -70,7 +78,8 @@ class _Submitted:
     version: int
     """Weight version the engines served when it was submitted (its completions' tag)."""
     cursor: dict | None = None
-    """The prompt cursor before its prompts were drawn (saved by a checkpoint while it is in flight)."""
+    """The prompt cursor its prompts were drawn from (a step's first batch; saved by a checkpoint
+    while it is in flight)."""
 
 
 class RolloutCollector:
@@ -87,7 +96,11 @@ class RolloutCollector:
         self.cursor = PromptCursor(self)
         """What a checkpoint saves and restores of the prompt stream (pass it as the Checkpointer's dataset)."""
         self._seed = seed
-        self._ahead: _Submitted | None = None
+        self._ahead: deque[_Submitted] = deque()
+        """Submitted first batches of later steps, in step order."""
+        self._pending: deque[dict] = deque()
+        """Batches that were in flight at the checkpoint a run resumed from, not submitted again yet:
+        ``{"step", "cursor", "prompts"}`` in step order (:class:`PromptCursor`)."""
 
     def pushed(self, version: int) -> None:
         """The engines serve weight ``version`` now (call after every weight push, on every rank)."""
@@ -96,22 +109,46 @@ class RolloutCollector:
     def collect(self, step: int, *, prompts_per_step: int) -> RolloutBatch:
         """The groups of training step ``step`` (1-based): ``prompts_per_step`` of them, or fewer
         under dynamic sampling when too few survive within ``max_tries`` (counted), cut to a multiple
-        of ``group_multiple`` so that its rows split evenly over DP ranks and micro-batches. One-step-
-        off: the first batch is the one submitted by the previous call, and step ``step + 1``'s is
-        submitted before returning (``rollout_s`` counts the generate calls made in this call).
-        Raises StalenessError when a completion's version is wrong or too old (``rollout/staleness.py``)."""
+        of ``group_multiple`` so that its rows split evenly over DP ranks and micro-batches. Off-
+        policy: the first batch is the one submitted by an earlier call, and the batches of steps up
+        to ``step + staleness`` are submitted before returning (``rollout_s`` counts the generate
+        calls made in this call). Raises StalenessError when a token's version is wrong or too old
+        (``rollout/staleness.py``)."""
         result = RolloutBatch(groups=[], tries=0)
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.step != step:
-            raise RuntimeError(f"collect({step}) called while the rollout batch of step {ahead.step} is in flight")
-        self._gather(step, ahead or self._submit(step, prompts_per_step, 1, result), prompts_per_step, result)
-        result.staleness = self.versions.check_bound((c for g in result.groups for c in g.completions), step=step)
-        last = self.off_policy.last_step
-        if self.off_policy.staleness and (last is None or step < last):
-            cursor = self.dataset.state_dict()
-            self._ahead = self._submit(step + 1, prompts_per_step, 1, result)
-            self._ahead.cursor = cursor
+        if self._ahead and self._ahead[0].step != step:
+            raise RuntimeError(f"collect({step}) called while the rollout batch of step {self._ahead[0].step} is "
+                               "the next in flight")
+        first = self._ahead.popleft() if self._ahead else self._submit_first(step, prompts_per_step, result)
+        self._gather(step, first, prompts_per_step, result)
+        completions = [c for g in result.groups for c in g.completions]
+        result.staleness, result.staleness_mean = self.versions.check_bound(completions, step=step)
+        self._top_up(step, prompts_per_step, result)
         return result
+
+    def _top_up(self, step: int, prompts_per_step: int, result: RolloutBatch) -> None:
+        """Submits the first batches of steps up to ``step + staleness`` (not past the last step)."""
+        last = self.off_policy.last_step
+        upto = step + self.off_policy.staleness if last is None else min(step + self.off_policy.staleness, last)
+        for later in range((self._ahead[-1].step if self._ahead else step) + 1, upto + 1):
+            self._ahead.append(self._submit_first(later, prompts_per_step, result))
+
+    def _submit_first(self, step: int, prompts_per_step: int, result: RolloutBatch) -> _Submitted:
+        """Step ``step``'s first batch: drawn from the prompt stream, or, for a batch that was in flight
+        at the checkpoint this run resumed from, drawn again from its recorded cursor (the stream
+        stays where it is)."""
+        if self._pending and self._pending[0]["step"] < step:
+            raise RuntimeError(f"the batch of step {self._pending[0]['step']} in flight at the checkpoint was "
+                               f"never trained; collect({step}) comes after it")
+        if not (self._pending and self._pending[0]["step"] == step):
+            cursor = self.dataset.state_dict()
+            return dataclasses.replace(self._submit(step, prompts_per_step, 1, result), cursor=cursor)
+        record, stream = self._pending.popleft(), self.dataset.state_dict()
+        self.dataset.load_state_dict(record["cursor"])
+        try:
+            submitted = self._submit(step, int(record["prompts"]), 1, result)
+        finally:
+            self.dataset.load_state_dict(stream)
+        return dataclasses.replace(submitted, cursor=record["cursor"])
 
     def _gather(self, step: int, first: _Submitted, prompts_per_step: int, result: RolloutBatch) -> None:
         """Scores ``first`` and, under dynamic sampling, refills (bounded tries) into ``result``."""
@@ -189,20 +226,32 @@ class RolloutCollector:
 
 
 class PromptCursor:
-    """The prompt stream as a checkpoint sees it (``state_dict`` / ``load_state_dict``). A rollout
-    batch in flight is not saved: while there is one, the saved cursor is the one from before its
-    prompts were drawn, so a resumed run draws them again and regenerates the batch."""
+    """The prompt stream as a checkpoint sees it (``state_dict`` / ``load_state_dict``). With no
+    batch in flight it is the dataset's cursor; with some, ``{"stream": cursor, "in_flight":
+    [{"step", "cursor", "prompts"}, ...]}``: a resumed run draws those batches again from their
+    cursors (module docstring). A checkpoint of a run without batches in flight (or of an older
+    version, which saved the cursor before its one batch in flight) loads as a plain cursor."""
 
     def __init__(self, collector: RolloutCollector):
         self._collector = collector
 
     def state_dict(self) -> dict:
-        ahead = self._collector._ahead
-        return dict(ahead.cursor) if ahead is not None else self._collector.dataset.state_dict()
+        collector = self._collector
+        in_flight = [{"step": a.step, "cursor": dict(a.cursor), "prompts": len(a.prompts)} for a in collector._ahead]
+        in_flight += [dict(record) for record in collector._pending]
+        stream = collector.dataset.state_dict()
+        return {"stream": stream, "in_flight": in_flight} if in_flight else stream
 
     def load_state_dict(self, state: dict) -> None:
-        self._collector._ahead = None  # drawn from the cursor being replaced
-        self._collector.dataset.load_state_dict(state)
+        collector = self._collector
+        collector._ahead.clear()  # drawn from the cursor being replaced
+        records = state.get("in_flight") if "stream" in state else None
+        for record in records or ():
+            if not isinstance(record, dict) or set(record) != {"step", "cursor", "prompts"}:
+                raise ValueError(f"checkpoint's prompt cursor: malformed in-flight batch record {record!r:.200}")
+            collector.dataset.load_state_dict(record["cursor"])  # refused here, not at the first step
+        collector._pending = deque(sorted(records or (), key=lambda r: r["step"]))
+        collector.dataset.load_state_dict(state["stream"] if records is not None else state)
 
 
 def _dynamic_keep(groups: list[ScoredGroup], metric: str) -> list[ScoredGroup]:
@@ -229,8 +278,10 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
            "reward/accuracy": correct.mean().item() if len(correct) else float("nan"),
            "completion/length_mean": lengths.mean().item(), "completion/length_max": lengths.max().item(),
            "completion/truncated_frac": truncated.mean().item(), **counters}
-    versions = [c.weight_version for g in batch.groups for c in g.completions]
-    out.update({"rollout/weight_version_min": float(min(versions)), "rollout/weight_version_max": float(max(versions)),
-                "rollout/staleness_max": float(batch.staleness)})
+    versions = [c.versions() for g in batch.groups for c in g.completions]
+    tokens = [v for per in versions for v in per] or [c.weight_version for g in batch.groups for c in g.completions]
+    out.update({"rollout/weight_version_min": float(min(tokens)), "rollout/weight_version_max": float(max(tokens)),
+                "rollout/staleness_max": float(batch.staleness), "rollout/staleness_mean": batch.staleness_mean,
+                "rollout/partial_frac": sum(len(set(per)) > 1 for per in versions) / len(versions)})
     out.update({f"reward/{k}": v for k, v in batch.reward_stats.items() if k != "seconds"})
     return out

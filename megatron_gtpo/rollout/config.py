@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megatron_gtpo.rollout.staleness import MAX_STALENESS
+from megatron_gtpo.rollout.staleness import PARTIAL_MODES
 from megatron_gtpo.utils.configuration import require
 
 
@@ -106,17 +106,28 @@ class RolloutConfig:
     unseeded requests. None (resolved configs of older runs, where it meant "auto"): on."""
 
     staleness: int = 0
-    """One-step-off rollouts: 0 = every step generates with the weights it trains from (on-policy up
-    to the train-inference mismatch); 1 = step k+1's rollouts are generated while step k trains, by
-    the weights step k started from, so every batch after the first is one weight push old (the
-    bound is checked on every completion; megatron_gtpo/rollout/staleness.py). With
-    ``sync.transport: separate`` the rollout servers generate while the trainer trains; colocated
-    engines share the trainer's processes and generate step k+1 before step k trains, one version
-    behind, with no overlap. 1 requires ``algo.mismatch_correction: tis`` (or ``mis``): the loss
-    then weights each token by ``pi_old / pi_sampler`` (truncated or masked), where pi_old is the
-    trainer's policy before the update and pi_sampler the stale engine's, which corrects both the
-    kernel mismatch and the one-version lag (decoupled PPO; algo/importance.py). A resume regenerates
-    the batch that was in flight (that step is on-policy)."""
+    """Most weight pushes a sampled token may be behind the weights that train on it (k >= 0; the
+    bound is checked on every token, megatron_gtpo/rollout/staleness.py). 0: every step generates
+    with the weights it trains from (on-policy up to the train-inference mismatch). k >= 1: the
+    collector keeps the rollout batches of the next k steps submitted while a step trains (step s+k's
+    batch is submitted at step s, by the weights step s starts from), so each batch trains at most k
+    pushes after its sampler. With ``sync.transport: separate`` the rollout servers generate while
+    the trainer trains and pushes; colocated engines share the trainer's processes and devices, so
+    they generate the batches ahead before the step trains, with no overlap (staleness there buys
+    nothing but the lag; use it to reproduce an off-policy schedule). k >= 1 requires
+    ``algo.mismatch_correction: tis`` (or ``mis``): the loss weights each token by ``pi_old /
+    pi_sampler`` from the sampler's own per-token log-probs (decoupled PPO; algo/importance.py). A
+    resume regenerates the batches that were in flight from their recorded prompt cursors and seeds,
+    with the restored weights (those steps are fresher, never staler): every prompt trains once."""
+
+    partial: str = "off"
+    """What a weight push does to the requests still generating on the rollout servers (separate
+    transport, ``staleness`` >= 1): ``off``: the push waits until they finish (a request is sampled
+    by one version); ``abort``: they are aborted and started again from their prompt, same seed, on
+    the new weights; ``continue``: they go on with the new weights (the KV cache of the tokens so far
+    is kept), each token tagged with the version that sampled it (``Completion.token_versions``).
+    With ``staleness`` >= 2 or ``partial`` other than ``off`` the servers take pushes while they
+    generate (in-flight weight updates); a group is always trained with all its completions."""
 
     offload_trainer: bool = False
     """Colocated engines: move Megatron's gradient buffers and optimizer state to host memory while
@@ -145,10 +156,20 @@ class RolloutConfig:
         require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
         require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
         require(self.seed >= 0, "seed", self.seed, "an integer >= 0")
-        require(self.staleness in range(MAX_STALENESS + 1), "staleness", self.staleness,
-                "0 (on-policy) or 1 (one-step-off rollouts)")
+        require(isinstance(self.staleness, int) and self.staleness >= 0, "staleness", self.staleness,
+                "an integer >= 0 (0: on-policy; k: batches sampled at most k weight pushes before they train)")
+        require(self.partial in PARTIAL_MODES, "partial", self.partial, f"one of {', '.join(PARTIAL_MODES)}")
+        require(self.partial == "off" or self.staleness >= 1, "partial", self.partial,
+                f"off with staleness={self.staleness}: on-policy rollouts are never in flight at a weight push, so "
+                f"there is nothing to abort or continue; set rollout.staleness >= 1")
         require("model" not in self.vllm, "vllm.model", self.vllm.get("model"),
                 "unset: the model directory comes from the conversion step")
+
+    def in_flight_pushes(self) -> str | None:
+        """The ``partial`` mode under which rollout servers take weight pushes while they generate
+        (staleness >= 2, or partial rollouts); None: a push waits for the one generate call in flight
+        (staleness <= 1 without partial rollouts)."""
+        return self.partial if self.staleness >= 2 or self.partial != "off" else None
 
     def seeded_requests(self) -> bool:
         """``request_seeds`` resolved (None: on)."""

@@ -67,7 +67,8 @@ def _separate(rollout: RolloutConfig, placement: EnginePlacement, model_dir: str
     pool, error = None, None
     if control.world()[0] == 0:
         try:
-            pool = connect(placement, model_dir=model_dir, vllm=rollout.vllm, seed=rollout.seed)
+            pool = connect(placement, model_dir=model_dir, vllm=rollout.vllm, seed=rollout.seed,
+                           partial=rollout.in_flight_pushes())
         except Exception as err:  # noqa: BLE001 - every rank raises it below
             error = f"{type(err).__name__}: {err}"
     error = control.broadcast_data(error)

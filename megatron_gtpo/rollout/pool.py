@@ -13,9 +13,16 @@
   step's prompts are split into contiguous, balanced runs of whole prompts (a prompt's n samples
   are one group and stay on one server); every prompt keeps the seed it has in the whole batch and
   the results come back in prompt order, so the completions are what one engine would have made.
-  ``submit`` sends a call and returns (the servers generate while the trainer trains: one-step-off
-  rollouts); ``wait`` collects it. One call is in flight at most; any later request (another
-  call, a weight push) first waits for it, so a server never changes weights mid-generation.
+  ``submit`` sends a call and returns (the servers generate while the trainer trains: off-policy
+  rollouts); ``wait`` collects it. Two ways, chosen by ``rollout.in_flight_pushes()``:
+
+  - one call in flight (``rollout.staleness`` <= 1, no partial rollouts): the ``generate`` request;
+    any later request (another call, a weight push) first waits for its answer (``drain``), so a
+    server never changes weights mid-generation;
+  - calls in flight across pushes (``staleness`` >= 2 or ``rollout.partial``): each call is a
+    ``submit`` job (answered at once) and a ``fetch`` of its completions when ``wait`` needs them;
+    the servers keep generating while weights are pushed and apply the job's ``partial`` mode at
+    each commit (rollout/inflight.py), tagging every token with the version that sampled it.
 
 The pool is also the :class:`~megatron_gtpo.rollout.protocol.ServerPool` the weight sync
 (``sync/separate.py``) drives, and nothing else of this module::
@@ -141,8 +148,13 @@ class ServerLink:
     def submit_generate(self, prompts: Sequence[Prompt], seeds: Sequence[int], sampling: Sampling) -> None:
         self.send("generate", *msg.encode_generate(prompts, seeds, sampling))
 
+    def submit_job(self, job: int, partial: str, prompts: Sequence[Prompt], seeds: Sequence[int],
+                   sampling: Sampling) -> None:
+        """Starts generation job ``job`` on the server (answered at once: it generates in the background)."""
+        self.call("submit", *msg.encode_submit(job, partial, prompts, seeds, sampling))
+
     def generated(self, prompts: Sequence[Prompt]) -> tuple[int, list[Completion]]:
-        """The answer to :meth:`submit_generate` of ``prompts``: (served version, completions)."""
+        """The answer to :meth:`submit_generate` (or a ``fetch``) of ``prompts``: (served version, completions)."""
         result, blobs = self.recv()
         try:
             check(result, msg.GENERATE_REPLY, "generate answer")
@@ -223,15 +235,21 @@ class PoolTicket:
     prompts: list[Prompt]
     """The whole call's prompts."""
     completions: list[Completion] | None = None
-    """Filled once every server answered (``drain``)."""
+    """Filled once every server answered (``drain``, or ``wait`` of a job)."""
+    job: int | None = None
+    """The servers' job id (calls in flight across pushes); None for a ``generate`` call."""
 
 
 class RolloutPool:
     """Rank 0's engine API over every server (see the module docstring)."""
 
     def __init__(self, links: list[ServerLink], *, model_dir: str, local: LocalServers | None = None,
-                 secret_path: Path | None = None):
+                 secret_path: Path | None = None, partial: str | None = None):
         self.links, self._model_dir, self._local = links, model_dir, local
+        self.partial = partial
+        """What a push does to the servers' jobs (``rollout.partial``); None: one ``generate`` call in
+        flight, which a push waits for (module docstring)."""
+        self._jobs = 0
         self.secret_path = secret_path
         """The job-secret file the servers were started with (the senders read it too)."""
         self.prompts_served = {link.address: 0 for link in links}
@@ -250,7 +268,9 @@ class RolloutPool:
     def submit(self, prompts: Sequence[Prompt], *, seeds: Sequence[int], sampling: Sampling) -> PoolTicket:
         """Sends one generate call to the servers and returns at once; they generate in the background.
         A server answers one request at a time, in order, so any earlier call still in flight is
-        received first (:meth:`drain`)."""
+        received first (:meth:`drain`). With calls in flight across pushes: a job on every server."""
+        if self.partial is not None:
+            return self._submit_job(prompts, seeds=seeds, sampling=sampling)
         self.drain()
         runs = balanced_runs(len(prompts), len(self.links))
         for link, (lo, hi) in zip(self.links, runs):
@@ -260,10 +280,21 @@ class RolloutPool:
         self._in_flight = PoolTicket(runs=runs, prompts=list(prompts))
         return self._in_flight
 
+    def _submit_job(self, prompts: Sequence[Prompt], *, seeds: Sequence[int], sampling: Sampling) -> PoolTicket:
+        self._jobs += 1
+        runs = balanced_runs(len(prompts), len(self.links))
+        for link, (lo, hi) in zip(self.links, runs):
+            if hi > lo:
+                link.submit_job(self._jobs, self.partial, prompts[lo:hi], seeds[lo:hi], sampling)
+                self.prompts_served[link.address] += hi - lo
+        return PoolTicket(runs=runs, prompts=list(prompts), job=self._jobs)
+
     def wait(self, ticket: PoolTicket) -> list[Completion]:
         """The completions of ``ticket``'s call, in prompt order (waits for them if still in flight)."""
         if ticket is self._in_flight:
             self.drain()
+        if ticket.job is not None and ticket.completions is None:
+            self._fetch(ticket)
         if ticket.completions is None:
             raise ServerError("this generate call failed or was dropped when the pool closed")
         return ticket.completions
@@ -285,6 +316,18 @@ class RolloutPool:
                 out += part
         if len(set(versions.values())) > 1:
             raise ServerError(f"rollout servers serve different weight versions: {versions}")
+        ticket.completions = out
+
+    def _fetch(self, ticket: PoolTicket) -> None:
+        """A job's completions from every server it ran on (asked of all before any answer is read)."""
+        busy = [(link, lo, hi) for link, (lo, hi) in zip(self.links, ticket.runs) if hi > lo]
+        for link, _, _ in busy:
+            link.send("fetch", {"job": ticket.job})
+        out = []
+        for link, lo, hi in busy:
+            for c in link.generated(ticket.prompts[lo:hi])[1]:
+                c.prompt_index += lo
+                out.append(c)
         ticket.completions = out
 
     # ------------------------------------------------------------------ ServerPool (the weight sync's interface)
@@ -357,8 +400,10 @@ def balanced_runs(num_prompts: int, servers: int) -> list[tuple[int, int]]:
     return runs
 
 
-def connect(sync: EnginePlacement, *, model_dir: str, vllm: dict, seed: int) -> RolloutPool:
-    """Rank 0: reaches (or starts) the servers and waits until every one is ready."""
+def connect(sync: EnginePlacement, *, model_dir: str, vllm: dict, seed: int, partial: str | None = None
+            ) -> RolloutPool:
+    """Rank 0: reaches (or starts) the servers and waits until every one is ready. ``partial``:
+    ``rollout.in_flight_pushes()`` (the pool's ``partial``)."""
     addresses, local = server_addresses(sync), None
     if addresses is None:
         local = LocalServers(sync.local_servers, model_dir=model_dir, vllm=vllm, seed=seed)
@@ -374,5 +419,5 @@ def connect(sync: EnginePlacement, *, model_dir: str, vllm: dict, seed: int) -> 
         if local is not None:
             local.stop()
         raise
-    return RolloutPool(links, model_dir=model_dir, local=local, secret_path=path)
+    return RolloutPool(links, model_dir=model_dir, local=local, secret_path=path, partial=partial)
 

@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 from megatron_gtpo.parallel.control import broadcast_data
+from megatron_gtpo.rollout.staleness import version_spans
 from megatron_gtpo.tracking.guards import RegimeGuards
 from megatron_gtpo.tracking.tracker import Tracker
 from megatron_gtpo.utils.atomic import write_text_atomic
@@ -171,12 +172,14 @@ def eta(step_times: list[float], remaining: int) -> str:
 
 
 def sample_table(groups, *, limit: int) -> list[dict]:
-    """Rows of prompt / completion / reward / correct for the sample-completions artifact."""
+    """Rows of prompt (text, id) / completion / reward / correct / the weight versions that sampled its
+    tokens (``[[version, tokens], ...]``) for the sample-completions artifact."""
     rows = []
     for g in groups:
         for c, r, ok in zip(g.completions, g.rewards, g.correct or [None] * len(g.rewards)):
-            rows.append({"prompt": g.prompt.text[-500:], "completion": c.text, "reward": r, "correct": ok,
-                         "tokens": len(c.token_ids), "finish_reason": c.finish_reason})
+            rows.append({"prompt": g.prompt.text[-500:], "prompt_id": g.prompt.uid, "completion": c.text, "reward": r,
+                         "correct": ok, "tokens": len(c.token_ids), "finish_reason": c.finish_reason,
+                         "token_versions": version_spans(c.versions())})
             if len(rows) >= limit:
                 return rows
     return rows

@@ -1,7 +1,9 @@
-"""One-step-off rollouts (``rollout.staleness``): the version bookkeeping of rollout/staleness.py, the
-collector's schedule (rollout/collector.py) under a simulated driver loop, the prompt cursor a
-checkpoint saves, the config rule, and the pool's background generation against a serial stand-in
-for a rollout server (the weight push waits for the generate call in flight)."""
+"""Off-policy rollouts (``rollout.staleness`` = k, ``rollout.partial``): the version bookkeeping of
+rollout/staleness.py (per token), the collector's schedule (rollout/collector.py) under a simulated
+driver loop at k = 1 and 2, the prompt cursor a checkpoint saves and what a resume trains (every
+prompt once, at the step the uninterrupted run trains it), the config rules, and the pool against a
+serial stand-in for a rollout server: one generate call in flight that a push waits for, or jobs
+that generate across pushes."""
 
 from __future__ import annotations
 
@@ -71,14 +73,42 @@ def test_check_tags_and_bound_name_the_step_and_versions():
     tagged = lambda version: Completion(prompt_index=0, prompt_token_ids=[1], token_ids=[2], logprobs=[0.0],  # noqa: E731
                                         weight_version=version)
     v.check_tags([tagged(2), tagged(2)], expected=2, step=3)
-    with pytest.raises(StalenessError, match=r"step 3: completions generated while the engines served weight "
-                                             r"version 2 are tagged \[1\]"):
+    with pytest.raises(StalenessError, match=r"step 3: a completion generated from weight version 2 on \(pushed since: "
+                                             r"\[2\]\) carries token versions v1 x1"):
         v.check_tags([tagged(2), tagged(1)], expected=2, step=3)
-    assert v.check_bound([tagged(2), tagged(1)], step=3) == 1
-    assert v.check_bound([], step=3) == 0
-    with pytest.raises(StalenessError, match=r"step 3: trains the weights of version 2 on completions of version 0, "
+    assert v.check_bound([tagged(2), tagged(1)], step=3) == (1, 0.5)
+    assert v.check_bound([], step=3) == (0, 0.0)
+    with pytest.raises(StalenessError, match=r"step 3: trains the weights of version 2 on tokens of version 0, "
                                              r"2 weight pushes old; rollout.staleness=1 allows at most 1"):
         v.check_bound([tagged(0), tagged(2)], step=3)
+
+
+def spanning(*spans, weight_version=None):
+    """A completion whose tokens were sampled by the versions of ``spans`` ((version, tokens), ...)."""
+    versions = [v for v, n in spans for _ in range(n)]
+    return Completion(prompt_index=0, prompt_token_ids=[1], token_ids=[5] * len(versions),
+                      logprobs=[0.0] * len(versions), token_versions=versions,
+                      weight_version=versions[0] if weight_version is None else weight_version)
+
+
+def test_per_token_versions_of_continued_requests_are_checked_token_by_token():
+    v = PolicyVersions(bound=2, history=[0, 1, 2, 3])
+    v.check_tags([spanning((1, 3), (2, 2), (3, 1)), spanning((3, 4))], expected=1, step=4)
+    assert v.check_bound([spanning((1, 3), (2, 2), (3, 1))], step=4) == (2, pytest.approx((3 * 2 + 2 * 1) / 6))
+    for bad, why in [(spanning((2, 1), (1, 1)), "v2 x1, v1 x1"),       # decreasing along the completion
+                     (spanning((1, 1), (5, 1)), "v1 x1, v5 x1"),       # a version never pushed
+                     (spanning((0, 2)), "v0 x2"),                      # older than the call
+                     (spanning((1, 2), weight_version=2), "v1 x2")]:   # weight_version is not the first token's
+        with pytest.raises(StalenessError, match=why):
+            v.check_tags([bad], expected=1, step=4)
+    with pytest.raises(StalenessError, match="on tokens of version 0, 3 weight pushes old"):
+        v.check_bound([spanning((3, 5), (3, 1)), spanning((0, 1), (3, 1))], step=4)
+    batch = SimpleNamespace(groups=[SimpleNamespace(completions=[spanning((1, 3), (2, 1)), spanning((2, 4))],
+                                                    rewards=[1.0, 0.0], correct=[True, False])],
+                            tries=1, dropped_groups=0, staleness=1, staleness_mean=0.375, reward_stats={})
+    m = rollout_metrics(batch)
+    assert (m["rollout/weight_version_min"], m["rollout/weight_version_max"], m["rollout/partial_frac"],
+            m["rollout/staleness_mean"]) == (1, 2, 0.5, 0.375)
 
 
 def test_expected_versions():
@@ -95,8 +125,20 @@ def test_staleness_needs_an_importance_correction():
     with pytest.raises(ConfigError, match=r"rollout.staleness=1 with algo.mismatch_correction='none' is not allowed.*"
                                           r"set algo.mismatch_correction=tis"):
         load_config(None, ["rollout.staleness=1"])
-    with pytest.raises(ConfigError, match=r"rollout.staleness=2 is not allowed: expected 0 \(on-policy\) or 1"):
-        load_config(None, ["rollout.staleness=2", "algo.mismatch_correction=tis"])
+    with pytest.raises(ConfigError, match=r"rollout.staleness=-1 is not allowed: expected an integer >= 0"):
+        load_config(None, ["rollout.staleness=-1", "algo.mismatch_correction=tis"])
+    assert load_config(None, ["rollout.staleness=3", "algo.mismatch_correction=tis"]).rollout.in_flight_pushes() == "off"
+    with pytest.raises(ConfigError, match=r"rollout.partial='sometimes' is not allowed: expected one of off, abort"):
+        load_config(None, ["rollout.partial=sometimes"])
+    with pytest.raises(ConfigError, match=r"rollout.partial='continue' is not allowed: expected off with staleness=0"):
+        load_config(None, ["rollout.partial=continue", "sync.transport=separate"])
+    with pytest.raises(ConfigError, match=r"rollout.partial=abort is not allowed with sync.transport=colocated.*"
+                                          r"set rollout.partial=off, or sync.transport=separate"):
+        load_config(None, ["rollout.partial=abort", "rollout.staleness=1", "algo.mismatch_correction=tis"])
+    cfg = load_config(None, ["rollout.partial=continue", "rollout.staleness=1", "algo.mismatch_correction=tis",
+                             "sync.transport=separate"])
+    assert cfg.rollout.in_flight_pushes() == "continue"
+    assert load_config(None, ["rollout.staleness=1", "algo.mismatch_correction=tis"]).rollout.in_flight_pushes() is None
     cfg = load_config(None, ["rollout.staleness=1", "algo.mismatch_correction=mis"])
     assert cfg.rollout.staleness == 1
 
@@ -115,7 +157,7 @@ def test_one_step_off_trains_the_same_prompts_and_seeds_one_version_behind():
     assert [b.staleness for b in off_batches] == [0, 1, 1, 1, 1]
     m = rollout_metrics(off_batches[3])
     assert (m["rollout/weight_version_min"], m["rollout/weight_version_max"], m["rollout/staleness_max"]) == (2, 2, 1)
-    assert off._ahead is None and len(off_engines.seeds) == 5  # nothing generated beyond the last step
+    assert not off._ahead and len(off_engines.seeds) == 5  # nothing generated beyond the last step
 
 
 def test_more_than_one_push_behind_raises():
@@ -129,15 +171,15 @@ def test_a_push_that_did_not_reach_the_engines_is_caught_by_the_tags():
     c.pushed(0)
     c.collect(1, prompts_per_step=2)
     c.pushed(1)  # the driver pushed version 1, the engines still serve 0
-    with pytest.raises(StalenessError, match=r"step 2: completions generated while the engines served weight "
-                                             r"version 1 are tagged \[0\]"):
+    with pytest.raises(StalenessError, match=r"step 2: a completion generated from weight version 1 on .* carries "
+                                             r"token versions v0 x1"):
         c.collect(2, prompts_per_step=2)
 
 
 def test_collecting_out_of_order_while_a_batch_is_in_flight_raises():
     c, engines = collector(MIXED, off_policy=OffPolicy(staleness=1))
     c.collect(1, prompts_per_step=2)
-    with pytest.raises(RuntimeError, match=r"collect\(3\) called while the rollout batch of step 2 is in flight"):
+    with pytest.raises(RuntimeError, match=r"collect\(3\) called while the rollout batch of step 2 is the next in flight"):
         c.collect(3, prompts_per_step=2)
 
 
@@ -145,8 +187,9 @@ def test_checkpoint_cursor_leaves_out_the_batch_in_flight_and_a_resume_regenerat
     full, full_engines = collector(MIXED, off_policy=OffPolicy(staleness=1))
     batches = drive(full, full_engines, 2)
     saved = full.cursor.state_dict()  # what a checkpoint of step 2 holds; step 3's batch is in flight
-    assert full._ahead is not None and full._ahead.step == 3
-    assert saved["position"] == 4 and full.dataset.position == 6  # step 3's prompts are not in the cursor
+    assert [a.step for a in full._ahead] == [3]
+    assert saved["stream"]["position"] == 6 and full.dataset.position == 6  # the stream is past step 3's prompts
+    assert [(r["step"], r["cursor"]["position"], r["prompts"]) for r in saved["in_flight"]] == [(3, 4, 2)]
     step3 = full.collect(3, prompts_per_step=2)
     resumed, engines = collector(MIXED, off_policy=OffPolicy(staleness=1))
     resumed.cursor.load_state_dict(saved)
