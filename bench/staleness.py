@@ -1,15 +1,22 @@
-"""Step time of one-step-off rollouts: configs/tiny.yaml with ``rollout.staleness`` 0 and 1, same transport,
-one run after the other in the same invocation (same machine load window).
+"""Asynchronous rollouts on a pool of rollout servers: trainer idle share and end-to-end tokens/s at
+``rollout.staleness`` k = 0, 1, 2 and with partial rollouts, as ratios to k = 0 in one invocation.
 
-    python bench/staleness.py [--transport separate|colocated] [--steps 10] [--out /tmp/bench_staleness]
-    python bench/staleness.py --quick [--out DIR]    # colocated, 2 steps each (the suite's smoke run)
+    python bench/staleness.py [--steps 8] [--max-tokens 384] [--rows 0:off,1:off,2:off,2:continue,2:abort]
+    python bench/staleness.py --quick [--out DIR]    # 2 rows x 3 steps at 48 tokens (the suite's smoke run)
 
-Prints, per staleness, the median over steps 2..N (step 1 includes the engines' warm-up) of
-``time/step_s`` and of its stages (``time/rollout_s``: what the step waited for generation,
-``time/train_s``, ``time/sync_s``: the push, which with staleness 1 on a pool includes waiting for
-the generate call in flight), then one JSON line per run. With staleness 1 the runs use
-``algo.mismatch_correction=tis`` (required); the staleness-0 run uses it too, so that the two differ
-only in the schedule.
+The workload is ``configs/tiny.yaml`` with one local rollout server (``sync.transport=separate``) and
+completions of up to ``--max-tokens``: the tiny random policy stops with probability ~1/128 per token,
+so its lengths are geometric, a long tail of a few completions running to the cap while most ended
+long before (the tail that partial rollouts cut). The trainer runs at TP=1 on core 0 and the server
+on core 1 (``taskset``, ``VLLM_CPU_OMP_THREADS_BIND``, one thread each): a stand-in for rollout
+servers on their own devices, which 2 cores shared by both would not be (the 2026-12-01 run of this
+bench measured that: no gain). Every run uses ``algo.mismatch_correction=tis`` (required off-policy),
+so the rows differ only in the schedule.
+
+Per row, over steps 2..N (step 1 includes the engines' warm-up): the trainer's idle share
+``1 - sum(time/train_s) / sum(time/step_s)`` (the share of wall time it waits for generation or a
+push), tokens/s = completion tokens trained / wall time, the staleness actually seen
+(``rollout/staleness_mean``, ``rollout/partial_frac``), then one JSON line per row.
 """
 
 from __future__ import annotations
@@ -18,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 
@@ -26,44 +32,72 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # this checkout
 from bench.quick import parse_quick  # noqa: E402
 
-QUICK = {"transport": "colocated", "steps": 2}
-KEYS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s")
+QUICK = {"steps": 3, "max_tokens": 48, "rows": "0:off,2:continue"}
+SUMMED = ("time/step_s", "time/train_s", "time/rollout_s", "time/sync_s")
+MEANS = ("rollout/staleness_mean", "rollout/staleness_max", "rollout/partial_frac", "completion/length_mean",
+         "completion/truncated_frac")
 
 
-def run(out: str, *, staleness: int, transport: str, steps: int) -> dict[str, float]:
+def parse_rows(text: str) -> list[tuple[int, str]]:
+    rows = []
+    for item in text.split(","):
+        k, _, partial = item.partition(":")
+        rows.append((int(k), partial or "off"))
+    if not rows or rows[0] != (0, "off"):
+        raise SystemExit("--rows must start with the baseline 0:off (the ratios are against it)")
+    return rows
+
+
+def run(out: str, *, staleness: int, partial: str, steps: int, max_tokens: int) -> dict[str, float]:
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "megatron_gtpo.cli", "train", os.path.join(REPO, "configs", "tiny.yaml"),
-           "--output-dir", out, "--steps", str(steps), f"rollout.staleness={staleness}",
-           "algo.mismatch_correction=tis", f"sync.transport={transport}", f"train.checkpoint_every={steps}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    cmd = ["taskset", "-c", "0", sys.executable, "-m", "megatron_gtpo.cli", "train",
+           os.path.join(REPO, "configs", "tiny.yaml"), "--output-dir", out, "--steps", str(steps),
+           f"rollout.staleness={staleness}", f"rollout.partial={partial}", "algo.mismatch_correction=tis",
+           "sync.transport=separate", "parallel.tp=1", "rollout.n=4", f"rollout.max_tokens={max_tokens}",
+           f"rollout.vllm.max_model_len={256 + max_tokens + 64}", "train.prompts_per_step=4",
+           f"train.checkpoint_every={steps}", "tracking.samples_every=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     if proc.returncode:
         sys.exit(f"run failed ({' '.join(cmd)}):\n{(proc.stdout + proc.stderr)[-4000:]}")
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{os.path.join(out, 'mlflow.db')}")
     run_id = open(os.path.join(out, "run_id")).read().strip()
-    medians = {}
-    for key in KEYS:
-        points = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
-        medians[key] = statistics.median(v for step, v in points if step >= 2)
-    return medians
+    series = {key: dict(sorted((m.step, m.value) for m in client.get_metric_history(run_id, key)))
+              for key in (*SUMMED, *MEANS, "rollout/groups")}
+    later = [s for s in series["time/step_s"] if s >= 2]
+    row = {key: sum(series[key][s] for s in later) for key in SUMMED}
+    row.update({key: sum(series[key].get(s, 0.0) for s in later) / len(later) for key in MEANS})
+    tokens = sum(series["completion/length_mean"][s] * series["rollout/groups"][s] * 4 for s in later)  # n = 4
+    row["idle_share"] = 1 - row["time/train_s"] / row["time/step_s"]
+    row["tokens_per_s"] = tokens / row["time/step_s"]
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transport", default="separate", choices=("separate", "colocated"))
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=384)
+    parser.add_argument("--rows", default="0:off,1:off,2:off,2:continue,2:abort",
+                        help="comma-separated k:partial runs, the first 0:off (the baseline)")
     parser.add_argument("--out", default="/tmp/bench_staleness")
     args = parse_quick(parser, argv, QUICK)
-    rows = {s: run(os.path.join(args.out, f"s{s}"), staleness=s, transport=args.transport, steps=args.steps)
-            for s in (0, 1)}
-    print(f"tiny.yaml, {args.transport}, median of steps 2..{args.steps} (s)")
-    print("staleness | " + " | ".join(KEYS))
-    for s, row in rows.items():
-        print(f"{s} | " + " | ".join(f"{row[k]:.3f}" for k in KEYS))
-    print(f"step time ratio staleness 1 / 0: {rows[1]['time/step_s'] / rows[0]['time/step_s']:.2f}")
-    for s, row in rows.items():
-        print(json.dumps({"staleness": s, "transport": args.transport, "steps": args.steps, **row}))
+    if shutil.which("taskset") is None:
+        sys.exit("taskset (util-linux) is needed to give the trainer and the server a core each")
+    rows = {(k, p): run(os.path.join(args.out, f"k{k}-{p}"), staleness=k, partial=p, steps=args.steps,
+                        max_tokens=args.max_tokens) for k, p in parse_rows(args.rows)}
+    base = rows[(0, "off")]
+    print(f"tiny.yaml on a pool of 1 server, max_tokens {args.max_tokens}, steps 2..{args.steps}")
+    print("k | partial | idle share | tokens/s | x k=0 | step s | rollout s | sync s | staleness mean | partial frac")
+    for (k, p), r in rows.items():
+        print(f"{k} | {p} | {r['idle_share']:.2f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}"
+              f" | {r['time/step_s'] / (args.steps - 1):.2f} | {r['time/rollout_s'] / (args.steps - 1):.2f}"
+              f" | {r['time/sync_s'] / (args.steps - 1):.2f} | {r['rollout/staleness_mean']:.2f}"
+              f" | {r['rollout/partial_frac']:.2f}")
+    for (k, p), r in rows.items():
+        print(json.dumps({"staleness": k, "partial": p, "steps": args.steps, "max_tokens": args.max_tokens,
+                          "tokens_per_s_vs_k0": r["tokens_per_s"] / base["tokens_per_s"], **r}))
 
 
 if __name__ == "__main__":

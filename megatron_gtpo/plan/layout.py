@@ -72,6 +72,10 @@ class Layout:
     """Sequences per step: prompts * completions per prompt."""
     sequences_per_engine: int
     """Sequences one engine generates per step (the largest share)."""
+    sequences_in_flight: int = 0
+    """Sequences an engine may hold at once: its share of one step, times k for rollout servers
+    with ``rollout.staleness`` k >= 1 (the batches of the next k steps generate together); colocated
+    engines generate one batch at a time. 0: ``sequences_per_engine``."""
     micro_batch_size: int
     """Sequences per padded micro-batch; 1 when packing (``LayoutRequest.rows_per_micro_batch``)."""
     microbatches: int
@@ -121,6 +125,8 @@ class LayoutRequest:
     ``separate`` the number of rollout servers, one per rollout node (``ROLLOUT_NODES``)."""
     prompts_per_step: int = 1
     """train.prompts_per_step"""
+    staleness: int = 0
+    """rollout.staleness: rollout servers hold the batches of this many later steps at once."""
     group_size: int = 8
     """rollout.n"""
     rows_per_micro_batch: int = 1
@@ -189,6 +195,8 @@ def plan_layout(req: LayoutRequest) -> Layout:
         etp=req.etp,
         dp=dp, layers_per_stage=shape.layers // pp, rollout_tp=req.rollout_tp, engines=engines, sequences=sequences,
         sequences_per_engine=math.ceil(sequences / engines), micro_batch_size=req.rows_per_micro_batch,
+        sequences_in_flight=math.ceil(sequences / engines) * (max(req.staleness, 1) if req.placement == "separate"
+                                                              else 1),
         microbatches=microbatches, seq_len=seq_len, warnings=warnings, cp=cp)
 
 

@@ -44,7 +44,7 @@ def recipe_request(cfg: Any, *, shape: ModelShape, nodes: int, gpus_per_node: in
         vpp=cfg.parallel.vpp, dp=cfg.parallel.dp, placement=cfg.sync.transport,
         rollout_tp=int(vllm.get("tensor_parallel_size", 1)),
         engines=rollout_nodes if cfg.sync.transport == "separate" else None,
-        prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.n,
+        prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.n, staleness=cfg.rollout.staleness,
         rows_per_micro_batch=cfg.train.rows_per_micro_batch, max_prompt_tokens=cfg.data.max_prompt_tokens,
         max_completion_tokens=cfg.rollout.max_tokens, cp=cfg.parallel.cp,
         cp_comm_type=cfg.model.megatron.get("cp_comm_type"), ep=cfg.parallel.ep, etp=cfg.parallel.etp)

@@ -111,6 +111,19 @@ def test_separate_placement_gives_each_rollout_server_a_node_of_its_own():
     assert (lay.trainer_nodes, lay.rollout_nodes, lay.engines, lay.sequences_per_engine) == (2, 2, 2, 256)
 
 
+def test_rollout_servers_hold_the_batches_of_k_steps_and_their_kv_cache_counts_them():
+    pool = {**LLAMA_2X8, "nodes": 4, "placement": "separate", "engines": 2, "rollout_tp": 8}
+    on, off = plan_layout(**pool), plan_layout(**{**pool, "staleness": 3})
+    assert (on.sequences_in_flight, off.sequences_in_flight) == (256, 3 * 256)
+    sizes = MemorySizes(distributed_optimizer=True)
+    assert estimate_memory(LLAMA, off, sizes).kv_needed == 3 * estimate_memory(LLAMA, on, sizes).kv_needed
+    tight = MemorySizes(distributed_optimizer=True, kv_cache_bytes=estimate_memory(LLAMA, on, sizes).kv_needed)
+    assert check_memory(estimate_memory(LLAMA, on, tight), on)[1] == []
+    assert any("KV cache for all 768 sequences" in w for w in check_memory(estimate_memory(LLAMA, off, tight), off)[1])
+    # colocated engines generate the batches ahead one at a time
+    assert plan_layout(**{**LLAMA_2X8, "staleness": 3}).sequences_in_flight == plan_layout(**LLAMA_2X8).sequences_per_engine
+
+
 def test_vllm_replicates_kv_heads_beyond_their_count():
     shape = shape_from_hf_config({"model_type": "qwen2", "num_attention_heads": 8, "num_key_value_heads": 2,
                                   "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
