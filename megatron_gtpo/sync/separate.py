@@ -1,8 +1,10 @@
 """Separate transport: weights go from the trainer ranks that own them straight to every rollout server.
 
     every rank    the push plan: buckets of whole parameters of one pipeline stage (shards.plan_buckets)
-    rank 0        waits for a generate call in flight (``rollout.staleness: 1``): it finishes on the
-                  weights it started with, then the push begins (a server serves one version at a time)
+    rank 0        waits for a generate call in flight (``rollout.staleness: 1`` without partial
+                  rollouts): it finishes on the weights it started with, then the push begins; jobs
+                  (``staleness`` >= 2 or ``rollout.partial``) are not waited for: each server pauses
+                  its generation for the commit and applies the job's partial mode (rollout/inflight.py)
     rank 0        ``plan`` to every server: the whole push checked before any byte moves
     senders       TP rank 0 of the first weight copy (DP x CP rank 0) of each stage gathers its stage's buckets one at a time
                   into one reused buffer and sends each bucket **once per server**, to the server's
@@ -110,8 +112,9 @@ class PoolSync(WeightSync):
         return timer.stats(version=version, num_tensors=len(metas), num_bytes=push_bytes(metas))
 
     def _finish_generation(self) -> dict[str, str]:
-        """Rank 0: waits for a generate call in flight (one-step-off rollouts), which thus ends on the
-        weights it started with; its failure, by address (the push is then refused everywhere)."""
+        """Rank 0: waits for a generate call in flight (one-step-off rollouts without partial
+        rollouts), which thus ends on the weights it started with; its failure, by address (the push
+        is then refused everywhere). A pool of jobs has none: they go on across the push."""
         try:
             if self._pool is not None:
                 self._pool.drain()

