@@ -32,7 +32,7 @@ from megatron_gtpo.models.shape import ModelShape, load_model_shape
 from megatron_gtpo.plan.checkpoint_cost import checkpoint_cost, checkpoint_warnings
 from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem
 from megatron_gtpo.plan.layout import Layout, LayoutError, LayoutRequest, plan_layout
-from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, in_flight_sequences, \
+from megatron_gtpo.plan.memory import GIB, MemoryEstimate, MemorySizes, check_memory, estimate_memory, \
     expert_data_parallel, in_flight, micro_batch_dims, optimizer_bytes_per_param, push_bytes
 from megatron_gtpo.plan.recipe import recipe_request
 from megatron_gtpo.tracking.perf import TrainWork, known_peak, precision_of
@@ -283,7 +283,7 @@ def _memory_lines(mem: MemoryEstimate, lay: Layout, sizes: MemorySizes) -> list[
         ("push buffers", mem.push, f"{held} + one gathered tensor"),
         ("= push phase", mem.push_phase, "trainer + engine weights + push" if mem.colocated else "trainer + push"),
         (f"rollout weights ({_dtype(sizes.rollout_bytes)}, TP={lay.rollout_tp})", mem.rollout_weights, ""),
-        (f"KV cache ({in_flight_sequences(lay)} seqs x {lay.seq_len} tokens)", mem.kv_needed,
+        (f"KV cache ({lay.sequences_in_flight} seqs x {lay.seq_len} tokens)", mem.kv_needed,
          f"{mem.kv_cache / GIB:.1f} GiB " + ("set: rollout.vllm.kv_cache_memory_bytes" if mem.kv_cache_bytes is not None
                                              else "free for KV")),
         ("vLLM share", mem.engine_share, util),

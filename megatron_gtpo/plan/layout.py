@@ -72,10 +72,10 @@ class Layout:
     """Sequences per step: prompts * completions per prompt."""
     sequences_per_engine: int
     """Sequences one engine generates per step (the largest share)."""
-    sequences_in_flight: int = 0
-    """Sequences an engine may hold at once: its share of one step, times k for rollout servers
-    with ``rollout.staleness`` k >= 1 (the batches of the next k steps generate together); colocated
-    engines generate one batch at a time. 0: ``sequences_per_engine``."""
+    sequences_in_flight: int
+    """Sequences an engine may hold at once (what its KV cache is sized for): its share of one step,
+    times k for rollout servers with ``rollout.staleness`` k >= 1 (the batches of the next k steps
+    generate together); colocated engines generate one batch at a time."""
     micro_batch_size: int
     """Sequences per padded micro-batch; 1 when packing (``LayoutRequest.rows_per_micro_batch``)."""
     microbatches: int

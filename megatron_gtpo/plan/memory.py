@@ -407,15 +407,10 @@ def estimate_memory(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> Me
         grads=trainable * sizes.grad_bytes, optimizer=opt, reference=reference, logits=logits,
         activations=activation_bytes(shape, layout, sizes), push=push,
         host_staging=0 if colocated else push_bytes(shape, sizes), rollout_weights=rollout_weights,
-        kv_per_sequence=kv_sequence, kv_needed=in_flight_sequences(layout) * kv_sequence,
+        kv_per_sequence=kv_sequence, kv_needed=layout.sequences_in_flight * kv_sequence,
         kv_cache_bytes=sizes.kv_cache_bytes, gpu=gpu, gpu_memory_utilization=util,
         planned=sizes.gpu_memory_utilization is None, offload_trainer=sizes.offload_trainer, colocated=colocated,
         expert_weights=stage_expert_params(shape, layout) * sizes.param_bytes)
-
-
-def in_flight_sequences(layout: Layout) -> int:
-    """Sequences one engine may hold at once (``Layout.sequences_in_flight``; its KV cache's need)."""
-    return layout.sequences_in_flight or layout.sequences_per_engine
 
 
 def check_memory(mem: MemoryEstimate, layout: Layout) -> tuple[list[str], list[str]]:
@@ -432,7 +427,7 @@ def check_memory(mem: MemoryEstimate, layout: Layout) -> tuple[list[str], list[s
                         f"gpu_memory_utilization={mem.gpu_memory_utilization} x {gib(mem.gpu)} GiB: raise "
                         f"rollout.vllm.tensor_parallel_size" + _offload_hint(mem))
     elif mem.kv_needed > mem.kv_cache:
-        warnings.append(f"KV cache for all {in_flight_sequences(layout)} sequences of an engine at full length "
+        warnings.append(f"KV cache for all {layout.sequences_in_flight} sequences of an engine at full length "
                         f"needs {gib(mem.kv_needed)} GiB per GPU, {gib(mem.kv_cache)} GiB available: vLLM "
                         f"runs about {mem.concurrent_sequences} at once and queues the rest")
     if mem.colocated and mem.trainer_resident + mem.engine_share > usable:
