@@ -120,7 +120,7 @@ class RolloutConfig:
     resume regenerates the batches that were in flight from their recorded prompt cursors and seeds,
     with the restored weights (those steps are fresher, never staler): every prompt trains once."""
 
-    partial: str = "off"
+    partial: Literal["off", "abort", "continue"] = "off"
     """What a weight push does to the requests still generating on the rollout servers (separate
     transport, ``staleness`` >= 1): ``off``: the push waits until they finish (a request is sampled
     by one version); ``abort``: they are aborted and started again from their prompt, same seed, on
@@ -159,6 +159,7 @@ class RolloutConfig:
         require(isinstance(self.staleness, int) and self.staleness >= 0, "staleness", self.staleness,
                 "an integer >= 0 (0: on-policy; k: batches sampled at most k weight pushes before they train)")
         require(self.partial in PARTIAL_MODES, "partial", self.partial, f"one of {', '.join(PARTIAL_MODES)}")
+        # PARTIAL_MODES is the Literal's list (a unit test keeps them equal)
         require(self.partial == "off" or self.staleness >= 1, "partial", self.partial,
                 f"off with staleness={self.staleness}: on-policy rollouts are never in flight at a weight push, so "
                 f"there is nothing to abort or continue; set rollout.staleness >= 1")

@@ -138,6 +138,8 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
         kinds = " or ".join(_describe(a) for a in args if a is not type(None))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{path}={value!r} is not allowed: expected {kinds}")
     if origin is Literal:
+        if isinstance(value, bool) and ("off" if value is False else "on") in args:
+            value = "off" if value is False else "on"  # YAML 1.1 reads a bare off / on as a boolean
         require_choice(value, args, path)
         return value
     if dataclasses.is_dataclass(hint):

@@ -7,15 +7,16 @@ that generate across pushes."""
 
 from __future__ import annotations
 
+import typing
 from types import SimpleNamespace
 
 import pytest
 
 from megatron_gtpo.config import ConfigError, load_config
 from megatron_gtpo.rollout.collector import DynamicSampling, OffPolicy, rollout_metrics
-from megatron_gtpo.rollout.config import Sampling
+from megatron_gtpo.rollout.config import RolloutConfig, Sampling
 from megatron_gtpo.rollout.group import RolloutGroup
-from megatron_gtpo.rollout.staleness import PolicyVersions, StalenessError, staleness_problem
+from megatron_gtpo.rollout.staleness import PARTIAL_MODES, PolicyVersions, StalenessError, staleness_problem
 from megatron_gtpo.sync.base import WeightSync
 from megatron_gtpo.rollout.pool import RolloutPool
 from megatron_gtpo.sync.separate import PoolSync
@@ -128,8 +129,10 @@ def test_staleness_needs_an_importance_correction():
     with pytest.raises(ConfigError, match=r"rollout.staleness=-1 is not allowed: expected an integer >= 0"):
         load_config(None, ["rollout.staleness=-1", "algo.mismatch_correction=tis"])
     assert load_config(None, ["rollout.staleness=3", "algo.mismatch_correction=tis"]).rollout.in_flight_pushes() == "off"
-    with pytest.raises(ConfigError, match=r"rollout.partial='sometimes' is not allowed: expected one of off, abort"):
+    with pytest.raises(ConfigError, match=r"rollout.partial='sometimes' is not allowed: expected one of 'off', 'abort'"):
         load_config(None, ["rollout.partial=sometimes"])
+    assert load_config(None, ["rollout.partial=off"]).rollout.partial == "off"  # YAML 1.1 reads a bare off as False
+    assert typing.get_args(typing.get_type_hints(RolloutConfig)["partial"]) == PARTIAL_MODES
     with pytest.raises(ConfigError, match=r"rollout.partial='continue' is not allowed: expected off with staleness=0"):
         load_config(None, ["rollout.partial=continue", "sync.transport=separate"])
     with pytest.raises(ConfigError, match=r"rollout.partial=abort is not allowed with sync.transport=colocated.*"
