@@ -141,6 +141,11 @@ class InflightGenerator:
         with self._cv:
             return job in self._jobs
 
+    def progress(self, job: int) -> list[int]:
+        """Tokens generated so far by each of ``job``'s requests."""
+        with self._cv:
+            return [len(r.tokens) for r in self._jobs[job].requests]
+
     @property
     def busy(self) -> bool:
         """Whether any job's result was not taken yet."""
