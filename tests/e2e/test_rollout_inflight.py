@@ -50,7 +50,8 @@ def engine(model_dir):
 
     before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     eng = RolloutEngine(model_dir=model_dir, seed=0, vllm_kwargs={
-        "dtype": "float32", "max_model_len": 128, "kv_cache_memory_bytes": 32 << 20, "max_num_batched_tokens": 256})
+        "dtype": "float32", "max_model_len": 128, "kv_cache_memory_bytes": 32 << 20, "max_num_batched_tokens": 256,
+        "block_size": 32})
     yield eng
     eng.close()
     if before is None:
@@ -83,7 +84,9 @@ def generator(engine, weights):
 
 @pytest.fixture(scope="module")
 def prompts():
-    return [Prompt(uid="a", token_ids=[1, 504, 3287, 28, 2]), Prompt(uid="b", token_ids=[1, 9906, 44, 17, 700, 81])]
+    """Longer than a KV block (32 tokens): their prompt blocks enter vLLM's prefix cache."""
+    gen = torch.Generator().manual_seed(2)
+    return [Prompt(uid=u, token_ids=torch.randint(3, 49152, (n,), generator=gen).tolist()) for u, n in (("a", 40), ("b", 45))]
 
 
 def slow_steps(monkeypatch, engine, delay_s: float = 0.05) -> list[int]:
