@@ -146,12 +146,6 @@ class InflightGenerator:
         with self._cv:
             return [len(r.tokens) for r in self._jobs[job].requests]
 
-    @property
-    def busy(self) -> bool:
-        """Whether any job's result was not taken yet."""
-        with self._cv:
-            return bool(self._jobs)
-
     def result(self, job: int, timeout_s: float | None = None) -> list[Completion]:
         """``job``'s completions once all its requests finished (grouped by prompt, ``prompt_index``
         relative to the job, samples in order), as :meth:`RolloutEngine.sample` returns them; the
