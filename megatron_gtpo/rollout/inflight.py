@@ -130,8 +130,11 @@ class InflightGenerator:
             self._check_alive()
             if job in self._jobs:
                 raise ValueError(f"job {job} is already in flight")
-            with self.engine.lock:  # the thread is between two steps
+            try:
                 self.engine.add_requests([(r.request_id, r.prompt, r.seed) for r in requests], sampling)
+            except BaseException:
+                self._abort(requests)  # those already added must not run unowned
+                raise
             self._jobs[job] = _Job(partial=partial, sampling=sampling, requests=requests)
             self._live.update((r.request_id, r) for r in requests)
             self._cv.notify_all()

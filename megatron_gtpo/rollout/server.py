@@ -80,8 +80,7 @@ class RolloutServer:
         self.engine = RolloutEngine(model_dir=spec.model_dir, vllm_kwargs=kwargs, seed=spec.seed,
                                     request_seeds=spec.request_seeds)
         self.generator = InflightGenerator(self.engine)
-        self.ops = {"hello": Op(msg.HELLO, self._on_hello), "generate": Op(msg.GENERATE, self._on_generate),
-                    "submit": Op(msg.SUBMIT, self._on_submit), "fetch": Op(msg.FETCH, self._on_fetch)}
+        self.ops = self._own_ops()
         local = "127.0.0.1" if spec.host in ("0.0.0.0", "") else spec.host
         if receiver is not None:
             self.ops.update(receiver.bind(ServerContext(engine=self.engine, rendezvous=self.rendezvous,
@@ -179,6 +178,11 @@ class RolloutServer:
                     "trace": traceback.format_exc(limit=8)}, []
         result, blobs = out if isinstance(out, tuple) else (out or {}, [])
         return {"ok": True, "result": result}, blobs
+
+    def _own_ops(self) -> dict[str, Op]:
+        """The server's own requests (the receiver adds the weight requests)."""
+        return {"hello": Op(msg.HELLO, self._on_hello), "generate": Op(msg.GENERATE, self._on_generate),
+                "submit": Op(msg.SUBMIT, self._on_submit), "fetch": Op(msg.FETCH, self._on_fetch)}
 
     def _on_hello(self, args: dict, blobs: list) -> dict:
         return {"host": self.name, "version": self.engine.weight_version, "dtype": str(self.engine.dtype),

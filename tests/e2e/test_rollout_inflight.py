@@ -219,3 +219,46 @@ def test_the_lock_keeps_the_control_thread_out_of_a_step(engine, generator, prom
         time.sleep(0.01)
     generator.result(11, timeout_s=120)
     assert not any(overlaps)
+
+
+def test_server_submit_and_fetch_answer_like_generate_with_token_versions(
+        engine, generator, prompts, weights, monkeypatch):
+    """The server's submit/fetch handlers over this engine (no socket: ``_answer`` as the request
+    loop calls it), a weight change while the job runs, and what the trainer decodes."""
+    from types import SimpleNamespace
+
+    import megatron_gtpo.rollout.messages as msg
+    from megatron_gtpo.rollout.server import RolloutServer
+
+    server = RolloutServer.__new__(RolloutServer)  # the handlers only: no listener, no second engine
+    server.engine, server.generator, server._receiver = engine, generator, None
+    server.limits = msg.GenerateLimits(max_model_len=engine.max_model_len, vocab_size=engine.vocab_size)
+    server.ops = server._own_ops()
+
+    def ask(op, args, blobs=()):
+        header, out = server._answer(op, SimpleNamespace(header={"op": op, "args": args}, blobs=list(blobs)))
+        return header, out
+
+    v0 = engine.weight_version
+    slow_steps(monkeypatch, engine)
+    assert ask("submit", *msg.encode_submit(3, "continue", prompts, SEEDS, LONG)) == ({"ok": True, "result": {}}, [])
+    refused = ask("submit", *msg.encode_submit(3, "off", prompts, SEEDS, LONG))[0]
+    assert refused["kind"] == "ProtocolError" and "already in flight" in refused["message"]
+    assert "partial" in ask("submit", *msg.encode_submit(4, "later", prompts, SEEDS, LONG))[0]["message"]
+    assert ask("fetch", {"job": 99})[0]["kind"] == "ProtocolError"
+    busy = ask("generate", *msg.encode_generate(prompts, SEEDS, LONG))[0]
+    assert busy["kind"] == "RuntimeError" and "unfinished" in busy["message"]
+    wait_for_tokens(generator, 3, 4)
+    with generator.swapping():
+        engine.load_weights(weights[1], version=v0 + 1)
+    header, blobs = ask("fetch", {"job": 3})
+    assert header["ok"] and len(blobs) == 3, header
+    version, got = msg.decode_completions(header["result"], blobs, prompts)
+    assert version == v0 + 1 and len(got) == 4
+    assert all(c.weight_version == v0 and c.token_versions[0] == v0 and c.token_versions[-1] == v0 + 1 for c in got)
+    assert ask("fetch", {"job": 3})[0]["kind"] == "ProtocolError"  # fetched once
+    header, blobs = ask("generate", *msg.encode_generate(prompts, SEEDS, Sampling(n=1, temperature=0.8, max_tokens=4)))
+    assert header["ok"] and len(blobs) == 2
+    ask("submit", *msg.encode_submit(5, "abort", prompts, SEEDS, LONG))
+    server._drop_push()  # the trainer went away: its jobs go with it
+    assert not generator.has(5) and not engine.has_unfinished_requests()
