@@ -266,9 +266,6 @@ class RolloutEngine:
         if stop and not self._has_tokenizer:
             raise ValueError("stop strings need detokenization; build the engine without skip_tokenizer_init")
         self._require("weights", "kv_cache", "generate with")
-        if self._llm.llm_engine.has_unfinished_requests():
-            # LLM.generate would step (and swallow) the requests of the step API below.
-            raise RuntimeError("generate while requests added with add_requests are unfinished")
         self.memory_events.append("generate")
         if not prompts:
             return []
@@ -340,7 +337,8 @@ class RolloutEngine:
 
     @_locked
     def has_unfinished_requests(self) -> bool:
-        """Whether any request added with :meth:`add_requests` is unfinished."""
+        """Whether any request added with :meth:`add_requests` is unfinished (:meth:`sample` would
+        step them too, and swallow their outputs)."""
         return self._llm is not None and self._llm.llm_engine.has_unfinished_requests()
 
     @_locked

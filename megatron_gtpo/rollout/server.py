@@ -190,7 +190,9 @@ class RolloutServer:
 
     def _on_generate(self, args: dict, blobs: list) -> tuple[dict, list]:
         prompts, seeds, sampling = msg.decode_generate(args, blobs, self.limits)
-        with self.engine.lock:  # refused while submitted requests are unfinished (the engine steps them)
+        with self.engine.lock:
+            if self.engine.has_unfinished_requests():  # vLLM's generate would step (and swallow) them
+                raise RuntimeError("generate while submitted jobs are unfinished: fetch them first")
             version = self.engine.weight_version
             return msg.encode_completions(version, self.engine.sample(prompts, seeds=seeds, sampling=sampling))
 
