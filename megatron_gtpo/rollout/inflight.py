@@ -144,6 +144,11 @@ class InflightGenerator:
         with self._cv:
             return job in self._jobs
 
+    def in_flight(self) -> int:
+        """Requests of the jobs whose result was not taken yet."""
+        with self._cv:
+            return sum(len(state.requests) for state in self._jobs.values())
+
     def progress(self, job: int) -> list[int]:
         """Tokens generated so far by each of ``job``'s requests."""
         with self._cv:

@@ -198,8 +198,11 @@ class RolloutServer:
 
     def _on_submit(self, args: dict, blobs: list) -> dict:
         prompts, seeds, sampling = msg.decode_submit(args, blobs, self.limits)
-        if self.generator.has(args["job"]):
-            raise SchemaError(f"submit: job {args['job']} is already in flight")
+        if not 0 <= args["job"] < 1 << 63 or self.generator.has(args["job"]):
+            raise SchemaError(f"submit: job {args['job']} is already in flight (or not an id in [0, 2^63))")
+        if self.generator.in_flight() + len(prompts) * sampling.n > self.limits.max_sequences:
+            # Jobs stay until fetched: together they are held to one request's cap.
+            raise SchemaError(f"submit: more than {self.limits.max_sequences} completions in flight; fetch first")
         self.generator.submit(args["job"], prompts, seeds, sampling, partial=args["partial"])
         return {}
 

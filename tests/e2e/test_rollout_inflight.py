@@ -245,6 +245,11 @@ def test_server_submit_and_fetch_answer_like_generate_with_token_versions(
     refused = ask("submit", *msg.encode_submit(3, "off", prompts, SEEDS, LONG))[0]
     assert refused["kind"] == "ProtocolError" and "already in flight" in refused["message"]
     assert "partial" in ask("submit", *msg.encode_submit(4, "later", prompts, SEEDS, LONG))[0]["message"]
+    assert "already in flight" in ask("submit", *msg.encode_submit(-1, "off", prompts, SEEDS, LONG))[0]["message"]
+    server.limits = msg.GenerateLimits(max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+                                       max_sequences=6)  # 4 in flight: 4 more are too many
+    assert "in flight; fetch first" in ask("submit", *msg.encode_submit(4, "off", prompts, SEEDS, LONG))[0]["message"]
+    assert not generator.has(4)
     assert ask("fetch", {"job": 99})[0]["kind"] == "ProtocolError"
     busy = ask("generate", *msg.encode_generate(prompts, SEEDS, LONG))[0]
     assert busy["kind"] == "RuntimeError" and "unfinished" in busy["message"]
