@@ -21,7 +21,9 @@ added again from their prompt with the same seed (what they had is discarded); t
 resumes. A failed change (same version) only resumes.
 
 Each token's version is the engine's version when the step that sampled it ran, so a completion's
-versions never decrease. A step that raises fails every job in flight (their requests are
+versions never decrease. That holds for vLLM's synchronous scheduling (CPU engines); with its async
+scheduling (a GPU default: one batch stays in flight between two steps) the first tokens returned
+after a change were sampled by the old weights but carry the new version (not yet tested on GPU). A step that raises fails every job in flight (their requests are
 aborted); ``result`` raises that error, never hangs.
 """
 
