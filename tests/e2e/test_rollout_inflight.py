@@ -147,7 +147,11 @@ def test_continue_keeps_the_old_tokens_and_samples_the_rest_with_the_new_weights
         assert 4 <= cut < len(c.token_ids)
         assert c.token_versions == [v0] * cut + [v0 + 1] * (len(c.token_ids) - cut)
         assert c.token_ids[:cut] == ref.token_ids[:cut]  # the old weights' tokens are kept as sampled
-        assert c.token_ids[cut:] != ref.token_ids[cut:]  # the control: the new weights sampled the rest
+        assert max(abs(a - b) for a, b in zip(c.logprobs[:cut], ref.logprobs[:cut])) < 1e-5
+        # The control, from the boundary on: the new weights sampled the rest (a token tagged v1 but
+        # sampled by v0 would have v0's log-prob).
+        assert c.token_ids[cut] != ref.token_ids[cut] or abs(c.logprobs[cut] - ref.logprobs[cut]) > 1e-3
+        assert c.token_ids[cut:] != ref.token_ids[cut:]
         assert c.versions() == c.token_versions
 
 
