@@ -23,8 +23,10 @@ resumes. A failed change (same version) only resumes.
 Each token's version is the engine's version when the step that sampled it ran, so a completion's
 versions never decrease. That holds for vLLM's synchronous scheduling (CPU engines); with its async
 scheduling (a GPU default: one batch stays in flight between two steps) the first tokens returned
-after a change were sampled by the old weights but carry the new version (not yet tested on GPU). A step that raises fails every job in flight (their requests are
-aborted); ``result`` raises that error, never hangs.
+after a change were sampled by the old weights but carry the new version (not yet tested on GPU).
+
+A step that raises fails every job in flight (their requests are aborted); ``result`` raises that
+error, never hangs.
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ class InflightGenerator:
         requests = [_Request(job=job, prompt_index=i, sample=j, prompt=p, seed=int(seeds[i]) + j)
                     for i, p in enumerate(prompts) for j in range(sampling.n)]
         with self._cv:
-            self._check_alive()
+            if self._closed or self._fatal is not None:
+                raise RuntimeError(f"the generator is closed or its thread died ({self._fatal!r})")
             if job in self._jobs:
                 raise ValueError(f"job {job} is already in flight")
             try:
@@ -229,8 +232,13 @@ class InflightGenerator:
             r.restart()
             by_job.setdefault(r.job, []).append(r)
         for job, requests in by_job.items():
-            self.engine.add_requests([(r.request_id, r.prompt, r.seed) for r in requests], self._jobs[job].sampling)
-            self._live.update((r.request_id, r) for r in requests)
+            try:
+                self.engine.add_requests([(r.request_id, r.prompt, r.seed) for r in requests], self._jobs[job].sampling)
+            except Exception as err:  # noqa: BLE001 - the job fails (result() raises it) instead of hanging
+                self._jobs[job].error = err
+                self._abort(requests)
+            else:
+                self._live.update((r.request_id, r) for r in requests)
 
     # ----------------------------------------------------------------------------- the thread
 
@@ -273,12 +281,11 @@ class InflightGenerator:
                 self._reset_pending = not engine.reset_prefix_cache()
         with self._cv:
             for output in outputs:
-                request = self._live.get(output.request_id)
-                if request is None:
-                    continue
-                request.take(output, version)
-                if request.done:
-                    del self._live[output.request_id]
+                request = self._live.get(output.request_id)  # None: aborted meanwhile
+                if request is not None:
+                    request.take(output, version)
+                    if request.done:
+                        del self._live[output.request_id]
             self._cv.notify_all()
 
     def _fail_all(self, err: BaseException) -> None:
@@ -295,9 +302,3 @@ class InflightGenerator:
             self._live.pop(r.request_id, None)
         with contextlib.suppress(Exception):
             self.engine.abort_requests([r.request_id for r in requests])
-
-    def _check_alive(self) -> None:
-        if self._closed:
-            raise RuntimeError("the generator is closed")
-        if self._fatal is not None:
-            raise RuntimeError(f"the generator's thread died: {self._fatal!r}") from self._fatal

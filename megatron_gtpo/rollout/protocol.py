@@ -28,7 +28,6 @@ import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -165,7 +164,7 @@ class ServerContext:
     """Where this server's vLLM workers reach its port (for the rendezvous)."""
     timeout_s: float
     """Longest wait inside one request (transfer-group rendezvous, one bucket)."""
-    swapping: Callable[[], AbstractContextManager] = contextlib.nullcontext
+    swapping: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     """The block a weight change (the commit's reload) runs in: the server's background generation
     (rollout/inflight.py) pauses between two engine steps around it and, if the version changed,
     continues or restarts the requests in flight."""

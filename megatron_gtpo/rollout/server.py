@@ -18,8 +18,8 @@ interface and speaks only the authenticated, data-only channel of :mod:`megatron
 * anything else (no or a wrong secret, a malformed, oversized or forged frame, a request of the
   wrong shape) is refused and logged, and the server goes on serving its trainer.
 
-Requests: ``hello``, ``generate``, ``submit``, ``fetch`` and ``close`` here (rollout/messages.py); the weight requests come
-from a :class:`~megatron_gtpo.rollout.protocol.WeightReceiver` the program composes in
+Requests: ``hello``, ``generate``, ``submit``, ``fetch`` and ``close`` here (rollout/messages.py); the
+weight requests come from a :class:`~megatron_gtpo.rollout.protocol.WeightReceiver` the program composes in
 (``sync/receiver.py``: join, plan, receive, commit, abort), so this module knows nothing of how
 weights travel.
 """

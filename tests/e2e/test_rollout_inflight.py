@@ -86,7 +86,8 @@ def generator(engine, weights):
 def prompts():
     """Longer than a KV block (32 tokens): their prompt blocks enter vLLM's prefix cache."""
     gen = torch.Generator().manual_seed(2)
-    return [Prompt(uid=u, token_ids=torch.randint(3, 49152, (n,), generator=gen).tolist()) for u, n in (("a", 40), ("b", 45))]
+    return [Prompt(uid=u, token_ids=torch.randint(3, 49152, (n,), generator=gen).tolist())
+            for u, n in (("a", 40), ("b", 45))]
 
 
 def slow_steps(monkeypatch, engine, delay_s: float = 0.05) -> list[int]:

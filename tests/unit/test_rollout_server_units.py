@@ -349,7 +349,8 @@ def test_submit_and_fetch_requests_are_checked():
     with pytest.raises(SchemaError, match="partial"):
         msg.decode_submit({**args, "partial": "later"}, blobs, LIMITS)
     with pytest.raises(SchemaError, match="max_model_len"):  # generate's limits hold
-        msg.decode_submit(*msg.encode_submit(1, "off", prompts, [3, 9], Sampling(n=1, temperature=1.0, max_tokens=65)), LIMITS)
+        too_long = Sampling(n=1, temperature=1.0, max_tokens=65)
+        msg.decode_submit(*msg.encode_submit(1, "off", prompts, [3, 9], too_long), LIMITS)
     for bad in ({**args, "job": "12"}, {**args, "partial": None}, {k: v for k, v in args.items() if k != "job"},
                 {**args, "extra": 1}):
         with pytest.raises(SchemaError):
