@@ -173,13 +173,15 @@ def test_off_finishes_before_the_weights_change(engine, generator, prompts, weig
     v0 = engine.weight_version
     slow_steps(monkeypatch, engine, delay_s=0.02)
     generator.submit(7, prompts, SEEDS, LONG, partial="off")
-    generator.submit(8, prompts[:1], SEEDS[:1], LONG, partial="continue")
+    longer = Sampling(n=2, temperature=0.8, top_p=1.0, max_tokens=80)
+    generator.submit(8, prompts[:1], SEEDS[:1], longer, partial="continue")
     wait_for_tokens(generator, 7, 2)
     with generator.swapping():
-        assert generator.progress(7) == [LONG.max_tokens] * 4  # finished before the block
+        got = generator.result(7, timeout_s=0)  # finished before the block (else TimeoutError)
+        assert max(generator.progress(8)) < longer.max_tokens  # the continue job did not have to
         engine.load_weights(weights[1], version=v0 + 1)
-    got = generator.result(7, timeout_s=0)
     assert all(c.weight_version == v0 and c.token_versions is None for c in got)
+    wait_for_tokens(generator, 8, 50)  # the continue job went on with the new weights
     generator.drop(8)  # a job that is not fetched is dropped: its requests are aborted
     assert not engine.has_unfinished_requests()
     monkeypatch.undo()
@@ -272,3 +274,19 @@ def test_server_submit_and_fetch_answer_like_generate_with_token_versions(
     ask("submit", *msg.encode_submit(5, "abort", prompts, SEEDS, LONG))
     server._drop_push()  # the trainer went away: its jobs go with it
     assert not generator.has(5) and not engine.has_unfinished_requests()
+
+
+def test_a_restart_that_fails_fails_its_job(engine, generator, prompts, weights, monkeypatch):
+    v0 = engine.weight_version
+    slow_steps(monkeypatch, engine)
+    generator.submit(12, prompts, SEEDS, LONG, partial="abort")
+    wait_for_tokens(generator, 12, 2)
+
+    def refuse(requests, sampling):
+        raise RuntimeError("engine refused the restarted requests")
+    monkeypatch.setattr(engine, "add_requests", refuse)
+    with generator.swapping():
+        engine.load_weights(weights[1], version=v0 + 1)
+    with pytest.raises(RuntimeError, match="refused the restarted"):
+        generator.result(12, timeout_s=60)
+    assert not engine.has_unfinished_requests()
