@@ -9,7 +9,8 @@ a weight push back until the whole batch is done. Here a job's requests are adde
 (:meth:`RolloutEngine.add_requests`: one n=1 request per sample, sample j of prompt i seeded
 ``seeds[i] + j``, exactly what vLLM's own n>1 fan-out samples) and one background thread steps the
 engine while any request is unfinished. Every vLLM call holds the engine's lock, so the control
-thread (a push's receive, the commit) runs between two engine steps.
+thread's calls (a push's receive, the commit) run between two engine steps, and generation waits
+while one runs.
 
 A weight change goes through :meth:`InflightGenerator.swapping`: on enter the thread keeps stepping
 only while requests of ``partial="off"`` jobs are unfinished (the whole batch steps: the other
@@ -17,8 +18,8 @@ requests' tokens are sampled by the old weights and tagged so), then pauses betw
 caller changes the weights inside the block (vLLM's in-place reload: the KV cache survives). On
 exit, if the engine's version changed, ``"continue"`` requests simply go on (their tokens so far keep
 the old version, the KV cache of the old weights included), ``"abort"`` requests are aborted and
-added again from their prompt with the same seed (what they had is discarded); then the thread
-resumes. A failed change (same version) only resumes.
+added again from their prompt with the same seed (what they had is discarded), as is any request
+with no token yet; then the thread resumes. A failed change (same version) only resumes.
 
 Each token's version is the engine's version when the step that sampled it ran, so a completion's
 versions never decrease. That holds for vLLM's synchronous scheduling (CPU engines); with its async
