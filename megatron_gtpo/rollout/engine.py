@@ -8,6 +8,9 @@ It implements the :class:`~megatron_gtpo.rollout.protocol.Engine` and
 :class:`~megatron_gtpo.rollout.protocol.LocalWeights` protocols; ``submit`` generates at once and
 its ticket holds the completions (an immediate future).
 
+A step API (``add_requests``, ``step``, ``abort_requests``) drives vLLM's engine one step at a
+time for :mod:`megatron_gtpo.rollout.inflight`; every vLLM call holds the engine's ``lock``.
+
 The engine always lives in the calling process (vLLM's V1 multiprocessing is switched off): a
 weight push then hands tensors to vLLM by reference instead of serialising them to an engine-core
 subprocess. Rollout servers (:mod:`megatron_gtpo.rollout.server`) run one of these in their own
@@ -35,7 +38,9 @@ is what the trainer's temperature-scaled log-probs are compared with.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,6 +122,15 @@ def prompt_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
     return [(base + i * n) % _SEED_SPACE for i in range(num_prompts)]
 
 
+def _locked(method):
+    """Runs ``method`` holding the engine's lock (see ``RolloutEngine.lock``)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 @dataclass(frozen=True)
 class Finished:
     """The ticket of :meth:`RolloutEngine.submit`: the call already ran, here are its completions."""
@@ -160,6 +174,9 @@ class RolloutEngine:
         push (recorded on every device, so the driver's memory choreography is testable on CPU)."""
         self._broken: str | None = None
         self._closed = False
+        self.lock = threading.RLock()
+        """Held by every call that touches vLLM: a background stepping thread
+        (:mod:`megatron_gtpo.rollout.inflight`) and the server's control thread never use it at once."""
 
     @staticmethod
     def _make_llm(kwargs: dict):
@@ -238,6 +255,7 @@ class RolloutEngine:
         """The completions of a :meth:`submit` call."""
         return ticket.completions
 
+    @_locked
     def sample(self, prompts: Sequence[Prompt], *, seeds: Sequence[int], sampling: Sampling) -> list[Completion]:
         """:meth:`generate` with one explicit seed per prompt (sample j of prompt i uses seeds[i] + j),
         for callers that split one batch across engines and want the split not to matter. An engine
@@ -279,6 +297,55 @@ class RolloutEngine:
                                    f"of a {expected + 1}-token sequence ({self._routing})")
             completion.routed_experts = np.asarray(rows, dtype=np.int16)
 
+    # ----------------------------------------------------------------------------- step API
+
+    @_locked
+    def add_requests(self, requests: Sequence[tuple[str, Prompt, int]], sampling: Sampling) -> None:
+        """Adds one n=1 request per ``(request id, prompt, seed)`` (:meth:`sample`'s parameters,
+        output as deltas whose ``request_id`` is the id given here); :meth:`step` runs them. Prompt
+        KV blocks are cached per weight version (``cache_salt``): none computed by old weights is reused."""
+        stop = list(sampling.stop)
+        if (stop and not self._has_tokenizer) or self._routing:
+            raise ValueError("the step API needs a tokenizer for stop strings and returns no routed experts")
+        self._require("weights", "kv_cache", "generate with")
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self._llm.llm_engine
+        for request_id, prompt, seed in requests:
+            params = SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                                    max_tokens=sampling.max_tokens, stop=stop or None,
+                                    seed=int(seed) if self._request_seeds else None, logprobs=0,
+                                    detokenize=self._has_tokenizer, output_kind=RequestOutputKind.DELTA)
+            engine.add_request(request_id, {"prompt_token_ids": list(prompt.token_ids),
+                                            "cache_salt": f"mgtpo-v{self._version}"}, params)
+        if requests:
+            self.memory_events.append("generate")
+
+    @_locked
+    def step(self) -> list:
+        """One vLLM engine step: the ``RequestOutput`` deltas of the requests it advanced (their
+        new tokens were sampled by the weights of :attr:`weight_version`)."""
+        self._require("weights", "kv_cache", "generate with")
+        return self._llm.llm_engine.step()
+
+    @_locked
+    def abort_requests(self, request_ids: Sequence[str]) -> None:
+        """Drops requests added with :meth:`add_requests` (finished or unknown ids are ignored)."""
+        if self._llm is not None and request_ids:
+            self._llm.llm_engine.abort_request(list(request_ids))
+
+    @_locked
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request added with :meth:`add_requests` is unfinished (:meth:`sample` would
+        step them too, and swallow their outputs)."""
+        return self._llm is not None and self._llm.llm_engine.has_unfinished_requests()
+
+    @_locked
+    def reset_prefix_cache(self) -> bool:
+        """Drops cached prefix KV blocks (it fails, False, while requests hold blocks)."""
+        return bool(self._llm.reset_prefix_cache())
+
     # ----------------------------------------------------------------------------- weights
 
     def check_version(self, version: int) -> None:
@@ -286,6 +353,7 @@ class RolloutEngine:
         if not isinstance(version, int) or version < self._version:
             raise ValueError(f"weight version must be an int >= the served version {self._version}, got {version!r}")
 
+    @_locked
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
                      sharded: bool = False) -> None:
         """Streams ``named_tensors`` (a whole push, already checked against the engine by the weight
@@ -309,6 +377,7 @@ class RolloutEngine:
         self._broken = None
         self._version = version
 
+    @_locked
     def rpc(self, method: str, **kwargs) -> list:
         """vLLM's ``collective_rpc`` on this engine's workers: the rollout server drives vLLM's
         stateful weight-transfer API through it (init/start/update/finish_weight_update)."""
@@ -316,6 +385,7 @@ class RolloutEngine:
             raise RuntimeError(f"rollout engine unusable: {self._broken}")
         return self._llm.collective_rpc(method, kwargs=kwargs)
 
+    @_locked
     def loaded(self, version: int, *, ok: bool) -> None:
         """Records a reload the workers made themselves (``finish_weight_update``): serves
         ``version`` when ``ok``, else refuses to generate until a later load succeeds."""
@@ -328,6 +398,7 @@ class RolloutEngine:
 
     # ----------------------------------------------------------------------------- memory
 
+    @_locked
     def sleep(self, *, keep_weights: bool = False) -> None:
         """Gives the accelerator memory back to the trainer after a rollout: vLLM sleep level 2
         (weights and KV cache discarded, only model buffers kept on the host): the push after the
@@ -343,6 +414,7 @@ class RolloutEngine:
         self._awake = set()
         self.memory_events.append("sleep:keep-weights" if keep_weights else "sleep")
 
+    @_locked
     def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         """Re-allocates ``weights`` (before a push) and/or ``kv_cache`` (before generating, once the
         trainer has released its step memory); vLLM 0.32's ``wake_up(tags=...)``."""
@@ -354,6 +426,7 @@ class RolloutEngine:
         self._awake.update(todo)
         self.memory_events.extend(f"wake:{t}" for t in todo)
 
+    @_locked
     def close(self) -> None:
         """Releases the engine; the object is unusable afterwards.
 

@@ -1,5 +1,5 @@
 """What trainer rank 0 and a rollout server say to each other on the control channel (data only):
-the schemas of the server's own requests and the codec of ``generate``.
+the schemas of the server's own requests and the codec of ``generate`` (and of ``submit``/``fetch``).
 
 Every request is one frame ``{"op": name, "args": {...}}`` (+ blobs) of :mod:`megatron_gtpo.utils.channel`,
 answered by one frame: ``{"ok": true, "result": {...}}`` (+ blobs) or ``{"ok": false, "kind":
@@ -12,7 +12,12 @@ The server's own requests (the weight requests come from ``sync/wire.py``):
     hello     {}                                      -> {host, version, dtype, tp, model_dir}
     generate  {lengths, seeds, sampling: the Sampling record's fields} + [prompt token ids, int32]
               -> {version, completions: [{prompt_index, length, text, finish_reason, truncated,
-                 weight_version}]} + [completion token ids, int32; sampler log-probs, float64]
+                 weight_version}]} + [completion token ids, int32; sampler log-probs, float64
+                 (; token versions, int32: only when a completion's tokens span weight versions)]
+    submit    {job, partial: off|abort|continue, lengths, seeds, sampling} + [prompt token ids]
+              -> {} at once: the job generates in the background (rollout/inflight.py), across
+                 weight pushes as ``partial`` says
+    fetch     {job}                                   -> once the job is done, ``generate``'s answer
     close     {}                                      -> {} and the server exits
 
 Only token ids go to the server (not the prompt text, answer or id), and the completions come back
@@ -39,6 +44,10 @@ CLOSE: dict = {}
 SAMPLING = {"n": int, "temperature": float, "top_p": float, "max_tokens": int, "stop": [str]}
 """The fields of :class:`~megatron_gtpo.rollout.config.Sampling` (a unit test keeps them equal)."""
 GENERATE = {"lengths": [int], "seeds": [int], "sampling": SAMPLING}
+SUBMIT = {"job": int, "partial": str, **GENERATE}
+FETCH = {"job": int}
+PARTIAL = ("off", "abort", "continue")
+"""What a submitted job's unfinished completions do when the weights change (rollout/inflight.py)."""
 GENERATE_REPLY = {"version": int, "completions": [{"prompt_index": int, "length": int, "text": str,
                                                    "finish_reason": str, "truncated": bool, "weight_version": int}]}
 
@@ -52,6 +61,20 @@ def encode_generate(prompts: Sequence[Prompt], seeds: Sequence[int], sampling: S
     args = {"lengths": lengths, "seeds": [int(s) for s in seeds],
             "sampling": {**asdict(sampling), "stop": list(sampling.stop)}}
     return args, [tokens.tobytes()]
+
+
+def encode_submit(job: int, partial: str, prompts: Sequence[Prompt], seeds: Sequence[int],
+                  sampling: Sampling) -> tuple[dict, list]:
+    """The ``submit`` request of a job (``generate``'s request plus the job id and ``partial``)."""
+    args, blobs = encode_generate(prompts, seeds, sampling)
+    return {"job": int(job), "partial": partial, **args}, blobs
+
+
+def decode_submit(args: dict, blobs: list, limits: GenerateLimits) -> tuple[list[Prompt], list[int], Sampling]:
+    """A checked ``submit`` request (args match :data:`SUBMIT`): :func:`decode_generate` plus ``partial``."""
+    if args["partial"] not in PARTIAL:
+        raise SchemaError(f"submit.partial must be one of {list(PARTIAL)}, got {args['partial']!r:.40}")
+    return decode_generate(args, blobs, limits)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,34 +126,49 @@ def _check_limits(lengths: list[int], tokens: np.ndarray, sampling: Sampling, li
 
 
 def encode_completions(version: int, completions: Sequence[Completion]) -> tuple[dict, list]:
-    """The ``generate`` answer."""
+    """The ``generate`` (and ``fetch``) answer; a third blob carries every token's weight version
+    when any completion spans versions (``token_versions``)."""
     rows = [{"prompt_index": c.prompt_index, "length": len(c.token_ids), "text": c.text,
              "finish_reason": c.finish_reason, "truncated": c.truncated, "weight_version": c.weight_version}
             for c in completions]
     total = sum(r["length"] for r in rows)
     tokens = np.fromiter((t for c in completions for t in c.token_ids), dtype=_TOKENS, count=total)
     logprobs = np.fromiter((x for c in completions for x in c.logprobs), dtype=_LOGPROBS, count=total)
-    return {"version": version, "completions": rows}, [tokens.tobytes(), logprobs.tobytes()]
+    blobs = [tokens.tobytes(), logprobs.tobytes()]
+    if any(c.token_versions is not None for c in completions):
+        blobs.append(np.fromiter((v for c in completions for v in c.versions()), dtype=_TOKENS, count=total).tobytes())
+    return {"version": version, "completions": rows}, blobs
 
 
 def decode_completions(result: dict, blobs: list, prompts: Sequence[Prompt]) -> tuple[int, list[Completion]]:
-    """A checked ``generate`` answer for ``prompts`` (the run that was sent): version, completions
-    (``prompt_index`` relative to the run; each carries its prompt's token list)."""
+    """A checked ``generate`` (or ``fetch``) answer for ``prompts`` (the run that was sent): version,
+    completions (``prompt_index`` relative to the run; each carries its prompt's token list). A third
+    blob sets ``token_versions`` of the completions whose tokens span versions (None where all are
+    ``weight_version``'s); they must start at ``weight_version`` and never decrease."""
     rows = result["completions"]
     total = sum(r["length"] for r in rows)
-    if len(blobs) != 2 or any(r["length"] < 0 or not 0 <= r["prompt_index"] < len(prompts) for r in rows):
-        raise SchemaError("generate answer: two blobs and prompt indices of the run")
+    if len(blobs) not in (2, 3) or any(r["length"] < 0 or not 0 <= r["prompt_index"] < len(prompts) for r in rows):
+        raise SchemaError("generate answer: two or three blobs and prompt indices of the run")
     tokens = _array(blobs[0], _TOKENS, total, "completion tokens").tolist()
     logprobs = _array(blobs[1], _LOGPROBS, total, "log-probs").tolist()
+    versions = _array(blobs[2], _TOKENS, total, "token versions").tolist() if len(blobs) == 3 else None
     out, start = [], 0
     for r in rows:
         end = start + r["length"]
         out.append(Completion(prompt_index=r["prompt_index"], prompt_token_ids=prompts[r["prompt_index"]].token_ids,
                               token_ids=tokens[start:end], logprobs=logprobs[start:end], text=r["text"],
                               finish_reason=r["finish_reason"], truncated=r["truncated"],
-                              weight_version=r["weight_version"]))
+                              weight_version=r["weight_version"],
+                              token_versions=None if versions is None else _token_versions(versions[start:end], r)))
         start = end
     return result["version"], out
+
+
+def _token_versions(versions: list[int], row: dict) -> list[int] | None:
+    if versions and (versions[0] != row["weight_version"] or any(b < a for a, b in zip(versions, versions[1:]))):
+        raise SchemaError(f"generate answer: token versions {versions[:3]}... of a completion of weight version "
+                          f"{row['weight_version']} must start at it and never decrease")
+    return versions if len(set(versions)) > 1 else None
 
 
 def _array(blob, dtype: np.dtype, count: int, what: str) -> np.ndarray:

@@ -8,7 +8,8 @@
     ServerPool     rank 0's pool as the separate weight transport drives it (sync/separate.py).
     WeightReceiver the weight side a rollout server is composed with (sync/receiver.py provides it,
                    cli/rollout_server.py plugs it in): its requests (:class:`Op`), over the
-                   :class:`ServerContext` the server hands it (its engine as :class:`ServedEngine`).
+                   :class:`ServerContext` the server hands it (its engine as :class:`ServedEngine`,
+                   and the ``swapping()`` block a weight change runs in while jobs generate).
 
 ``submit`` starts one generate call and returns a ticket; ``wait`` returns its completions. An
 engine in this process generates inside ``submit`` (an immediate future: there is nothing on the
@@ -23,6 +24,7 @@ elsewhere: the generate requests in rollout/messages.py, the push requests in sy
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,6 +164,10 @@ class ServerContext:
     """Where this server's vLLM workers reach its port (for the rendezvous)."""
     timeout_s: float
     """Longest wait inside one request (transfer-group rendezvous, one bucket)."""
+    swapping: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    """The block a weight change (the commit's reload) runs in: the server's background generation
+    (rollout/inflight.py) pauses between two engine steps around it and, if the version changed,
+    continues or restarts the requests in flight."""
 
 
 class WeightReceiver(Protocol):

@@ -6,16 +6,20 @@ interface and speaks only the authenticated, data-only channel of :mod:`megatron
 (every connection proves the job's secret; nothing is unpickled; docs/security.md):
 
 * one **control** connection at a time, the trainer's (rank 0): requests are answered one at a
-  time, in order, so a push never overlaps a generate and the engine serves exactly one weight
-  version at a time. A second control connection while one is served is refused (no takeover);
-  when the trainer goes away, whatever it had staged is dropped and the next one may connect;
+  time, in order. ``generate`` samples inside its request, so no push overlaps it; a ``submit``ted
+  job generates in the background (:mod:`megatron_gtpo.rollout.inflight`) while later requests are
+  answered, a push included: the commit changes the weights between two engine steps, inside the
+  generator's ``swapping()`` (the receiver gets it as ``ServerContext.swapping``), and each job's
+  ``partial`` says what its unfinished completions do then; ``fetch`` waits for the job. A second
+  control connection while one is served is refused (no takeover); when the trainer goes away,
+  whatever it had staged is dropped, its jobs too, and the next one may connect;
 * **store** connections: the rendezvous of a transfer group (:mod:`megatron_gtpo.utils.rendezvous`),
   open only while a ``join`` runs;
 * anything else (no or a wrong secret, a malformed, oversized or forged frame, a request of the
   wrong shape) is refused and logged, and the server goes on serving its trainer.
 
-Requests: ``hello``, ``generate`` and ``close`` here (rollout/messages.py); the weight requests come
-from a :class:`~megatron_gtpo.rollout.protocol.WeightReceiver` the program composes in
+Requests: ``hello``, ``generate``, ``submit``, ``fetch`` and ``close`` here (rollout/messages.py); the
+weight requests come from a :class:`~megatron_gtpo.rollout.protocol.WeightReceiver` the program composes in
 (``sync/receiver.py``: join, plan, receive, commit, abort), so this module knows nothing of how
 weights travel.
 """
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 
 import megatron_gtpo.rollout.messages as msg
 from megatron_gtpo.rollout.engine import RolloutEngine
+from megatron_gtpo.rollout.inflight import InflightGenerator
 from megatron_gtpo.rollout.protocol import Op, ServerContext, WeightReceiver
 from megatron_gtpo.utils.channel import Channel, ChannelError, FrameError, Listener, SchemaError, check
 from megatron_gtpo.utils.rendezvous import KeyValueHost
@@ -74,11 +79,13 @@ class RolloutServer:
         kwargs = {**spec.vllm, **(receiver.vllm_kwargs if receiver else {})}
         self.engine = RolloutEngine(model_dir=spec.model_dir, vllm_kwargs=kwargs, seed=spec.seed,
                                     request_seeds=spec.request_seeds)
-        self.ops = {"hello": Op(msg.HELLO, self._on_hello), "generate": Op(msg.GENERATE, self._on_generate)}
+        self.generator = InflightGenerator(self.engine)
+        self.ops = self._own_ops()
         local = "127.0.0.1" if spec.host in ("0.0.0.0", "") else spec.host
         if receiver is not None:
             self.ops.update(receiver.bind(ServerContext(engine=self.engine, rendezvous=self.rendezvous,
-                                                        address=(local, self.port), timeout_s=spec.timeout_s)))
+                                                        address=(local, self.port), timeout_s=spec.timeout_s,
+                                                        swapping=self.generator.swapping)))
         self.name = f"{socket.gethostname()}:{self.port}"
         self.limits = msg.GenerateLimits(max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size)
 
@@ -97,6 +104,7 @@ class RolloutServer:
                     channel.close()
                     self._busy.release()
         finally:
+            self.generator.close()
             self.listener.close()
 
     def _route(self, channel: Channel) -> None:
@@ -142,7 +150,12 @@ class RolloutServer:
         return False
 
     def _drop_push(self) -> None:
-        """Forgets the gone trainer's push; a failure here is logged (the engine reports it next)."""
+        """Forgets the gone trainer's jobs (their requests aborted) and push; a failure here is logged
+        (the engine reports it next)."""
+        try:
+            self.generator.drop()
+        except Exception:  # noqa: BLE001 - the next request meets the broken engine and reports it
+            log.exception("dropping the trainer's generation jobs failed")
         if self._receiver is None:
             return
         try:
@@ -166,11 +179,35 @@ class RolloutServer:
         result, blobs = out if isinstance(out, tuple) else (out or {}, [])
         return {"ok": True, "result": result}, blobs
 
+    def _own_ops(self) -> dict[str, Op]:
+        """The server's own requests (the receiver adds the weight requests)."""
+        return {"hello": Op(msg.HELLO, self._on_hello), "generate": Op(msg.GENERATE, self._on_generate),
+                "submit": Op(msg.SUBMIT, self._on_submit), "fetch": Op(msg.FETCH, self._on_fetch)}
+
     def _on_hello(self, args: dict, blobs: list) -> dict:
         return {"host": self.name, "version": self.engine.weight_version, "dtype": str(self.engine.dtype),
                 "tp": int(self.spec.vllm.get("tensor_parallel_size", 1)), "model_dir": self.spec.model_dir}
 
     def _on_generate(self, args: dict, blobs: list) -> tuple[dict, list]:
         prompts, seeds, sampling = msg.decode_generate(args, blobs, self.limits)
-        version = self.engine.weight_version
-        return msg.encode_completions(version, self.engine.sample(prompts, seeds=seeds, sampling=sampling))
+        with self.engine.lock:
+            if self.engine.has_unfinished_requests():  # vLLM's generate would step (and swallow) them
+                raise RuntimeError("generate while submitted jobs are unfinished: fetch them first")
+            version = self.engine.weight_version
+            return msg.encode_completions(version, self.engine.sample(prompts, seeds=seeds, sampling=sampling))
+
+    def _on_submit(self, args: dict, blobs: list) -> dict:
+        prompts, seeds, sampling = msg.decode_submit(args, blobs, self.limits)
+        if not 0 <= args["job"] < 1 << 63 or self.generator.has(args["job"]):
+            raise SchemaError(f"submit: job {args['job']} is already in flight (or not an id in [0, 2^63))")
+        if self.generator.in_flight() + len(prompts) * sampling.n > self.limits.max_sequences:
+            # Jobs stay until fetched: together they are held to one request's cap.
+            raise SchemaError(f"submit: more than {self.limits.max_sequences} completions in flight; fetch first")
+        self.generator.submit(args["job"], prompts, seeds, sampling, partial=args["partial"])
+        return {}
+
+    def _on_fetch(self, args: dict, blobs: list) -> tuple[dict, list]:
+        if not self.generator.has(args["job"]):
+            raise SchemaError(f"fetch: no job {args['job']} in flight")
+        completions = self.generator.result(args["job"])
+        return msg.encode_completions(self.engine.weight_version, completions)

@@ -13,7 +13,8 @@ every pipeline stage, needs more, so this module registers its own backend, ``mg
     plan      {version, tensors}   (none: the server checks the plan against its config.json)
     receive   {version, buckets}   worker 0 receives every bucket into the server's one shared
                                    staging area (sync/staging.py); the others only note the layout
-    commit    {version}            every worker loads the staged push (layer-wise in-place reload)
+    commit    {version}            every worker loads the staged push (layer-wise in-place reload),
+                                   inside the server's ``swapping()`` (rollout/inflight.py)
     abort     {}                   the staged push is dropped; the served version stays
 
 Staging costs one copy of the push per server in host memory, never GPU memory (on GPU worker 0
@@ -255,12 +256,13 @@ class PushReceiver:
         if self._verified != version:
             raise WeightPushError(f"commit of v{version} before its digests were verified")
         self.session, self._plan = False, None
-        try:
-            engine.rpc("finish_weight_update")
-        except BaseException:
-            engine.loaded(version, ok=False)
-            raise
-        engine.loaded(version, ok=True)
+        with self.ctx.swapping():  # between two steps of the server's background generation
+            try:
+                engine.rpc("finish_weight_update")
+            except BaseException:
+                engine.loaded(version, ok=False)
+                raise
+            engine.loaded(version, ok=True)
         return {"version": version}
 
     def _on_status(self, args: dict, blobs: list) -> dict:

@@ -10,6 +10,7 @@ import dataclasses
 import inspect
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -284,3 +285,101 @@ def test_a_local_server_whose_engine_fails_is_reported_with_its_log_even_while_i
                        alive=lambda: not dies_at or time.monotonic() < dies_at[0], log_hint=lambda: "; the log tail")
     finally:
         listener.close()
+
+
+def _spanning_completions(prompts) -> list[Completion]:
+    """Four completions: two within one version, two across a push (``token_versions``)."""
+    return [Completion(prompt_index=0, prompt_token_ids=prompts[0].token_ids, token_ids=[4, 5, 6], logprobs=[-1.0] * 3,
+                       weight_version=2),
+            Completion(prompt_index=0, prompt_token_ids=prompts[0].token_ids, token_ids=[7, 8, 9, 10],
+                       logprobs=[-0.5] * 4, weight_version=2, token_versions=[2, 2, 3, 3]),
+            Completion(prompt_index=1, prompt_token_ids=prompts[1].token_ids, token_ids=[], logprobs=[],
+                       weight_version=3),
+            Completion(prompt_index=1, prompt_token_ids=prompts[1].token_ids, token_ids=[1, 2], logprobs=[-2.0] * 2,
+                       weight_version=1, token_versions=[1, 3])]
+
+
+def test_completion_codec_carries_token_versions_in_a_third_blob():
+    """Completions continued across a push keep each token's version over the wire; answers without
+    any stay two blobs (an old trainer reads them as before)."""
+    prompts = [Prompt(uid="a", token_ids=[1, 2]), Prompt(uid="b", token_ids=[3])]
+    completions = _spanning_completions(prompts)
+    result, blobs = msg.encode_completions(3, completions)
+    check(result, msg.GENERATE_REPLY)
+    assert len(blobs) == 3 and len(blobs[2]) == 4 * 9
+    version, back = msg.decode_completions(result, blobs, prompts)
+    assert version == 3
+    assert [(c.token_ids, c.weight_version, c.token_versions) for c in back] == \
+        [(c.token_ids, c.weight_version, c.token_versions) for c in completions]
+    assert [c.versions() for c in back] == [[2, 2, 2], [2, 2, 3, 3], [], [1, 3]]
+    plain = [c for c in completions if c.token_versions is None]
+    result, blobs = msg.encode_completions(3, plain)
+    assert len(blobs) == 2
+    assert all(c.token_versions is None for c in msg.decode_completions(result, blobs, prompts)[1])
+
+
+@pytest.mark.parametrize("forge, match", [
+    (lambda v: v[:-1], "token versions"),                        # one version short
+    (lambda v: v + [3], "token versions"),                       # one too many
+    (lambda v: [2, 2, 2, 2, 3, 2, 2, 3, 3], "never decrease"),   # 3 then 2 within a completion
+    (lambda v: [2, 2, 2, 3, 3, 3, 3, 1, 3], "start at"),         # the second starts at 3, row says 2
+])
+def test_security_malformed_token_versions_are_refused(forge, match):
+    prompts = [Prompt(uid="a", token_ids=[1, 2]), Prompt(uid="b", token_ids=[3])]
+    result, blobs = msg.encode_completions(3, _spanning_completions(prompts))
+    versions = np.frombuffer(blobs[2], dtype="<i4").tolist()
+    assert versions == [2, 2, 2, 2, 2, 3, 3, 1, 3]
+    forged = np.asarray(forge(versions), dtype="<i4").tobytes()
+    with pytest.raises(SchemaError, match=match):
+        msg.decode_completions(result, blobs[:2] + [forged], prompts)
+    with pytest.raises(SchemaError, match="blobs"):
+        msg.decode_completions(result, blobs + [blobs[2]], prompts)
+
+
+def test_submit_and_fetch_requests_are_checked():
+    prompts = [Prompt(uid="a", token_ids=[5, 6]), Prompt(uid="b", token_ids=[7])]
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=8)
+    args, blobs = msg.encode_submit(12, "continue", prompts, [3, 9], sampling)
+    check(args, msg.SUBMIT)
+    assert args["job"] == 12 and args["partial"] == "continue"
+    got, seeds, back = msg.decode_submit(args, blobs, LIMITS)
+    assert [p.token_ids for p in got] == [[5, 6], [7]] and seeds == [3, 9] and back == sampling
+    for partial in msg.PARTIAL:
+        msg.decode_submit({**args, "partial": partial}, blobs, LIMITS)
+    with pytest.raises(SchemaError, match="partial"):
+        msg.decode_submit({**args, "partial": "later"}, blobs, LIMITS)
+    with pytest.raises(SchemaError, match="max_model_len"):  # generate's limits hold
+        too_long = Sampling(n=1, temperature=1.0, max_tokens=65)
+        msg.decode_submit(*msg.encode_submit(1, "off", prompts, [3, 9], too_long), LIMITS)
+    for bad in ({**args, "job": "12"}, {**args, "partial": None}, {k: v for k, v in args.items() if k != "job"},
+                {**args, "extra": 1}):
+        with pytest.raises(SchemaError):
+            check(bad, msg.SUBMIT)
+    check({"job": 3}, msg.FETCH)
+    for bad in ({}, {"job": 3.0}, {"job": 3, "wait": True}):
+        with pytest.raises(SchemaError):
+            check(bad, msg.FETCH)
+
+
+def test_the_commit_reloads_inside_the_servers_swapping_block():
+    """Background generation pauses around the reload (injected: the commit outside ``swapping()``
+    -> the reload is recorded outside the block, the test fails)."""
+    import contextlib
+
+    from megatron_gtpo.sync.receiver import PushReceiver
+
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def swapping():
+        events.append("pause")
+        yield
+        events.append("resume")
+
+    engine = SimpleNamespace(weight_version=3, rpc=lambda name, **kw: events.append(name),
+                             loaded=lambda version, ok: events.append(f"loaded v{version} {ok}"))
+    receiver = PushReceiver()
+    receiver.ctx = SimpleNamespace(engine=engine, swapping=swapping)
+    receiver.session, receiver._verified = True, 4
+    assert receiver._on_commit({"version": 4}, []) == {"version": 4}
+    assert events == ["pause", "finish_weight_update", "loaded v4 True", "resume"]
