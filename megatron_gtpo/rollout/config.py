@@ -190,10 +190,18 @@ class RolloutConfig:
           into any ``hf_overrides`` the recipe sets;
         * not ``hf_weights`` (the model directory holds a Megatron checkpoint): the engine starts
           empty (``load_format: dummy``) and the first push fills it, unless the recipe sets a
-          ``load_format`` itself."""
+          ``load_format`` itself;
+        * pushes while generating (``in_flight_pushes()``): synchronous scheduling
+          (``async_scheduling: false``) unless the recipe sets it, so every token's version tag is
+          that of the weights that sampled it."""
         vllm = dict(self.vllm)
         if lm_head_fp32:
             vllm["hf_overrides"] = {"head_dtype": "float32", **(vllm.get("hf_overrides") or {})}
         if not hf_weights:
             vllm.setdefault("load_format", "dummy")
+        if self.in_flight_pushes() is not None:
+            # Pushes land between two engine steps (rollout/inflight.py). vLLM's asynchronous
+            # scheduling (a GPU default) keeps one batch in flight across that boundary, whose tokens
+            # would be sampled by the old weights but tagged with the new version.
+            vllm.setdefault("async_scheduling", False)
         return dataclasses.replace(self, vllm=vllm)

@@ -22,9 +22,11 @@ added again from their prompt with the same seed (what they had is discarded), a
 with no token yet; then the thread resumes. A failed change (same version) only resumes.
 
 Each token's version is the engine's version when the step that sampled it ran, so a completion's
-versions never decrease. That holds for vLLM's synchronous scheduling (CPU engines); with its async
-scheduling (a GPU default: one batch stays in flight between two steps) the first tokens returned
-after a change were sampled by the old weights but carry the new version (not yet tested on GPU).
+versions never decrease. That holds for vLLM's synchronous scheduling, which the engines of a run
+with pushes during generation get (``RolloutConfig.for_engines`` sets ``async_scheduling: false``
+unless the recipe sets it; CPU engines have no other): with asynchronous scheduling (a GPU default:
+one batch stays in flight between two steps) the first tokens returned after a change would have
+been sampled by the old weights but carry the new version. Not yet run on a GPU.
 
 A step that raises fails every job in flight (their requests are aborted); ``result`` raises that
 error, never hangs.
@@ -39,10 +41,9 @@ from dataclasses import dataclass, field
 
 from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.rollout.engine import RolloutEngine
+from megatron_gtpo.rollout.staleness import PARTIAL_MODES as PARTIAL
 from megatron_gtpo.types import Completion, Prompt
 
-PARTIAL = ("off", "abort", "continue")
-"""What a job's unfinished requests do when the weights change (module docstring)."""
 
 
 @dataclass

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from megatron_gtpo.rollout.config import Sampling
+from megatron_gtpo.rollout.staleness import PARTIAL_MODES as PARTIAL
 from megatron_gtpo.types import Completion, Prompt
 from megatron_gtpo.utils.channel import SchemaError
 
@@ -46,8 +47,6 @@ SAMPLING = {"n": int, "temperature": float, "top_p": float, "max_tokens": int, "
 GENERATE = {"lengths": [int], "seeds": [int], "sampling": SAMPLING}
 SUBMIT = {"job": int, "partial": str, **GENERATE}
 FETCH = {"job": int}
-PARTIAL = ("off", "abort", "continue")
-"""What a submitted job's unfinished completions do when the weights change (rollout/inflight.py)."""
 GENERATE_REPLY = {"version": int, "completions": [{"prompt_index": int, "length": int, "text": str,
                                                    "finish_reason": str, "truncated": bool, "weight_version": int}]}
 
