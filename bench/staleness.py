@@ -1,7 +1,7 @@
 """Asynchronous rollouts on a pool of rollout servers: trainer idle share and end-to-end tokens/s at
 ``rollout.staleness`` k = 0, 1, 2 and with partial rollouts, as ratios to k = 0 in one invocation.
 
-    python bench/staleness.py [--steps 8] [--max-tokens 384] [--rows 0:off,1:off,2:off,2:continue,2:abort]
+    python bench/staleness.py [--steps 8] [--max-tokens 240] [--rows 0:off,1:off,2:off,2:continue,2:abort]
     python bench/staleness.py --quick [--out DIR]    # 2 rows x 3 steps at 48 tokens (the suite's smoke run)
 
 The workload is ``configs/tiny.yaml`` with one local rollout server (``sync.transport=separate``) and
@@ -33,6 +33,8 @@ sys.path.insert(0, REPO)  # this checkout
 from bench.quick import parse_quick  # noqa: E402
 
 QUICK = {"steps": 3, "max_tokens": 48, "rows": "0:off,2:continue"}
+MAX_PROMPT_TOKENS = 256
+"""configs/tiny.yaml's data.max_prompt_tokens; the tiny model has 512 positions."""
 SUMMED = ("time/step_s", "time/train_s", "time/rollout_s", "time/sync_s")
 MEANS = ("rollout/staleness_mean", "rollout/staleness_max", "rollout/partial_frac", "completion/length_mean",
          "completion/truncated_frac")
@@ -54,7 +56,7 @@ def run(out: str, *, staleness: int, partial: str, steps: int, max_tokens: int) 
            os.path.join(REPO, "configs", "tiny.yaml"), "--output-dir", out, "--steps", str(steps),
            f"rollout.staleness={staleness}", f"rollout.partial={partial}", "algo.mismatch_correction=tis",
            "sync.transport=separate", "parallel.tp=1", "rollout.n=4", f"rollout.max_tokens={max_tokens}",
-           f"rollout.vllm.max_model_len={256 + max_tokens + 64}", "train.prompts_per_step=4",
+           f"rollout.vllm.max_model_len={MAX_PROMPT_TOKENS + max_tokens}", "train.prompts_per_step=4",
            f"train.checkpoint_every={steps}", "tracking.samples_every=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
@@ -78,7 +80,7 @@ def run(out: str, *, staleness: int, partial: str, steps: int, max_tokens: int) 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=384)
+    parser.add_argument("--max-tokens", type=int, default=240, help="at most 512 - 256 (the tiny model's positions)")
     parser.add_argument("--rows", default="0:off,1:off,2:off,2:continue,2:abort",
                         help="comma-separated k:partial runs, the first 0:off (the baseline)")
     parser.add_argument("--out", default="/tmp/bench_staleness")

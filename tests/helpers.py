@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -150,3 +151,44 @@ def leave_freed_resident_heap(mib: int):
     pin = torch.ones(1024)
     del blocks
     return pin
+
+
+def tiny_tied_llama(out: Path, *, max_positions: int) -> str:
+    """A 2-layer random Llama (hidden 128, tied embeddings, seed 0) with SmolLM2's tokenizer in
+    ``out``: a model vLLM's CPU attention serves (head_dim 32), in seconds."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from megatron_gtpo.models.smollm2 import ensure_smollm2
+
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=max_positions, tie_word_embeddings=True, bos_token_id=1,
+                                      eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    for f in ensure_smollm2().iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, Path(out) / f.name)
+    return str(out)
+
+
+@contextlib.contextmanager
+def in_process_engine(model_dir: str, vllm_kwargs: dict):
+    """A RolloutEngine in this process (seed 0). It sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for the
+    process (rollout/engine.py); restored afterwards, so later tests' subprocesses run vLLM as they
+    do on their own."""
+    from megatron_gtpo.rollout import RolloutEngine
+
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    engine = RolloutEngine(model_dir=model_dir, seed=0, vllm_kwargs=vllm_kwargs)
+    try:
+        yield engine
+    finally:
+        engine.close()
+        if before is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before

@@ -118,7 +118,13 @@ def check_context(cfg, hf_config: dict) -> int:
     The context is ``rollout.vllm.max_model_len`` when set, else the model's max_position_embeddings
     (vLLM's own default). Prompts longer than data.max_prompt_tokens are dropped before rollout, so
     this bound also covers the longest prompt actually kept."""
-    explicit = cfg.rollout.vllm.get("max_model_len")
+    explicit, positions = cfg.rollout.vllm.get("max_model_len"), hf_config.get("max_position_embeddings")
+    if explicit is not None and positions and int(explicit) > int(positions) \
+            and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
+        raise ConfigError(f"rollout.vllm.max_model_len={explicit} exceeds the model's max_position_embeddings="
+                          f"{positions}: vLLM refuses to start such an engine (positions past it are not trained); "
+                          f"set rollout.vllm.max_model_len <= {positions} and keep data.max_prompt_tokens + "
+                          f"rollout.max_tokens within it")
     if explicit is not None:
         context, source = int(explicit), "rollout.vllm.max_model_len"
     elif hf_config.get("max_position_embeddings"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_gtpo.rollout.config import Sampling
-from tests.helpers import chat_prompt
+from tests.helpers import chat_prompt, in_process_engine, tiny_tied_llama
 
 pytestmark = pytest.mark.slow
 
@@ -22,44 +22,15 @@ QUESTIONS = ["What is 2 + 2?", "Name a color.", "Say hello."]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    import shutil
-
-    import transformers
-
-    from megatron_gtpo.models.smollm2 import ensure_smollm2
-
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny_tied_llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer_dir = ensure_smollm2()
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(f, out / f.name)
-    return str(out)
+    return tiny_tied_llama(tmp_path_factory.mktemp("tiny_tied_llama"), max_positions=512)
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    """The in-process engine sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for this process (rollout/engine.py);
-    restored afterwards, so later tests' subprocesses run vLLM as they do on their own."""
-    import os
-
-    from megatron_gtpo.rollout import RolloutEngine
-
-    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-
     # A small token budget per step, so a batch's prefills span several scheduler steps.
-    eng = RolloutEngine(model_dir=model_dir, seed=0, vllm_kwargs={
-        "dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 << 20, "max_num_batched_tokens": 256})
-    yield eng
-    eng.close()
-    if before is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+    with in_process_engine(model_dir, {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 << 20,
+                                       "max_num_batched_tokens": 256}) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import torch
 
 from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.types import Prompt
+from tests.helpers import in_process_engine, tiny_tied_llama
 
 pytestmark = pytest.mark.slow
 
@@ -24,40 +25,14 @@ SEEDS = [11, 200]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    import shutil
-
-    import transformers
-
-    from megatron_gtpo.models.smollm2 import ensure_smollm2
-
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny_inflight_llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(out)
-    for f in ensure_smollm2().iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(f, out / f.name)
-    return str(out)
+    return tiny_tied_llama(tmp_path_factory.mktemp("tiny_inflight_llama"), max_positions=256)
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    import os
-
-    from megatron_gtpo.rollout import RolloutEngine
-
-    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    eng = RolloutEngine(model_dir=model_dir, seed=0, vllm_kwargs={
-        "dtype": "float32", "max_model_len": 128, "kv_cache_memory_bytes": 32 << 20, "max_num_batched_tokens": 256,
-        "block_size": 32})
-    yield eng
-    eng.close()
-    if before is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+    with in_process_engine(model_dir, {"dtype": "float32", "max_model_len": 128, "kv_cache_memory_bytes": 32 << 20,
+                                       "max_num_batched_tokens": 256, "block_size": 32}) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

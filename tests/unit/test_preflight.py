@@ -22,7 +22,7 @@ from megatron_gtpo.config import load_config
 from megatron_gtpo.data.config import DataConfig
 from megatron_gtpo.cli import train as train_cli
 from megatron_gtpo.plan.engine_args import check_vllm_kwargs, context_problem, vllm_args
-from megatron_gtpo.plan.preflight import check_output_dir, check_prompts
+from megatron_gtpo.plan.preflight import check_context, check_output_dir, check_prompts
 from megatron_gtpo.rollout.config import RolloutConfig
 from megatron_gtpo.utils.configuration import ConfigError, load_recipe
 from tests.helpers import REPO
@@ -110,6 +110,17 @@ def test_context_problem_names_both_numbers_and_the_fix():
     text = context_problem(context=100, source="the model's max_position_embeddings", max_prompt_tokens=50,
                            max_tokens=100)
     assert text.endswith("exceeds the model's max_position_embeddings=100: lower rollout.max_tokens to 50")
+
+
+def test_an_engine_context_past_the_model_positions_is_refused_before_the_start(monkeypatch):
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["rollout.vllm.max_model_len=704", "rollout.max_tokens=384"])
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    with pytest.raises(ConfigError, match=r"rollout.vllm.max_model_len=704 exceeds the model's "
+                                          r"max_position_embeddings=512: .* set rollout.vllm.max_model_len <= 512"):
+        check_context(cfg, {"max_position_embeddings": 512})
+    assert check_context(cfg, {"max_position_embeddings": 1024}) == 704
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own escape hatch: the user asked for it
+    assert check_context(cfg, {"max_position_embeddings": 512}) == 704
 
 
 def _jsonl(path: Path, questions: list[str]) -> Path:
