@@ -4,13 +4,14 @@
     python bench/staleness.py [--steps 8] [--max-tokens 240] [--rows 0:off,1:off,2:off,2:continue,2:abort]
     python bench/staleness.py --quick [--out DIR]    # 2 rows x 3 steps at 48 tokens (the suite's smoke run)
 
-The workload is ``configs/tiny.yaml`` with one local rollout server (``sync.transport=separate``) and
+The workload is ``configs/tiny.yaml`` with one rollout server (``sync.transport=separate``) and
 completions of up to ``--max-tokens``: the tiny random policy stops with probability ~1/128 per token,
 so its lengths are geometric, a long tail of a few completions running to the cap while most ended
-long before (the tail that partial rollouts cut). The trainer runs at TP=1 on core 0 and the server
-on core 1 (``taskset``, ``VLLM_CPU_OMP_THREADS_BIND``, one thread each): a stand-in for rollout
-servers on their own devices, which 2 cores shared by both would not be (the 2026-12-01 run of this
-bench measured that: no gain). Every run uses ``algo.mismatch_correction=tis`` (required off-policy),
+long before (the tail that partial rollouts cut). The trainer runs at TP=1 on core 0 and the
+bench starts the server itself on core 1 (``taskset``, one thread each; the trainer reaches it through
+``sync.servers`` with a job secret the bench makes): a stand-in for rollout servers on their own
+devices, which 2 cores shared by both would not be (the 2026-12-01 run of this bench measured that:
+no gain). Every run uses ``algo.mismatch_correction=tis`` (required off-policy),
 so the rows differ only in the schedule.
 
 Per row, over steps 2..N (step 1 includes the engines' warm-up): the trainer's idle share
@@ -24,9 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # this checkout
@@ -51,17 +54,50 @@ def parse_rows(text: str) -> list[tuple[int, str]]:
 
 
 def run(out: str, *, staleness: int, partial: str, steps: int, max_tokens: int) -> dict[str, float]:
+    """One row: its own rollout server on core 1, the trainer on core 0."""
     shutil.rmtree(out, ignore_errors=True)
-    cmd = ["taskset", "-c", "0", sys.executable, "-m", "megatron_gtpo.cli", "train",
-           os.path.join(REPO, "configs", "tiny.yaml"), "--output-dir", out, "--steps", str(steps),
-           f"rollout.staleness={staleness}", f"rollout.partial={partial}", "algo.mismatch_correction=tis",
-           "sync.transport=separate", "parallel.tp=1", "rollout.n=4", f"rollout.max_tokens={max_tokens}",
-           f"rollout.vllm.max_model_len={MAX_PROMPT_TOKENS + max_tokens}", "train.prompts_per_step=4",
-           f"train.checkpoint_every={steps}", "tracking.samples_every=0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    os.makedirs(out)
+    overrides = {"rollout": {"staleness": staleness, "partial": partial, "n": 4, "max_tokens": max_tokens,
+                             "vllm": {"max_model_len": MAX_PROMPT_TOKENS + max_tokens}},
+                 "algo": {"mismatch_correction": "tis"}, "sync": {"transport": "separate"}, "parallel": {"tp": 1},
+                 "train": {"prompts_per_step": 4, "checkpoint_every": steps}, "tracking": {"samples_every": 0}}
+    recipe = os.path.join(out, "recipe.yaml")
+    with open(recipe, "w") as f:
+        json.dump({"base": os.path.join(REPO, "configs", "tiny.yaml"), **overrides}, f)  # JSON is YAML
+    from megatron_gtpo.utils.secret import make_secret_file
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "1",
+           "MGTPO_SECRET_FILE": str(make_secret_file(os.path.join(out, "secret")))}
+    with open(os.path.join(out, "server.log"), "w") as log:
+        server = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "megatron_gtpo.cli", "rollout-server",
+                                   recipe, "--host", "127.0.0.1", "--port", "0"], cwd=REPO, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT)
+    try:
+        address = _listening(os.path.join(out, "server.log"), server)
+        cmd = ["taskset", "-c", "0", sys.executable, "-m", "megatron_gtpo.cli", "train", recipe, "--output-dir",
+               os.path.join(out, "run"), "--steps", str(steps), f"sync.servers=[{address}]"]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    finally:
+        server.kill()
+        server.wait()
     if proc.returncode:
         sys.exit(f"run failed ({' '.join(cmd)}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return _row(os.path.join(out, "run"))
+
+
+def _listening(path: str, server: subprocess.Popen) -> str:
+    """``host:port`` the server printed once it held its port."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and server.poll() is None:
+        found = re.search(r"rollout-server listening on (\S+:\d+)", open(path).read())
+        if found:
+            return found.group(1)
+        time.sleep(0.2)
+    sys.exit(f"the rollout server did not start:\n{open(path).read()[-3000:]}")
+
+
+def _row(out: str) -> dict[str, float]:
+    """Sums and means over steps 2..N of one run's MLflow metrics."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{os.path.join(out, 'mlflow.db')}")
