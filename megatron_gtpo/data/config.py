@@ -9,10 +9,10 @@ from megatron_gtpo.data.sources import BENCHMARKS, FieldMap
 from megatron_gtpo.reward.verify import TASKS
 from megatron_gtpo.utils.configuration import require, require_choice
 
-TEMPLATES = ("auto", "reasoning_tags", "boxed", "mmlu", "plain")
+TEMPLATES = ("auto", "reasoning_tags", "boxed", "boxed_1shot", "mmlu", "plain")
 """Prompt templates (see ``megatron_gtpo.data.templates``)."""
 
-Template = Literal["auto", "reasoning_tags", "boxed", "mmlu", "plain"]
+Template = Literal["auto", "reasoning_tags", "boxed", "boxed_1shot", "mmlu", "plain"]
 
 
 @dataclass(kw_only=True)
@@ -43,7 +43,8 @@ class DataConfig:
 
     template: Template = "reasoning_tags"
     """Prompt template: ``reasoning_tags`` (the GTPO paper's system prompt asking for
-    <reasoning>/<answer> tags), ``boxed`` (step by step, answer in \\boxed{}), ``mmlu`` (multiple
+    <reasoning>/<answer> tags), ``boxed`` (step by step, answer in \\boxed{}), ``boxed_1shot``
+    (``boxed`` after one worked example that ends in a filled box), ``mmlu`` (multiple
     choice, letter in \\boxed{}), ``plain`` (the question alone), or ``auto`` (``mmlu`` for rows with
     choices, else ``boxed``)."""
 

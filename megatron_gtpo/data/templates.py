@@ -6,6 +6,9 @@ Templates (``DataConfig.template``):
   ``<reasoning>...</reasoning>`` then ``<answer>...</answer>``; the user turn is the question.
 - ``boxed``: the common math-eval instruction, reason step by step and put the final answer in
   ``\\boxed{}``.
+- ``boxed_1shot``: ``boxed`` after one worked example (a user turn and the assistant's answer ending
+  in a filled ``\\boxed{}``): a small instruct model that rarely closes a box on its own starts
+  formatted, as the GTPO paper's models did (docs/results.md, stage 4).
 - ``mmlu``: multiple choice; options listed as ``A. ...`` and the letter asked for in ``\\boxed{}``.
 - ``plain``: the question alone.
 - ``auto``: ``mmlu`` for rows with choices, ``boxed`` otherwise (the evaluation default).
@@ -25,6 +28,11 @@ PAPER_SYSTEM_PROMPT = (
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 """User-turn suffix of the ``boxed`` template."""
+
+ONE_SHOT = ({"role": "user", "content": f"What is 23 + 19?\n\n{BOXED_INSTRUCTION}"},
+            {"role": "assistant", "content": "23 + 19 = 42.\n\nThe final answer is \\boxed{42}."})
+"""The worked example of ``boxed_1shot``: its operands lie above the arithmetic task's (at most 20),
+so it is never one of that task's prompts."""
 
 MMLU_INSTRUCTION = ("Answer with the letter of the correct option. Reason step by step, then put the "
                     "letter ({letters}) within \\boxed{{}}.")
@@ -64,14 +72,16 @@ def build_messages(example: Example, *, template: str, system_prompt: str = "") 
     system = system_prompt
     if template == "reasoning_tags":
         system = system or PAPER_SYSTEM_PROMPT
-    elif template == "boxed":
+    elif template in ("boxed", "boxed_1shot"):
         user = f"{user}\n\n{BOXED_INSTRUCTION}"
     elif template == "mmlu":
         user = f"{user}\n\n{MMLU_INSTRUCTION.format(letters=_letters(len(example.choices)))}"
     elif template != "plain":
-        raise ValueError(f"unknown template {template!r}; expected auto, reasoning_tags, boxed, mmlu or plain")
+        raise ValueError(f"unknown template {template!r}; expected auto, reasoning_tags, boxed, boxed_1shot, mmlu "
+                         f"or plain")
     messages = [{"role": "system", "content": system}] if system else []
-    return messages + [{"role": "user", "content": user}]
+    shots = [dict(m) for m in ONE_SHOT] if template == "boxed_1shot" else []
+    return messages + shots + [{"role": "user", "content": user}]
 
 
 def render_text(messages: list[dict[str, str]], *, tokenizer, use_chat_template: bool) -> str:
@@ -83,6 +93,8 @@ def render_text(messages: list[dict[str, str]], *, tokenizer, use_chat_template:
                              "(or eval --no-chat-template) to send plain prompts")
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     parts = [m["content"] for m in messages if m["role"] == "system"]
+    turns = [m for m in messages if m["role"] != "system"]
+    parts += [f"Question: {q['content']}\nAnswer: {a['content']}" for q, a in zip(turns[:-1:2], turns[1::2])]
     parts.append("Question: " + messages[-1]["content"] + "\nAnswer:")
     return "\n\n".join(parts)
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from megatron_gtpo.utils.configuration import require
+from megatron_gtpo.data.config import Template
 from megatron_gtpo.data.sources import canonical_benchmark
 
 PAPER_BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23"]
@@ -43,7 +44,7 @@ class EvalConfig:
     limit: int = 0
     """Evaluate only the first N problems of each benchmark; 0 evaluates all."""
 
-    template: Literal["auto", "reasoning_tags", "boxed", "mmlu", "plain"] = "auto"
+    template: Template = "auto"
     """Prompt template (see DataConfig.template); ``reasoning_tags`` matches GTPO-trained models."""
 
     system_prompt: str = ""

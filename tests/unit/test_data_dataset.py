@@ -30,6 +30,20 @@ def test_templates_render_the_documented_prompts():
         build_messages(QUESTION, template="mmlu")
 
 
+def test_one_shot_template_shows_a_filled_box_before_the_question():
+    shot = build_messages(QUESTION, template="boxed_1shot")
+    assert [m["role"] for m in shot] == ["user", "assistant", "user"]
+    assert shot[-1] == build_messages(QUESTION, template="boxed")[0]  # the question as `boxed` asks it
+    assert shot[1]["content"].endswith("\\boxed{42}.") and "23 + 19" in shot[0]["content"]  # not a task prompt
+    (chat,), _ = build_prompts([QUESTION], tokenizer=tiny_tokenizer(), template="boxed_1shot")
+    assert chat.text.count("<|im_start|>user") == 2 and chat.text.endswith("<|im_start|>assistant\n")
+    (plain,), _ = build_prompts([QUESTION], tokenizer=tiny_tokenizer(), template="boxed_1shot",
+                                use_chat_template=False)
+    assert plain.text.startswith("Question: What is 23 + 19?") and "Answer: 23 + 19 = 42." in plain.text
+    assert plain.text.endswith("Question: What is 3 + 4?\n\nPlease reason step by step, and put your final "
+                               "answer within \\boxed{}.\nAnswer:")
+
+
 def test_chat_template_is_applied_and_tokens_match_text():
     tok = tiny_tokenizer()
     (prompt,), stats = build_prompts([QUESTION], tokenizer=tok, template="reasoning_tags")
