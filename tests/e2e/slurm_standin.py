@@ -19,7 +19,8 @@ step touches ``$STANDIN_DIR/preparing`` first and then sleeps STANDIN_PREPARE_S 
 through torchrun's rendezvous variables and all-reduces the ranks (a real cross-"node" connection).
 Each rank's ``start`` record carries the SHA-256 of the job secret it found at ``$MGTPO_SECRET_FILE``
 (None when there was no file), never the secret itself.
-``CLI rollout-server``: records, then sleeps until terminated. ``CLI eval``/``CLI convert``: record
+With ``MGTPO_ROLLOUT_HOSTS`` set, a rank first waits for every rollout node's server record (as the
+trainer waits for its servers). ``CLI rollout-server``: records, then sleeps until terminated. ``CLI eval``/``CLI convert``: record
 and exit 0 (``eval`` writes ``{}`` to its last ``--output``).
 """
 
@@ -76,6 +77,20 @@ def prepare(args: list[str]) -> int:
     return 0
 
 
+def _wait_for_servers(timeout_s: float = 120.0) -> None:
+    """As the real trainer waits for its rollout servers before its first step: until every rollout
+    node's stand-in server has recorded its start (else a loaded machine ends the job, and kills the
+    server's step, before that step ever ran)."""
+    path = Path(os.environ["STANDIN_DIR"]) / "records.jsonl"
+    hosts = len(os.environ["MGTPO_ROLLOUT_HOSTS"].split(","))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if sum(json.loads(line).get("event") == "rollout-server" for line in lines) >= hosts:
+            return
+        time.sleep(0.2)
+
+
 def rank(args: list[str]) -> int:
     stop: list[int] = []
     signal.signal(signal.SIGUSR1, lambda *_: stop.append(signal.SIGUSR1))
@@ -88,6 +103,8 @@ def rank(args: list[str]) -> int:
     resume = "--resume" in args or "--resume=auto" in args
     start = json.loads(ckpt.read_text())["step"] if resume and ckpt.exists() else 0
     total = _allreduce() if os.environ.get("STANDIN_ALLREDUCE") == "1" else None
+    if os.environ.get("MGTPO_ROLLOUT_HOSTS"):
+        _wait_for_servers()
     _record(event="start", step=start, allreduce=total, secret=_secret_digest())
     for step in range(start + 1, cfg["steps"] + 1):
         time.sleep(float(os.environ.get("STANDIN_STEP_S", "0.2")))

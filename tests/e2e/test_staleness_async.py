@@ -108,7 +108,9 @@ def test_killed_three_times_and_resumed_trains_every_prompt_once_at_its_step(uni
     resumed_at.append(_started_at(final.log))
     assert trained(out) == trained(uninterrupted)  # the same prompts at every step, none lost or repeated
     check_token_versions(out, resumed_at=tuple(resumed_at))
-    assert len(set(resumed_at)) >= 2 and min(resumed_at) >= 1, resumed_at  # resumed from different checkpoints
+    # resumed from different points, at least once from a checkpoint with batches in flight (the first
+    # kill may come before step 1's checkpoint on a loaded machine: a fresh start, also legitimate)
+    assert len(set(resumed_at)) >= 2 and max(resumed_at) >= 2, resumed_at
 
 
 def _started_at(log: str) -> int:
