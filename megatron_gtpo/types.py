@@ -9,6 +9,7 @@ of the global batch, ``T`` the longest completion, ``P`` the longest prompt).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,6 +70,13 @@ class Completion:
         if self.token_versions is None:
             return [self.weight_version] * len(self.token_ids)
         return list(self.token_versions)
+
+    def version_counts(self) -> dict[int, int]:
+        """Tokens per weight version that sampled them, without a list per token (the collector's
+        per-step checks and metrics): ``{weight_version: tokens}``, empty for an empty completion."""
+        if self.token_versions is None:
+            return {self.weight_version: len(self.token_ids)} if self.token_ids else {}
+        return dict(Counter(self.token_versions))
 
 
 @dataclass(kw_only=True)

@@ -278,10 +278,10 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
            "reward/accuracy": correct.mean().item() if len(correct) else float("nan"),
            "completion/length_mean": lengths.mean().item(), "completion/length_max": lengths.max().item(),
            "completion/truncated_frac": truncated.mean().item(), **counters}
-    versions = [c.versions() for g in batch.groups for c in g.completions]
-    tokens = [v for per in versions for v in per] or [c.weight_version for g in batch.groups for c in g.completions]
-    out.update({"rollout/weight_version_min": float(min(tokens)), "rollout/weight_version_max": float(max(tokens)),
+    counts = [c.version_counts() for g in batch.groups for c in g.completions]
+    versions = {v for per in counts for v in per} or {c.weight_version for g in batch.groups for c in g.completions}
+    out.update({"rollout/weight_version_min": float(min(versions)), "rollout/weight_version_max": float(max(versions)),
                 "rollout/staleness_max": float(batch.staleness), "rollout/staleness_mean": batch.staleness_mean,
-                "rollout/partial_frac": sum(len(set(per)) > 1 for per in versions) / len(versions)})
+                "rollout/partial_frac": sum(len(per) > 1 for per in counts) / len(counts)})
     out.update({f"reward/{k}": v for k, v in batch.reward_stats.items() if k != "seconds"})
     return out

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from megatron_gtpo.rollout.config import Sampling
-from megatron_gtpo.rollout.staleness import PARTIAL_MODES as PARTIAL
+from megatron_gtpo.rollout.staleness import PARTIAL_MODES as PARTIAL, tags_in_order
 from megatron_gtpo.types import Completion, Prompt
 from megatron_gtpo.utils.channel import SchemaError
 
@@ -164,7 +164,7 @@ def decode_completions(result: dict, blobs: list, prompts: Sequence[Prompt]) -> 
 
 
 def _token_versions(versions: list[int], row: dict) -> list[int] | None:
-    if versions and (versions[0] != row["weight_version"] or any(b < a for a, b in zip(versions, versions[1:]))):
+    if not tags_in_order(versions, row["weight_version"]):
         raise SchemaError(f"generate answer: token versions {versions[:3]}... of a completion of weight version "
                           f"{row['weight_version']} must start at it and never decrease")
     return versions if len(set(versions)) > 1 else None

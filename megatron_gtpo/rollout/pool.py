@@ -306,6 +306,14 @@ class RolloutPool:
         ticket, self._in_flight = self._in_flight, None
         if ticket is None:
             return
+        versions, out = self._answers(ticket)
+        if len(set(versions.values())) > 1:
+            raise ServerError(f"rollout servers serve different weight versions: {versions}")
+        ticket.completions = out
+
+    def _answers(self, ticket: PoolTicket) -> tuple[dict[str, int], list[Completion]]:
+        """Every server's answer to ``ticket``'s call (a ``generate`` or a ``fetch``): the version each
+        served, and the completions in prompt order."""
         out, versions = [], {}
         for link, (lo, hi) in zip(self.links, ticket.runs):
             if hi > lo:
@@ -314,21 +322,14 @@ class RolloutPool:
                 for c in part:
                     c.prompt_index += lo
                 out += part
-        if len(set(versions.values())) > 1:
-            raise ServerError(f"rollout servers serve different weight versions: {versions}")
-        ticket.completions = out
+        return versions, out
 
     def _fetch(self, ticket: PoolTicket) -> None:
         """A job's completions from every server it ran on (asked of all before any answer is read)."""
-        busy = [(link, lo, hi) for link, (lo, hi) in zip(self.links, ticket.runs) if hi > lo]
-        for link, _, _ in busy:
-            link.send("fetch", {"job": ticket.job})
-        out = []
-        for link, lo, hi in busy:
-            for c in link.generated(ticket.prompts[lo:hi])[1]:
-                c.prompt_index += lo
-                out.append(c)
-        ticket.completions = out
+        for link, (lo, hi) in zip(self.links, ticket.runs):
+            if hi > lo:
+                link.send("fetch", {"job": ticket.job})
+        ticket.completions = self._answers(ticket)[1]
 
     # ------------------------------------------------------------------ ServerPool (the weight sync's interface)
 
