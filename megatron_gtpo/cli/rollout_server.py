@@ -34,6 +34,7 @@ import psutil
 from megatron_gtpo.config import load_config
 from megatron_gtpo.models.hf_config import has_hf_weights
 from megatron_gtpo.models.resolve import resolve_model
+from megatron_gtpo.parallel import unpickle
 from megatron_gtpo.rollout.server import RolloutServer, ServerSpec
 from megatron_gtpo.sync.receiver import PushReceiver
 from megatron_gtpo.utils.secret import SecretError, load_secret
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if spec.host in ("0.0.0.0", "::", ""):
         log.warning("listening on all interfaces (--host %s): every network of this node can reach the port", spec.host)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    unpickle.install()  # vLLM's world in this process: its object collectives build data types only
     RolloutServer(spec, secret=secret, receiver=PushReceiver()).run()
     return 0
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_gtpo.parallel import control, cpu_shims, strict
+from megatron_gtpo.parallel import control, cpu_shims, strict, unpickle
 from megatron_gtpo.parallel.launch import free_port
 from megatron_gtpo.parallel.layout import expert_world_problem, world_problem
 from megatron_gtpo.utils.configuration import require
@@ -150,6 +150,7 @@ def init_distributed(*, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: in
     from megatron.core import parallel_state as ps
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    unpickle.install()  # before any collective: what peers send is built as data only
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))

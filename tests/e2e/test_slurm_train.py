@@ -203,7 +203,9 @@ def test_security_the_job_secret_is_owner_only_and_never_in_logs_config_or_mlflo
     job runs, gone once it has ended, and its value in no log of the job (batch, trainer, rollout
     server), not in config.yaml, not in MLflow's store (params, tags, metrics: the whole SQLite file)
     and in no other file of the job. Injected: no `trap remove_secret EXIT` in train.sbatch -> the
-    secret is still there after the job and this test fails."""
+    secret is still there after the job and this test fails. Every file of the run directory is
+    owner-only (the job's umask 077, which covers vLLM's shared memory and IPC sockets; injected:
+    no umask in train.sbatch -> mlartifacts/, logs/, tracking/ are 0755 and this test fails)."""
     run = rollout_nodes
     key = run.out_dir / ".secret" / "job.key"
     assert run.secret_modes == (0o600, 0o700), oct(run.secret_modes[0])
@@ -220,6 +222,8 @@ def test_security_the_job_secret_is_owner_only_and_never_in_logs_config_or_mlflo
             searched.append(path.name)
             assert not any(n in data for n in needles), f"the job secret is in {path}"
     assert {"config.yaml", "mlflow.db", "train-r0-node0.log", "rollout-r0-node0.log"} <= set(searched), searched
+    shared = [str(p) for p in run.out_dir.rglob("*") if p.stat().st_mode & 0o077]  # the job's umask 077
+    assert not shared, f"files of the job that others may open: {shared}"
     import sqlite3
 
     with sqlite3.connect(run.job_dir / "mlflow.db") as db:  # the params really are there: the search saw them
@@ -232,8 +236,8 @@ def test_security_every_listening_socket_of_a_real_slurm_job_is_in_the_table(rol
     """Every TCP socket that any process of the rollout-nodes job listened on while it ran (sampled
     every 0.5 s from /proc: srun, torchrun, both trainer ranks, the rollout server and its vLLM
     engine) belongs to a row of docs/security.md's listener table, is bound where that row says, and
-    only rows the table marks as open unpickle what arrives (the checkpoint object collectives of
-    Megatron-Core and torch DCP; vLLM's own, on loopback). torchrun listens on MASTER_PORT only (the
+    no row seen unpickles what arrives (the checkpoint object collectives of Megatron-Core and torch
+    DCP and vLLM's world decode through the guarded unpickler, parallel/unpickle.py). torchrun listens on MASTER_PORT only (the
     static rendezvous: one store, nothing unpickled). Injected: the rollout server started with
     ``--host 0.0.0.0`` (its port on every interface where the table says its node's address) -> this
     test fails; torchrun started with ``--rdzv-backend=c10d`` again (which unpickles its rendezvous
@@ -256,8 +260,7 @@ def test_security_every_listening_socket_of_a_real_slurm_job_is_in_the_table(rol
     assert {"srun", "torchrun-store", "trainer-gloo", "rollout-port", "vllm-world"} <= set(seen), sorted(seen)
     assert {port for _, port in seen["torchrun-store"]} == {master_port}
     assert seen["rollout-port"] == {("127.0.0.1", rollout_port)}  # its one port, on its node's address
-    # what unpickles is known and marked open: the checkpoint object collectives of Megatron-Core and
-    # torch DCP over the ranks' gloo pairs, vLLM's own (loopback); torchrun's store no more (S1)
-    unpickling = {row for row in seen if rows[row][4].startswith("**yes**")}
-    assert unpickling == {"trainer-gloo", "vllm-world"}, {row: rows[row][4] for row in seen}
-    assert all("open" in rows[row][4] for row in unpickling), {row: rows[row][4] for row in unpickling}
+    # nothing seen unpickles: the checkpoint object collectives of Megatron-Core and torch DCP (gloo
+    # pairs) and vLLM's world decode through parallel/unpickle.py, torchrun's store no more (S1)
+    unpickling = {row for row in seen if not rows[row][4].startswith(("no", "-"))}
+    assert not unpickling, {row: rows[row][4] for row in unpickling}

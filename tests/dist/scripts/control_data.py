@@ -5,6 +5,9 @@ Every rank sends every payload kind of tests/unit/test_security_control_objects.
 ``control.broadcast_data`` and ``control.all_gather_data`` and compares what arrives. Then rank 0
 plays a process in a peer's place: it sends, on the control group and in the control plane's own
 framing (an int64 length, then the bytes), a pickle whose unpickling creates MARKER_DIR/ran.
+Last, the object collectives that Megatron's and torch's distributed checkpointing still call
+(torch's pickling ``broadcast_object_list``): a checkpoint plan arrives equal, and the same pickle
+from rank 0 is refused by the guarded unpickler (parallel/unpickle.py) and creates MARKER_DIR/ran2.
 Prints ``RESULT {"check": ..., "rank": ..., ...}`` lines.
 """
 
@@ -55,8 +58,27 @@ def pickle_in_a_peers_place(marker: Path) -> None:
     report(check="pickle", outcome=outcome, ran=marker.exists())
 
 
+def checkpoint_object_collectives(marker: Path) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+    plan = SavePlan([WriteItem(MetadataIndex("w", torch.Size([0, 0])), WriteItemType.SHARD)], storage_data={"x": 1})
+    sent = [plan, torch.arange(4, dtype=torch.bfloat16)] if dist.get_rank() == 0 else [None, None]
+    dist.broadcast_object_list(sent, src=0, group=control._group(None))  # gloo, as checkpointing uses
+    report(check="plan", equal=sent[0] == plan and torch.equal(sent[1], torch.arange(4, dtype=torch.bfloat16)))
+    bombs = [_Marker(marker)] if dist.get_rank() == 0 else [None]
+    try:
+        dist.broadcast_object_list(bombs, src=0, group=control._group(None))
+        outcome = "sent" if dist.get_rank() == 0 else "accepted"
+    except pickle.UnpicklingError as err:
+        outcome = f"refused: {err}"
+    control.barrier()
+    report(check="object_collective", outcome=outcome, ran=marker.exists())
+
+
 if __name__ == "__main__":
     world_size = int(os.environ["WORLD_SIZE"])
     init_distributed(tp=world_size, seed=1)
     round_trips(world_size)
     pickle_in_a_peers_place(Path(sys.argv[1]) / "ran")
+    checkpoint_object_collectives(Path(sys.argv[1]) / "ran2")
