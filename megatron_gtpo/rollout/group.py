@@ -6,12 +6,15 @@ own slice). How the work is spread depends on the transport:
 
 * colocated: **every rank is part of one engine**. vLLM joins the torchrun world at start-up, so
   all ranks must build one (``external_launcher``). With engines of TP=1 (the CPU default) each rank
-  holds a full-model engine, and the trainer's TP peers, which would otherwise idle during
-  generation, each sample a contiguous shard of the prompts; the shards are all-gathered. With
-  ``vllm.tensor_parallel_size=k`` vLLM groups k consecutive ranks into one engine, exactly like
-  Megatron's TP groups; the k ranks of an engine submit the same shard and only its first rank's
-  copy is kept. Every prompt's seed is derived from the *whole* batch, so the completions do not
-  depend on the number of engines.
+  holds a full-model engine, and the trainer's TP, CP and DP peers, which would otherwise idle
+  during generation, each sample a contiguous share of the batch (:func:`engine_shares`); the shares
+  are all-gathered in engine order. With ``vllm.tensor_parallel_size=k`` vLLM groups k consecutive
+  ranks into one engine, exactly like Megatron's TP groups; the k ranks of an engine submit the same
+  share and only its first rank's copy is kept. Every sample's seed is derived from the *whole*
+  batch (sample j of prompt i: ``seeds[i] + j``, which is also how vLLM seeds the j-th sample of
+  an n > 1 request), so the completions do not depend on the number of engines or on the split.
+  Fewer prompts than engines (a small step over CP ranks, whose engines would otherwise idle and
+  could serve stale weights unnoticed): a prompt's samples are split over several engines.
 * separate: **global rank 0 holds the pool of rollout servers** (``rollout.pool.RolloutPool``), which
   spreads the prompts over the servers; rank 0 broadcasts the completions.
 
@@ -28,12 +31,14 @@ the default group, which is NCCL on GPU. A world of one rank needs no communicat
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from megatron_gtpo.errors import ServerError, WeightPushError
 from megatron_gtpo.parallel import control
 from megatron_gtpo.rollout.config import Sampling
 from megatron_gtpo.rollout.engine import call_seed, prompt_seeds
+from megatron_gtpo.rollout.pool import balanced_runs
 from megatron_gtpo.rollout.protocol import Engine
 from megatron_gtpo.types import Completion, Prompt
 
@@ -103,16 +108,17 @@ class RolloutGroup:
 
     def _sharded(self, prompts: Sequence[Prompt], seeds: list[int], sampling: Sampling) -> list[Completion]:
         engines, index = self._world // self._per_engine, self._rank // self._per_engine
-        per_engine = -(-len(prompts) // engines)
-        lo, hi = min(index * per_engine, len(prompts)), min((index + 1) * per_engine, len(prompts))
+        lo, hi, first, count = engine_shares(len(prompts), sampling.n, engines)[index]
         mine = []
-        if hi > lo:
-            mine = self.engine.wait(self.engine.submit(prompts[lo:hi], seeds=seeds[lo:hi], sampling=sampling))
-        # The other ranks of an engine hold the same shard: only an engine's first rank sends it (its
+        if hi > lo and count:  # samples first .. first+count-1 of each prompt: vLLM seeds them seed+first+k
+            part = sampling if count == sampling.n else dataclasses.replace(sampling, n=count)
+            mine = self.engine.wait(self.engine.submit(prompts[lo:hi], seeds=[s + first for s in seeds[lo:hi]],
+                                                       sampling=part))
+        # The other ranks of an engine hold the same share: only an engine's first rank sends it (its
         # completions carry the routed experts of a mixture, ~1.5 MB each at 30B scale: issue 33's N5)
         lead = self._rank % self._per_engine == 0
-        shards = control.all_gather_data((lo, mine if lead else None), records=(Completion,))
-        first_ranks = shards[::self._per_engine]
+        shares = control.all_gather_data((lo, mine if lead else None), records=(Completion,))
+        first_ranks = shares[::self._per_engine]
         return [c for start, part in first_ranks for c in _relink(part, prompts, offset=start)]
 
     def sleep(self, *, keep_weights: bool = False) -> None:
@@ -153,3 +159,20 @@ def _relink(completions: list[Completion], prompts: Sequence[Prompt], *, offset:
         c.prompt_index += offset
         c.prompt_token_ids = prompts[c.prompt_index].token_ids
     return completions
+
+
+def engine_shares(num_prompts: int, n: int, engines: int) -> list[tuple[int, int, int, int]]:
+    """Each engine's share of a call of ``num_prompts`` prompts x ``n`` samples, in engine order:
+    ``(lo, hi, first, count)`` = samples ``first .. first + count - 1`` of prompts ``lo .. hi - 1``.
+    Concatenated in engine order they are every sample once, prompt-major. At least as many prompts
+    as engines: contiguous runs of whole prompts (one vLLM call per engine, a prompt's samples share
+    its prefill), sizes differing by at most one. Fewer: each prompt's samples are split over a
+    contiguous run of engines, so every engine samples while there are at least as many samples as
+    engines (with fewer, the last engines of a prompt get ``count`` 0)."""
+    if num_prompts >= engines or not num_prompts:
+        return [(lo, hi, 0, n) for lo, hi in balanced_runs(num_prompts, engines)]
+    shares = []
+    for prompt, (e_lo, e_hi) in enumerate(balanced_runs(engines, num_prompts)):
+        for s_lo, s_hi in balanced_runs(n, e_hi - e_lo):
+            shares.append((prompt, prompt + 1, s_lo, s_hi - s_lo))
+    return shares

@@ -2,7 +2,8 @@
 
 The engines here are stand-ins that return one record per sample (the real-engine runs are in
 tests/e2e/test_sync_megatron.py); what is checked is the placement logic: which prompts and seeds
-each rank's engine is asked for, and that every rank gets the same full, correctly indexed result.
+each rank's engine is asked for, and that every rank gets the same full, correctly indexed result,
+also with fewer prompts than engines (``split``: a prompt's samples shared, its seeds kept).
 The workers run with strict device groups (the results travel over the gloo control plane).
 """
 
@@ -37,7 +38,9 @@ class RecordingEngine:
         return ticket
 
 
-MODES = ("tp1", "tp2", "separate")
+MODES = ("tp1", "tp2", "separate", "split")
+PROMPTS = {"split": 1}
+"""Prompts per call (5 unless named): ``split`` has fewer prompts than engines."""
 
 
 def _worker(rank: int, port: int, queue) -> None:
@@ -55,12 +58,13 @@ def _worker(rank: int, port: int, queue) -> None:
         engine = RecordingEngine() if mode != "separate" or rank == 0 else None
         group = RolloutGroup(engine, shard=mode != "separate", model_dir="/unused", seed=3,
                              ranks_per_engine=2 if mode == "tp2" else 1)
-        prompts = [Prompt(uid=str(i), token_ids=[i + 10]) for i in range(5)]
+        count = PROMPTS.get(mode, 5)
+        prompts = [Prompt(uid=str(i), token_ids=[i + 10]) for i in range(count)]
         out = group.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=4), seed=9)
         queue.put({"mode": mode, "rank": rank, "calls": engine.calls if engine else None,
                    "out": [(c.prompt_index, c.token_ids, c.prompt_token_ids is prompts[c.prompt_index].token_ids)
                            for c in out],
-                   "seeds": prompt_seeds(9, 5, 2)})
+                   "seeds": prompt_seeds(9, count, 2)})
     dist.destroy_process_group()
 
 
@@ -82,7 +86,7 @@ def run_all() -> dict[str, dict[int, dict]]:
 
 
 def expected(seeds: list[int]) -> list:
-    return [(i, [i, seeds[i] + j], True) for i in range(5) for j in range(2)]
+    return [(i, [i, seeds[i] + j], True) for i in range(len(seeds)) for j in range(2)]
 
 
 def test_every_rank_gets_the_whole_batch_in_order():
@@ -95,6 +99,8 @@ def test_every_rank_gets_the_whole_batch_in_order():
         calls = {rank: r["calls"] for rank, r in results.items()}
         if mode == "tp1":  # one engine per rank: contiguous shards, with the whole batch's seeds
             assert calls == {0: [(["0", "1", "2"], seeds[:3])], 1: [(["3", "4"], seeds[3:])]}
+        elif mode == "split":  # 1 prompt, 2 engines: each samples one of its 2, seeded as in the whole request
+            assert calls == {0: [(["0"], seeds)], 1: [(["0"], [seeds[0] + 1])]}
         elif mode == "tp2":  # one engine over both ranks: both submit the same (whole) batch
             assert calls[0] == calls[1] == [([str(i) for i in range(5)], seeds)]
         else:  # rank 0 owns the only engine

@@ -1,6 +1,10 @@
 """Context parallelism from the CLI (issue 23): ``megatron-gtpo train configs/tiny.yaml parallel.cp=2``
-on 4 torchrun ranks (TP=2 x CP=2), real vLLM (two colocated engines, one per CP rank's TP pair),
-Megatron with the CPU stand-in CP attention, MLflow; then a resume from its step-2 checkpoint.
+on 4 torchrun ranks (TP=2 x CP=2), real vLLM (four colocated engines of TP=1, one per rank: CP rank
+1's are ranks 2 and 3), Megatron with the CPU stand-in CP attention, MLflow; then a resume from its
+step-2 checkpoint. Each step's 2 prompts x 4 samples are split 2 samples per engine
+(``rollout/group.py::engine_shares``: fewer prompts than engines share a prompt's samples, each
+keeping its seed), so CP rank 1's engines sample prompt 1 and the batch is the CP=1 run's, sample
+for sample.
 
 One CP run of 3 steps on PACKED micro-batches that mix rows (THD: each packed row split over the two
 CP ranks) and its resume (the only CP=2 CLI runs of the suite). The CP=1 run it is compared with is
@@ -43,11 +47,19 @@ def test_cp_tiny_recipe_trains_from_the_cli_and_matches_cp1(cp_run):
     non-CP run's (test_train.py: max < 1e-4, mean < 1e-5) at every step, so both CP ranks' engines
     serve the pushed weights.
 
-    Injected once, NOT caught: CP rank 1's colocated push skipping every MLP tensor
-    (``sync/colocated.py``, its engine keeps step 1's MLP): every metric of all 3 steps stayed bit
-    for bit the same as the clean run, gap included, so no sample the step trains on or reports
-    comes from CP rank 1's engine (open in issue 35: make that engine sample, or do not build it).
-    A CP gradient bug from step 2 on was not injected in this round."""
+    Proved against (issue 35, each injected once; the clean run passes, both tests in 43-66 s here):
+    CP rank 1's colocated push skipping every MLP tensor (``sync/colocated.py``, ranks 2 and 3: their
+    engines keep the initial MLP): fails at ('reward/mean', 3, 0.2265625, 0.21875), with the gap at
+    max [4.8e-07, 0.048, 0.098] and optim/grad_norm 0.6280 at step 2 (stored 0.6380). (Before the
+    split, the same bug passed bit for bit: 2 prompts over 4 engines left ranks 2 and 3 nothing to
+    sample.) A CP gradient bug from step 2 on in packed (THD) rows, CP rank 1's K/V gradient x 1.01
+    (``parallel/cp_attention.py``, its gradient hooks on packed micro-batches): fails at
+    ('optim/grad_norm', 2, 0.63928, 0.63797) (2e-3 relative against 1e-5; step 3 0.76306 against
+    0.76216). Injected too, NOT caught and cannot be here: CP rank 1's loss x 1.01 from step 2 on
+    (``train/loss.py``) passed, because CP rank 1 holds no completion token of this recipe (held = 0
+    in every micro-batch: prompts of 150-256 characters and <= 24 completion tokens put every
+    completion in its sequence's last load-balanced chunk, CP rank 0's), so its loss is 0 with no
+    gradient; rows whose completions span CP ranks are tests/dist/test_cp.py's."""
     out, text = cp_run
     assert CP1["overrides"] == [] and "tp=2 cp=2 pp=1 dp=1" in text, text[-3000:]
     assert f"packed into micro-batches of <= {PACKED_TOKENS} tokens" in text, text[-3000:]

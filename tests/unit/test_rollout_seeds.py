@@ -65,3 +65,44 @@ def test_engine_is_an_immediate_future_of_the_declared_protocol(monkeypatch):
     ticket = engine.submit(prompts, seeds=[4], sampling=Sampling(n=3, temperature=1.0, max_tokens=2))
     assert len(fake.params) == 1 and fake.params[0].n == 3  # generated inside submit
     assert engine.wait(ticket) is ticket.completions and len(ticket.completions) == 3
+
+
+@pytest.mark.parametrize("prompts, n, engines", [(2, 4, 4), (5, 2, 2), (6, 4, 4), (3, 8, 4), (1, 2, 3), (0, 4, 2),
+                                                 (2, 4, 1), (7, 3, 16)])
+def test_engine_shares_cover_every_sample_once_in_order(prompts, n, engines):
+    """RolloutGroup's split of one call over colocated engines (issue 35): concatenated in engine
+    order the shares are every (prompt, sample) once, prompt-major, so the all-gathered batch is the
+    one-engine batch; each engine's share is one vLLM call (one sample count); with fewer prompts
+    than engines a prompt's samples are split, so every engine samples while samples >= engines
+    (the tiny CP=2 recipe: 2 prompts x 4 over 4 engines, CP rank 1's engines included)."""
+    from megatron_gtpo.rollout.group import engine_shares
+
+    shares = engine_shares(prompts, n, engines)
+    assert len(shares) == engines
+    flat = [(p, first + k) for lo, hi, first, count in shares for p in range(lo, hi) for k in range(count)]
+    assert flat == [(p, j) for p in range(prompts) for j in range(n)]
+    sizes = [(hi - lo) * count for lo, hi, _, count in shares]
+    if prompts >= engines:  # whole prompts, runs differing by at most one prompt
+        assert all(first == 0 and count == n for _, _, first, count in shares)
+        assert max(sizes) - min(sizes) <= n
+    if prompts * n >= engines:
+        assert min(sizes) > 0, shares  # no engine idles
+
+
+def test_split_prompt_keeps_its_seeds(monkeypatch):
+    """A prompt's samples split over engines keep the seeds the whole request gives them: the share
+    with samples first..first+count-1 is requested with seed + first and n = count, which vLLM seeds
+    seed + first + k (its n > 1 fan-out), i.e. samples j of the whole request."""
+    from megatron_gtpo.parallel import control
+    from megatron_gtpo.rollout.group import RolloutGroup
+
+    engine, fake = _engine(monkeypatch)
+    from megatron_gtpo.rollout.engine import prompt_seeds
+
+    monkeypatch.setattr(control, "world", lambda: (3, 4))  # the last of 4 one-rank engines
+    monkeypatch.setattr(control, "all_gather_data", lambda payload, records=(): [(0, []), (0, []), (1, []), payload])
+    group = RolloutGroup(engine, shard=True, model_dir="/m", seed=3)
+    prompts = [Prompt(uid=f"p{i}", token_ids=[1, 2, 3]) for i in range(2)]
+    out = group.generate(prompts, Sampling(n=4, temperature=1.0, max_tokens=4), seed=9)
+    assert [(p.seed, p.n) for p in fake.params] == [(prompt_seeds(9, 2, 4)[1] + 2, 2)]  # prompt 1, samples 2-3
+    assert [c.prompt_index for c in out] == [1, 1] and all(c.prompt_token_ids is prompts[1].token_ids for c in out)
