@@ -24,6 +24,12 @@ ROWS: list[tuple[tuple[str, ...], str]] = [
      "policy version (step of the weight push) that sampled the step's tokens, oldest and newest; most and mean "
      "weight pushes between a token's sampler and the trained weights (<= `rollout.staleness`, checked on every "
      "token); share of completions sampled by more than one version (`rollout.partial: continue`)"),
+    (("rollout/overlap_s", "rollout/overlap_frac"),
+     "seconds of the step's train phase (`time/train_s`) during which at least one rollout server was generating "
+     "(the union of the windows the servers report, rollout/overlap.py; hosts' clocks assumed NTP-synced), and its "
+     "share of the phase; only for a pool with one call in flight (`sync.transport: separate`, `rollout.staleness` "
+     "<= 1, no `rollout.partial`): 0 on-policy, > 0 when the servers generate while the trainer trains; absent for "
+     "colocated engines (they generate before the phase) and with calls in flight across pushes"),
     (("entropy/mean",),
      "mean over completions of `<H>_i`, the mean token entropy (nats, full vocabulary) of the policy before "
      "the update; for GTPO the filter's statistic (probabilities floored at 1e-6 inside the log, as the "

@@ -107,22 +107,23 @@ def one_step(parts: Parts, step: int, *, version: int, prompts_per_step: int, af
         return StepRecord(rollout=rollout, train=None, metrics=None)
     batch = collate(rollout.groups, pad_id=parts.pad_id)
     parts.memory.after_rollout()  # colocated engines sleep; the trainer gets the GPU memory back
-    t1 = time.perf_counter()
+    t1, train_start = time.perf_counter(), time.time()  # wall clock: compared with the servers' (rollout/overlap.py)
     if learner.settings.spec.entropy_threshold is None:  # GTPO's entropy_threshold: auto, decided once
         decide_entropy_filter(parts, batch)
     train = learner.step(batch)
     if after_train is not None:
         after_train(parts)
-    t2 = time.perf_counter()
+    t2, train_end = time.perf_counter(), time.time()
     parts.memory.before_push()  # engine weights awake, KV cache still free
     sync = weight_sync.sync(learner.policy.chunks, version=version)
     collector.pushed(version)
     parts.memory.after_push()  # trainer releases its step memory, then the KV cache comes back
     t3 = time.perf_counter()
+    overlap = collector.engines.overlap(train_start, train_end)  # after the push: it drained the call in flight
     times = {"rollout": rollout.rollout_s, "reward": rollout.reward_s, "train": t2 - t1, "sync": t3 - t2,
              "step": t3 - t0}
     return StepRecord(rollout=rollout, train=train, metrics=step_metrics(
-        rollout_metrics(rollout), train, sync, times=times, completion_tokens=float(batch.lengths.sum()),
+        rollout_metrics(rollout), overlap, train, sync, times=times, completion_tokens=float(batch.lengths.sum()),
         gpus=learner.dims.world, work=parts.work.of(batch.prompt_lengths, batch.lengths),
         peak_tflops=parts.work.peak_tflops))
 

@@ -61,8 +61,10 @@ class RolloutGroup:
     """The job's engines behind one generate call made on every rank."""
 
     def __init__(self, engine: Engine | None, *, shard: bool, model_dir: str,
-                 seed: int = 0, ranks_per_engine: int = 1):
+                 seed: int = 0, ranks_per_engine: int = 1,
+                 overlap: Callable[[float, float], dict[str, float] | None] | None = None):
         self.engine = engine
+        self._overlap = overlap
         """This rank's engine (None on ranks without one): a ``RolloutEngine`` or rank 0's
         ``RolloutPool``, driven only through the :class:`~megatron_gtpo.rollout.protocol.Engine` protocol."""
         self._shard, self._model_dir, self._seed, self._calls = shard, str(model_dir), seed, 0
@@ -120,6 +122,13 @@ class RolloutGroup:
         shares = control.all_gather_data((lo, mine if lead else None), records=(Completion,))
         first_ranks = shares[::self._per_engine]
         return [c for start, part in first_ranks for c in _relink(part, prompts, offset=start)]
+
+    def overlap(self, start: float, end: float) -> dict[str, float]:
+        """``rollout/overlap_*`` of a train phase [start, end] (wall clock): how long engines that
+        generate in the background (a pool's servers: ``overlap`` given where it is built) generated
+        during it. Empty where nothing was measured: engines in the trainer processes generate only
+        inside ``submit`` (nothing to overlap), calls in flight across pushes, ranks but 0."""
+        return (self._overlap(start, end) if self._overlap is not None else None) or {}
 
     def sleep(self, *, keep_weights: bool = False) -> None:
         """After a rollout: frees the engine's accelerator memory for training (KV cache dropped;

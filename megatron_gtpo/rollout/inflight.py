@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -99,6 +100,9 @@ class _Job:
     sampling: Sampling
     requests: list[_Request]
     error: BaseException | None = None
+    window: tuple[float, float] | None = None
+    """Wall clock (time.time()) from the start of the first engine step that advanced one of its
+    requests to the end of the last: when the engine generated this job (``rollout/overlap_s``)."""
 
     @property
     def done(self) -> bool:
@@ -166,6 +170,10 @@ class InflightGenerator:
         relative to the job, samples in order), as :meth:`RolloutEngine.sample` returns them; the
         job is then forgotten. Raises KeyError for an unknown job, TimeoutError, or the error that
         failed the job."""
+        return self.take(job, timeout_s)[0]
+
+    def take(self, job: int, timeout_s: float | None = None) -> tuple[list[Completion], tuple[float, float] | None]:
+        """:meth:`result` and the job's generation window (None if no step advanced it)."""
         with self._cv:
             if job not in self._jobs:
                 raise KeyError(f"no job {job} in flight")
@@ -177,7 +185,7 @@ class InflightGenerator:
             if error is not None:
                 raise RuntimeError(f"generation job {job} failed: {error!r}") from error
             version = self.engine.weight_version
-            return [r.completion(version) for r in state.requests]
+            return [r.completion(version) for r in state.requests], state.window
 
     def drop(self, job: int | None = None) -> None:
         """Forgets ``job`` (None: every job), aborting its unfinished requests."""
@@ -275,8 +283,9 @@ class InflightGenerator:
         """One engine step; its deltas go to their requests."""
         engine = self.engine
         with engine.lock:
-            version = engine.weight_version
+            version, start = engine.weight_version, time.time()
             outputs = engine.step()
+            end = time.time()
             idle = not engine.has_unfinished_requests()
             if idle and self._reset_pending:
                 # A weight change while requests held KV blocks left the prefix cache unreset.
@@ -286,9 +295,16 @@ class InflightGenerator:
                 request = self._live.get(output.request_id)  # None: aborted meanwhile
                 if request is not None:
                     request.take(output, version)
+                    self._stamp(request.job, start, end)
                     if request.done:
                         del self._live[output.request_id]
             self._cv.notify_all()
+
+    def _stamp(self, job: int, start: float, end: float) -> None:
+        """Widens ``job``'s generation window to this step (holding ``_cv``)."""
+        state = self._jobs.get(job)
+        if state is not None:
+            state.window = (start, end) if state.window is None else (state.window[0], end)
 
     def _fail_all(self, err: BaseException) -> None:
         with self._cv:

@@ -12,12 +12,17 @@ The server's own requests (the weight requests come from ``sync/wire.py``):
     hello     {}                                      -> {host, version, dtype, tp, model_dir}
     generate  {lengths, seeds, sampling: the Sampling record's fields} + [prompt token ids, int32]
               -> {version, completions: [{prompt_index, length, text, finish_reason, truncated,
-                 weight_version}]} + [completion token ids, int32; sampler log-probs, float64
-                 (; token versions, int32: only when a completion's tokens span weight versions)]
+                 weight_version}], window: [start, end]} + [completion token ids, int32; sampler
+                 log-probs, float64 (; token versions, int32: only when a completion's tokens span
+                 weight versions)]
     submit    {job, partial: off|abort|continue, lengths, seeds, sampling} + [prompt token ids]
               -> {} at once: the job generates in the background (rollout/inflight.py), across
                  weight pushes as ``partial`` says
     fetch     {job}                                   -> once the job is done, ``generate``'s answer
+
+``window`` (optional: absent when nothing was generated) is the wall-clock interval (``time.time()``
+seconds on the server) from the start of the engine's first step for that call or job to the end of
+its last: what ``rollout/overlap_s`` measures against the trainer's train phase (rollout/overlap.py).
     close     {}                                      -> {} and the server exits
 
 Only token ids go to the server (not the prompt text, answer or id), and the completions come back
@@ -48,7 +53,8 @@ GENERATE = {"lengths": [int], "seeds": [int], "sampling": SAMPLING}
 SUBMIT = {"job": int, "partial": str, **GENERATE}
 FETCH = {"job": int}
 GENERATE_REPLY = {"version": int, "completions": [{"prompt_index": int, "length": int, "text": str,
-                                                   "finish_reason": str, "truncated": bool, "weight_version": int}]}
+                                                   "finish_reason": str, "truncated": bool, "weight_version": int}],
+                  "window?": [float]}
 
 _TOKENS, _LOGPROBS = np.dtype("<i4"), np.dtype("<f8")
 
@@ -124,9 +130,11 @@ def _check_limits(lengths: list[int], tokens: np.ndarray, sampling: Sampling, li
         raise SchemaError(f"generate: prompt token ids must lie in [0, {limits.vocab_size})")
 
 
-def encode_completions(version: int, completions: Sequence[Completion]) -> tuple[dict, list]:
+def encode_completions(version: int, completions: Sequence[Completion],
+                       window: tuple[float, float] | None = None) -> tuple[dict, list]:
     """The ``generate`` (and ``fetch``) answer; a third blob carries every token's weight version
-    when any completion spans versions (``token_versions``)."""
+    when any completion spans versions (``token_versions``). ``window``: when the engine generated
+    them (module docstring)."""
     rows = [{"prompt_index": c.prompt_index, "length": len(c.token_ids), "text": c.text,
              "finish_reason": c.finish_reason, "truncated": c.truncated, "weight_version": c.weight_version}
             for c in completions]
@@ -136,7 +144,20 @@ def encode_completions(version: int, completions: Sequence[Completion]) -> tuple
     blobs = [tokens.tobytes(), logprobs.tobytes()]
     if any(c.token_versions is not None for c in completions):
         blobs.append(np.fromiter((v for c in completions for v in c.versions()), dtype=_TOKENS, count=total).tobytes())
-    return {"version": version, "completions": rows}, blobs
+    result = {"version": version, "completions": rows}
+    if window is not None:
+        result["window"] = [float(window[0]), float(window[1])]
+    return result, blobs
+
+
+def decode_window(result: dict) -> tuple[float, float] | None:
+    """The generation window of a checked ``generate`` (or ``fetch``) answer; None when absent."""
+    window = result.get("window")
+    if window is None:
+        return None
+    if len(window) != 2 or not window[0] <= window[1]:
+        raise SchemaError(f"generate answer: window must be [start, end] with start <= end, got {window!r:.80}")
+    return float(window[0]), float(window[1])
 
 
 def decode_completions(result: dict, blobs: list, prompts: Sequence[Prompt]) -> tuple[int, list[Completion]]:

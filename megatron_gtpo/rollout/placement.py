@@ -74,4 +74,5 @@ def _separate(rollout: RolloutConfig, placement: EnginePlacement, model_dir: str
     error = control.broadcast_data(error)
     if error:
         raise RuntimeError(f"rollout pool unavailable: {error}")
-    return RolloutGroup(pool, shard=False, model_dir=model_dir, seed=rollout.seed)
+    return RolloutGroup(pool, shard=False, model_dir=model_dir, seed=rollout.seed,
+                        overlap=pool.overlap if pool is not None else None)

@@ -54,6 +54,7 @@ from pathlib import Path
 from megatron_gtpo.errors import ServerError, WeightPushError
 import megatron_gtpo.rollout.messages as msg
 from megatron_gtpo.rollout.config import EnginePlacement, Sampling
+from megatron_gtpo.rollout.overlap import overlap_metrics
 from megatron_gtpo.types import Completion, Prompt
 from megatron_gtpo.utils.channel import AuthenticationError, ChannelError, SchemaError, check
 from megatron_gtpo.utils.channel import connect as open_channel
@@ -155,10 +156,14 @@ class ServerLink:
 
     def generated(self, prompts: Sequence[Prompt]) -> tuple[int, list[Completion]]:
         """The answer to :meth:`submit_generate` (or a ``fetch``) of ``prompts``: (served version, completions)."""
+        return self.answer(prompts)[:2]
+
+    def answer(self, prompts: Sequence[Prompt]) -> tuple[int, list[Completion], tuple[float, float] | None]:
+        """:meth:`generated` and the server's generation window of the call (None: not reported)."""
         result, blobs = self.recv()
         try:
             check(result, msg.GENERATE_REPLY, "generate answer")
-            return msg.decode_completions(result, blobs, prompts)
+            return (*msg.decode_completions(result, blobs, prompts), msg.decode_window(result))
         except SchemaError as err:
             raise ServerError(f"rollout server {self.address} sent a malformed answer: {err}") from None
 
@@ -256,6 +261,7 @@ class RolloutPool:
         """Prompts each server was given to generate, by address (balance checks, tests)."""
         self._tokenizer = None
         self._in_flight: PoolTicket | None = None
+        self._windows: list[tuple[float, float]] = []  # the servers' generation windows not yet measured
 
     @property
     def tokenizer(self):
@@ -317,8 +323,10 @@ class RolloutPool:
         out, versions = [], {}
         for link, (lo, hi) in zip(self.links, ticket.runs):
             if hi > lo:
-                version, part = link.generated(ticket.prompts[lo:hi])
+                version, part, window = link.answer(ticket.prompts[lo:hi])
                 versions[link.address] = version
+                if window is not None:
+                    self._windows.append(window)
                 for c in part:
                     c.prompt_index += lo
                 out += part
@@ -330,6 +338,18 @@ class RolloutPool:
             if hi > lo:
                 link.send("fetch", {"job": ticket.job})
         ticket.completions = self._answers(ticket)[1]
+
+    def overlap(self, start: float, end: float) -> dict[str, float] | None:
+        """``rollout/overlap_*`` of a train phase [start, end] (wall clock) against the generation
+        windows the servers reported (rollout/overlap.py); windows that ended before ``start`` are
+        forgotten (the phases come in order). Call it once the call that ran during the phase was
+        answered: with one call in flight, the push after the step drains it. None with calls in
+        flight across pushes: a job's window comes with its ``fetch``, steps after the phases it
+        overlapped, so the metric is not logged there."""
+        self._windows = [w for w in self._windows if w[1] >= start]
+        if self.partial is not None:
+            return None
+        return overlap_metrics(self._windows, (start, end))
 
     # ------------------------------------------------------------------ ServerPool (the weight sync's interface)
 

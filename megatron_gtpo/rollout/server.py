@@ -30,6 +30,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -193,8 +194,9 @@ class RolloutServer:
         with self.engine.lock:
             if self.engine.has_unfinished_requests():  # vLLM's generate would step (and swallow) them
                 raise RuntimeError("generate while submitted jobs are unfinished: fetch them first")
-            version = self.engine.weight_version
-            return msg.encode_completions(version, self.engine.sample(prompts, seeds=seeds, sampling=sampling))
+            version, start = self.engine.weight_version, time.time()
+            completions = self.engine.sample(prompts, seeds=seeds, sampling=sampling)
+            return msg.encode_completions(version, completions, window=(start, time.time()))
 
     def _on_submit(self, args: dict, blobs: list) -> dict:
         prompts, seeds, sampling = msg.decode_submit(args, blobs, self.limits)
@@ -209,5 +211,5 @@ class RolloutServer:
     def _on_fetch(self, args: dict, blobs: list) -> tuple[dict, list]:
         if not self.generator.has(args["job"]):
             raise SchemaError(f"fetch: no job {args['job']} in flight")
-        completions = self.generator.result(args["job"])
-        return msg.encode_completions(self.engine.weight_version, completions)
+        completions, window = self.generator.take(args["job"])
+        return msg.encode_completions(self.engine.weight_version, completions, window=window)

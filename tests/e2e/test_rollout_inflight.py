@@ -93,11 +93,14 @@ def same(got, want) -> None:
 
 
 def test_a_job_samples_what_sample_samples(engine, generator, prompts):
-    """n=1 requests seeded seeds[i] + j are vLLM's n>1 fan-out: equal completions."""
+    """n=1 requests seeded seeds[i] + j are vLLM's n>1 fan-out: equal completions. The job's
+    generation window (what ``fetch`` reports for ``rollout/overlap_s``) lies within its life."""
     sampling = Sampling(n=3, temperature=0.8, top_p=1.0, max_tokens=16)
+    before = time.time()
     generator.submit(1, prompts, SEEDS, sampling, partial="continue")
     generator.submit(2, prompts[1:], [7], sampling, partial="abort")  # another job in the same batch
-    got, other = generator.result(1, timeout_s=120), generator.result(2, timeout_s=120)
+    (got, window), other = generator.take(1, timeout_s=120), generator.result(2, timeout_s=120)
+    assert before <= window[0] < window[1] <= time.time(), (before, window)
     same(got, engine.sample(prompts, seeds=SEEDS, sampling=sampling))
     same(other, engine.sample(prompts[1:], seeds=[7], sampling=sampling))
     assert all(c.weight_version == engine.weight_version and c.token_versions is None for c in got + other)

@@ -7,6 +7,7 @@ that generate across pushes."""
 
 from __future__ import annotations
 
+import time
 import typing
 from types import SimpleNamespace
 
@@ -222,6 +223,7 @@ class SerialServer:
 
     def __init__(self, address: str, log: list):
         self.address, self.info, self.version, self.queue, self.log = address, {"tp": 1}, 0, [], log
+        self.sent_at: list[float] = []  # when each generate call was sent: it "generates" until answered
 
     @property
     def pending(self) -> int:
@@ -241,6 +243,7 @@ class SerialServer:
     def submit_generate(self, prompts, seeds, sampling) -> None:
         self.queue.append(("generate", (list(prompts), list(seeds), sampling)))
         self.log.append((self.address, "send", "generate"))
+        self.sent_at.append(time.time())
 
     def generated(self, prompts):
         op, (sent, seeds, sampling) = self.queue.pop(0)
@@ -249,6 +252,11 @@ class SerialServer:
         return self.version, [Completion(prompt_index=i, prompt_token_ids=p.token_ids, token_ids=[seeds[i]],
                                          logprobs=[-0.5], weight_version=self.version)
                               for i, p in enumerate(prompts) for _ in range(sampling.n)]
+
+    def answer(self, prompts):
+        """``generated`` plus the window a real server reports: from the request to its answer."""
+        version, completions = self.generated(prompts)
+        return version, completions, (self.sent_at.pop(0), time.time()) if self.sent_at else None
 
     def close(self, *, stop: bool) -> None:
         self.log.append((self.address, "close", stop))
