@@ -1,7 +1,10 @@
 """``rollout/overlap_s``: the interval arithmetic (rollout/overlap.py), the window a server's answer
 carries (rollout/messages.py), and the pool's measure of a train phase against the serial stand-in
 of a server (tests/unit/test_staleness.py), one step off (the call generates across the phase)
-and on-policy (answered before it starts). The end-to-end proof is in tests/e2e/test_staleness.py."""
+and on-policy (answered before it starts). The end-to-end proof is in tests/e2e/test_staleness.py.
+
+Proved against: intervals summed without merging (3 union cases fail, and the two-server pool
+reports 200% of the phase); the pool draining its call in ``submit`` (the one-step-off test fails)."""
 
 from __future__ import annotations
 
