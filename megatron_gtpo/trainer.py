@@ -168,8 +168,8 @@ def build(cfg, *, resume: bool | str) -> Parts:
     learner = Learner.build(cfg.model, cfg.optim, settings=step_settings(cfg), dims=dims, rollout_steps=cfg.train.steps,
                             seed=cfg.train.seed, base=base)
     policy = learner.policy
-    rollout_cfg, budget = plan_engine_memory(cfg, model_dir=str(policy.model_dir), world=dims.world)
-    rollout_cfg = rollout_cfg.for_engines(lm_head_fp32=cfg.model.lm_head_fp32, hf_weights=policy.has_hf_weights)
+    rollout_cfg, budget = engine_rollout_config(cfg, model_dir=str(policy.model_dir), world=dims.world,
+                                                hf_weights=policy.has_hf_weights)
     offload = _trainer_offload(cfg, policy)
     if offload is not None:  # engines start on the memory the trainer gives up while they generate
         offload.offload()
@@ -292,6 +292,15 @@ def dynamic_sampling(spec) -> DynamicSampling | None:
     if not spec.dynamic_sampling:
         return None
     return DynamicSampling(metric=spec.dynamic_sampling_metric, max_tries=spec.dynamic_sampling_max_tries)
+
+
+def engine_rollout_config(cfg, *, model_dir: str, world: int, hf_weights: bool):
+    """The rollout config (and memory budget) the job's engines start with: the memory plan's
+    settings, then the rule every engine shares (``RolloutConfig.for_engines``: the fp32 head of
+    ``model.lm_head_fp32``, ...). A function of its own so tests/e2e/test_fp32_head_engine.py checks
+    the kwargs this build gives the engines, not a copy of them."""
+    rollout_cfg, budget = plan_engine_memory(cfg, model_dir=model_dir, world=world)
+    return rollout_cfg.for_engines(lm_head_fp32=cfg.model.lm_head_fp32, hf_weights=hf_weights), budget
 
 
 def _trainer_offload(cfg, policy) -> TrainerOffload | None:

@@ -6,8 +6,10 @@ The engine's bf16 log-probs differ from the trainer's by ~1e-3 per token, so wit
 is min(r, C); the first update's loss still equals the D2 decomposition once the weights' part is
 counted. (C = 1.002 left one step with no cut token on an AVX-512 Zen 5 host, where the largest ratio of
 that step was 1.0019; C = 1.0005 keeps a 4x margin in log r.)
-``model.lm_head_fp32`` reaches the engines as vLLM's ``hf_overrides: {head_dtype: float32}``
-(whether vLLM honours it is checked on a real engine in test_rollout_engine.py).
+``model.lm_head_fp32`` reaches this run's engines as vLLM's ``hf_overrides: {head_dtype: float32}``
+(test_fp32_head_reaches_the_engines, from vLLM's own log of the engine's arguments). That the
+override gives a bf16 engine an fp32 head, from the kwargs the colocated and rollout-server builds
+make, is measured on a live engine in test_fp32_head_engine.py; neither check replaces the other.
 """
 
 from __future__ import annotations
@@ -46,4 +48,9 @@ def test_correction_is_active_and_exact(run_dapo_bf16):
 
 
 def test_fp32_head_reaches_the_engines(run_dapo_bf16):
+    """The wiring of a real ``megatron-gtpo train``: trainer.build hands the engines it starts the
+    settings of ``trainer.engine_rollout_config`` (vLLM logs its non-default engine arguments). Bug
+    caught: build_engines given the recipe's rollout config instead. Proved against: trainer.build
+    calling ``build_engines(cfg.rollout, ...)`` (no override in the log: this test failed). What vLLM
+    does with the override is test_fp32_head_engine.py's check."""
     assert "'hf_overrides': {'head_dtype': 'float32'}" in run_dapo_bf16.log
