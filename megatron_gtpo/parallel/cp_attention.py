@@ -14,7 +14,8 @@ chunks), so a query must see keys and values that other ranks hold.
   0.16.1's local ``DotProductAttention`` refuses CP (``context_parallel_size == 1`` assert). The
   stand-in all-gathers K and V over the CP group (backward: the gradients of K and V are
   reduce-scattered back to the ranks that hold them; Megatron's own sequence-parallel gather does
-  both), then runs Megatron's local attention on the local queries against the whole sequence with
+  both), then runs Megatron's local attention (through SDPA, train/sdpa_attention.py) on the local
+  queries against the whole sequence with
   the causal mask built from global positions (``cp_index.cp_attention_mask``): each query sees
   exactly the keys it sees without CP, so the result is the same math as TE's ring (p2p) or
   all-gather CP attention, up to fp32 summation order. It holds the whole sequence's K/V on every
@@ -35,6 +36,7 @@ import functools
 import torch
 
 from megatron_gtpo.parallel.cp_index import cp_attention_mask, gathered_index, load_balanced_index
+from megatron_gtpo.train.sdpa_attention import sdpa_attention_class
 
 Tensor = torch.Tensor
 
@@ -46,7 +48,7 @@ def _dot_product_attention():
 
 
 def _make_standin_class():
-    base = _dot_product_attention()
+    base = sdpa_attention_class()  # DotProductAttention's math through PyTorch's fused SDPA
 
     class CPUContextParallelAttention(base):
         """CPU stand-in for Transformer Engine's context-parallel attention (not TE; module doc).

@@ -14,12 +14,11 @@ Terms (bytes on the rank that holds them; trainer figures for the largest pipeli
   each adapter's ``A x`` (parts x r per token and adapted layer, kept for B's gradient); a push
   holds one merged shard more;
 * logits: one micro-batch of logits on the last stage (packed: one row of the token budget; under
-  CP this rank's 1/cp of its positions), two
-  copies in the dtype the output layer returns (fp32, or the model dtype with
-  ``fp32_output=False``: train/step.py): the output layer's
-  ``[s, b, V]`` result and its ``[b, s, V]`` transpose during the forward; in backward the logits'
-  own storage takes their gradient (train/logprobs.py) and Megatron's output layer makes it
-  contiguous once more. Measured on CPU: 2.0 copies (bench/memory.py);
+  CP this rank's 1/cp of its positions), two copies in the dtype the output layer returns (fp32, or
+  the model dtype with ``fp32_output=False``: train/step.py): the output layer's ``[s, b, V]``
+  result and its ``[b, s, V]`` transpose during the forward; in backward the logits' own storage
+  takes their gradient (train/logprobs.py) and Megatron's output layer makes it contiguous once
+  more. Measured on CPU: 2.0 copies (bench/memory.py);
 * activations: what Megatron's layers keep for backward over one micro-batch
   (:func:`activation_bytes`; its size: :func:`micro_batch_dims`), times the micro-batches a
   pipeline keeps in flight;
@@ -27,8 +26,7 @@ Terms (bytes on the rank that holds them; trainer figures for the largest pipeli
   its logits and per-token activations, by CP: a rank keeps ``s / cp`` positions of each sequence.
   What attention keeps of the others depends on the kernel: Transformer Engine's ring (p2p) keeps
   only its own chunks (the K/V of the other ranks pass through, and are exchanged again in
-  backward); the CPU stand-in all-gathers K and V, so it keeps them for the whole sequence, and its
-  scores are ``[heads, s / cp, s]``;
+  backward); the CPU stand-in all-gathers K and V, so it keeps them for the whole sequence;
 * push: what a weight push holds on top (``sync.bucket_mb``): colocated engines receive tensors
   one at a time into vLLM's layer-wise reload, which keeps up to one decoder layer, plus one
   gathered tensor; a sender of the separate pool holds one bucket plus one gathered tensor;
@@ -297,15 +295,16 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
     Per token and layer, in elements (h hidden, f SwiGLU width, a query / g KV heads of width d per
     TP rank, s the sequence; norms are replicated over TP):
 
-    * ``local`` (Megatron's local spec: CPU): each RMSNorm's input, normalised output and 1/rms
-      (2 x (2h + 1)), the QKV and fc1 inputs (2h), q and k, v repeated to every query head (3ad),
-      the softmax probabilities (as), the output projection's input (ad), fc1's output, SiLU's
-      output, the gate product and fc2's input (5f): ``6h + 4ad + 5f + as + 2``; plus one
-      ``[b a, s, s]`` scores buffer per process (Megatron's global memory buffer). Measured exactly
-      by ``tests/unit/test_memory_activations.py``. Under CP the stand-in attention
-      (parallel/cp_attention.py) keeps its local q (ad per local token) but k, v of the WHOLE
-      sequence (2ad x s per row) and probabilities of its queries against every key (as per local
-      token); the scores buffer is ``[b a, s / cp, s]``.
+    * ``local`` (Megatron's local spec: CPU; its core attention through PyTorch's fused SDPA,
+      train/sdpa_attention.py): each RMSNorm's input, normalised output and 1/rms (2 x (2h + 1)),
+      the QKV and fc1 inputs (2h), the rotated q and k (ad + gd), the fused QKV output that v is a
+      view of ((a + 2g) d), SDPA's log-sum-exp (a), its output, which is the output projection's
+      input (ad), fc1's output, SiLU's output, the gate product and fc2's input (5f):
+      ``6h + 3ad + 3gd + a + 5f + 2``, no score matrix; plus, for a packed row (or under CP), SDPA's
+      additive mask ``[1, 1, s / cp, s]``, one per micro-batch shared by every layer. Measured
+      exactly by ``tests/unit/test_memory_activations.py``. Under CP the stand-in attention
+      (parallel/cp_attention.py) keeps its local q and log-sum-exp (ad + a per local token) and the
+      all-gathered k, v of the WHOLE sequence (2gd x s per row).
     * ``te`` (Transformer Engine, GPUs): the fused norm+linear layers keep their input and
       normalised output (4h + 2), fused attention q, k, v at their own heads and its output
       ((2a + 2g) d, no probabilities), the fused SwiGLU fc1's output and fc2's input (3f):
@@ -321,8 +320,10 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
     a, g = shape.heads // tp, shape.kv_heads_per_rank(tp)
     f, moe = _mlp_width(shape, layout), _dispatch_elements(shape)
     local = s // cp  # positions of each sequence on this rank
-    if sizes.layer_spec == "local":  # per row: q and probabilities per local token, k and v whole
-        core, rest = local * (a * d + a * s) + 2 * a * d * s, 6 * h + a * d + 5 * f + 2 + moe
+    if sizes.layer_spec == "local" and cp == 1:  # per row: q, k, the QKV output (v's storage), lse
+        core, rest = local * (2 * a * d + 3 * g * d + a), 6 * h + a * d + 5 * f + 2 + moe
+    elif sizes.layer_spec == "local":  # the CP stand-in: local q and lse, the gathered k and v whole
+        core, rest = local * (a * d + a) + 2 * g * d * s, 6 * h + a * d + 5 * f + 2 + moe
     else:
         core, rest = local * (a + 2 * g) * d, 4 * h + a * d + 3 * f + 2 + moe
     layer = (rest + lora_activations_per_layer(sizes.lora)) * local + (0 if sizes.recompute == "selective" else core)
@@ -330,8 +331,9 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
         kept = layout.layers_per_stage * h * local + layer
     else:
         kept = layout.layers_per_stage * layer
-    scores = rows * a * local * s if sizes.layer_spec == "local" else 0
-    return int((in_flight(layout) * rows * (kept + (3 * h + 1) * local) + scores) * sizes.param_bytes)
+    masked = sizes.layer_spec == "local" and (sizes.micro_batch_tokens or cp > 1)
+    mask = local * s if masked else 0  # SDPA's additive mask, one per micro-batch in flight
+    return int(in_flight(layout) * (rows * (kept + (3 * h + 1) * local) + mask) * sizes.param_bytes)
 
 
 def _mlp_width(shape: ModelShape, layout: Layout) -> int:
@@ -357,9 +359,7 @@ def micro_batch_dims(layout: Layout, sizes: MemorySizes) -> tuple[int, int]:
     """(rows, tokens per row) of the largest micro-batch: padded, ``micro_batch_size`` rows of the
     longest sequence; packed, one row of the token budget; either rounded up to the padding multiple
     (under CP: ``cp_index.cp_sequence_multiple``, each rank then holding 1/cp of the tokens).
-    Megatron's local spec attends over a packed row as a whole (a block-diagonal mask,
-    train/model_input.py), so its scores and probabilities are those of one ``budget``-token
-    sequence; TE's THD attention keeps none."""
+    The local spec attends over a packed row as a whole (a block-diagonal mask, train/model_input.py)."""
     multiple = cp_sequence_multiple(sizes.sequence_multiple, layout.cp)
     if sizes.micro_batch_tokens:
         return 1, -(-sizes.micro_batch_tokens // multiple) * multiple

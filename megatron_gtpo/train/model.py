@@ -76,6 +76,7 @@ from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, head_dim_of, n
 from megatron_gtpo.models.shape import shape_from_hf_config
 from megatron_gtpo.parallel import cpu_shims, strict
 from megatron_gtpo.parallel.cp_attention import cp_layer_spec
+from megatron_gtpo.train.sdpa_attention import with_sdpa_attention
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.cp_index import cp_sequence_multiple
 from megatron_gtpo.parallel.layout import context_parallel_problems, model_split_problems
@@ -283,8 +284,9 @@ def te_available() -> bool:
 
 def layer_spec(*, qk_layernorm: bool, use_te: bool, cp: int = 1, num_experts: int | None = None,
                grouped_gemm: bool = False):
-    """Megatron layer spec: the TE spec on CUDA with TE, otherwise the pure-PyTorch local spec
-    (with cp > 1 on CPU: its attention swapped for the exact CP stand-in, parallel/cp_attention.py);
+    """Megatron layer spec: the TE spec on CUDA with TE, otherwise the pure-PyTorch local spec with
+    its core attention computed by PyTorch's fused SDPA (train/sdpa_attention.py; with cp > 1 on CPU:
+    the exact CP stand-in, parallel/cp_attention.py, which computes through SDPA too);
     with ``num_experts`` the MoE layer in every block (grouped GEMM experts with ``grouped_gemm``)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
@@ -295,9 +297,10 @@ def layer_spec(*, qk_layernorm: bool, use_te: bool, cp: int = 1, num_experts: in
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", **moe)
     try:
-        return cp_layer_spec(spec, cp=cp, on_gpu=torch.cuda.is_available())
+        spec = cp_layer_spec(spec, cp=cp, on_gpu=torch.cuda.is_available())
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    return spec if use_te or cp > 1 else with_sdpa_attention(spec)  # the CP stand-in computes through SDPA too
 
 
 def _resolve_use_te(use_te: bool | None) -> bool:

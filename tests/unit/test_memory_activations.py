@@ -23,13 +23,14 @@ def layout_of(shape, *, micro_batch_size: int, seq_len: int, tp: int = 1, pp: in
     return plan_layout(request)
 
 
-def _tiny_model():
+def _tiny_model(kv_heads: int | None = None):
     from megatron_gtpo.models.hf_config import read_hf_config
     from megatron_gtpo.models.tiny import ensure_tiny_char
     from megatron_gtpo.parallel.dims import init_distributed
     from megatron_gtpo.train.model import build_model
 
     hf = read_hf_config(ensure_tiny_char())
+    hf = hf if kv_heads is None else {**hf, "num_key_value_heads": kv_heads}  # 4 query heads
     return build_model(hf, dims=init_distributed(tp=1, seed=0))[0], shape_from_hf_config(hf, name="tiny")
 
 
@@ -50,17 +51,17 @@ def _saved_bytes(model, forward) -> int:
     return sum(saved.values())
 
 
-@pytest.mark.parametrize("mb,seq_len", [(2, 40), (3, 64)])
-def test_local_spec_activations_are_exactly_what_megatron_saves_for_backward(mb, seq_len):
+@pytest.mark.parametrize("mb,seq_len,kv_heads", [(2, 40, None), (3, 64, None), (2, 40, 1), (2, 40, 4)])
+def test_local_spec_activations_are_exactly_what_megatron_saves_for_backward(mb, seq_len, kv_heads):
     """Every tensor autograd keeps during the forward of the local-spec model (the CPU trainer),
-    counted once per storage, parameters excluded, equals the plan's term without the process-wide
-    scores buffer (which is not saved: Megatron reuses it from layer to layer)."""
-    model, shape = _tiny_model()
+    counted once per storage, parameters excluded, equals the plan's term (its core attention
+    through SDPA: no score matrix, no mask for padded rows), at 1, 2 and 4 KV heads (the rotated k
+    and the fused QKV output that v is a view of count KV heads, q and SDPA's output query heads)."""
+    model, shape = _tiny_model(kv_heads)
     ids = torch.randint(0, 100, (mb, seq_len))
     saved = _saved_bytes(model, lambda: model(ids, torch.arange(seq_len).expand(mb, seq_len), None))
     lay = layout_of(shape, micro_batch_size=mb, seq_len=seq_len)
-    scores = mb * shape.heads * seq_len * seq_len * 4
-    assert saved == activation_bytes(shape, lay, MemorySizes(param_bytes=4, layer_spec="local")) - scores
+    assert saved == activation_bytes(shape, lay, MemorySizes(param_bytes=4, layer_spec="local"))
 
 
 def test_packed_micro_batch_activations_are_those_of_one_budget_long_row():
@@ -79,7 +80,7 @@ def test_packed_micro_batch_activations_are_those_of_one_budget_long_row():
     saved = _saved_bytes(model, lambda: forward(model, mb))
     lay = layout_of(shape, micro_batch_size=4, seq_len=16)
     packed = MemorySizes(param_bytes=4, layer_spec="local", micro_batch_tokens=tokens)
-    assert saved == activation_bytes(shape, lay, packed) - shape.heads * tokens * tokens * 4
+    assert saved == activation_bytes(shape, lay, packed)  # SDPA's additive mask included, once
     assert micro_batch_dims(lay, packed) == (1, 54) and micro_batch_dims(lay, MemorySizes()) == (4, 16)
     mem = estimate_memory(shape, lay, packed)
     assert mem.logits == 2 * 54 * shape.vocab * 2  # one packed row, two copies (logits_bytes 2)
