@@ -64,9 +64,9 @@ class RolloutGroup:
                  seed: int = 0, ranks_per_engine: int = 1,
                  overlap: Callable[[float, float], dict[str, float] | None] | None = None):
         self.engine = engine
-        self._overlap = overlap
         """This rank's engine (None on ranks without one): a ``RolloutEngine`` or rank 0's
         ``RolloutPool``, driven only through the :class:`~megatron_gtpo.rollout.protocol.Engine` protocol."""
+        self._overlap = overlap  # a pool's rollout/overlap_* of a train phase (placement._separate)
         self._shard, self._model_dir, self._seed, self._calls = shard, str(model_dir), seed, 0
         self._per_engine = ranks_per_engine
         self._tokenizer = None
