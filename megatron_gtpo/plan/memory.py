@@ -300,18 +300,18 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
       the QKV and fc1 inputs (2h), the rotated q and k (ad + gd), the fused QKV output that v is a
       view of ((a + 2g) d), SDPA's log-sum-exp (a), its output, which is the output projection's
       input (ad), fc1's output, SiLU's output, the gate product and fc2's input (5f):
-      ``6h + 3ad + 3gd + a + 5f + 2``, no score matrix; plus, for a packed row (or under CP), SDPA's
-      additive mask ``[1, 1, s / cp, s]``, one per micro-batch shared by every layer. Measured
-      exactly by ``tests/unit/test_memory_activations.py``. Under CP the stand-in attention
-      (parallel/cp_attention.py) keeps its local q and log-sum-exp (ad + a per local token) and the
-      all-gathered k, v of the WHOLE sequence (2gd x s per row).
+      ``6h + 3ad + 3gd + a + 5f + 2``, no score matrix; a packed row attends sequence by sequence
+      (each sequence's output, then their concatenation: ad more). Measured exactly by
+      ``tests/unit/test_memory_activations.py``. Under CP the stand-in attention (parallel/
+      cp_attention.py) keeps its local q and log-sum-exp (ad + a per local token), the all-gathered
+      k, v of the WHOLE sequence (2gd x s per row) and one additive mask ``[s / cp, s]``.
     * ``te`` (Transformer Engine, GPUs): the fused norm+linear layers keep their input and
       normalised output (4h + 2), fused attention q, k, v at their own heads and its output
       ((2a + 2g) d, no probabilities), the fused SwiGLU fc1's output and fc2's input (3f):
       ``4h + (2a + 2g) d + 3f + 2`` (from those modules' saved tensors; not measured here), per
       local token under CP (TE's CP attention keeps its own chunks only).
 
-    ``selective`` recompute drops the core attention's part (q, k, v, probabilities), ``full`` keeps
+    ``selective`` recompute drops the core attention's part (q, k, v, its softmax state), ``full`` keeps
     each layer's input (h) plus one layer's whole set while it is recomputed. The last stage adds the
     final norm and the output layer's input (3h + 1).
     """
@@ -320,10 +320,11 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
     a, g = shape.heads // tp, shape.kv_heads_per_rank(tp)
     f, moe = _mlp_width(shape, layout), _dispatch_elements(shape)
     local = s // cp  # positions of each sequence on this rank
-    if sizes.layer_spec == "local" and cp == 1:  # per row: q, k, the QKV output (v's storage), lse
-        core, rest = local * (2 * a * d + 3 * g * d + a), 6 * h + a * d + 5 * f + 2 + moe
+    rest = 6 * h + a * d + 5 * f + 2 + moe
+    if sizes.layer_spec == "local" and cp == 1:  # q, k, the QKV output (v's storage), lse; packed: + outputs
+        core = local * (2 * a * d + 3 * g * d + a + (a * d if sizes.micro_batch_tokens else 0))
     elif sizes.layer_spec == "local":  # the CP stand-in: local q and lse, the gathered k and v whole
-        core, rest = local * (a * d + a) + 2 * g * d * s, 6 * h + a * d + 5 * f + 2 + moe
+        core = local * (a * d + a) + 2 * g * d * s
     else:
         core, rest = local * (a + 2 * g) * d, 4 * h + a * d + 3 * f + 2 + moe
     layer = (rest + lora_activations_per_layer(sizes.lora)) * local + (0 if sizes.recompute == "selective" else core)
@@ -331,8 +332,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, sizes: MemorySizes) -> i
         kept = layout.layers_per_stage * h * local + layer
     else:
         kept = layout.layers_per_stage * layer
-    masked = sizes.layer_spec == "local" and (sizes.micro_batch_tokens or cp > 1)
-    mask = local * s if masked else 0  # SDPA's additive mask, one per micro-batch in flight
+    mask = local * s if sizes.layer_spec == "local" and cp > 1 else 0  # the CP stand-in's additive mask
     return int(in_flight(layout) * (rows * (kept + (3 * h + 1) * local) + mask) * sizes.param_bytes)
 
 

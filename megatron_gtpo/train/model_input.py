@@ -20,8 +20,9 @@ Packed micro-batch (one row ``[1, S]`` of whole sequences, ``MicroBatch.cu_seqle
   lose ~``pos * 6e-8`` rad, at a budget of tens of thousands of tokens 1e-3 rad that neither the
   padded row nor the rollout engine has. Learned absolute position embeddings read
   ``position_ids`` themselves. Each sequence then sees exactly the inputs, positions and attended
-  keys of its padded row. The dense mask makes attention cost O(S^2) for the whole pack (THD's is
-  the sum of per-sequence squares).
+  keys of its padded row. The SDPA attention of the local spec (train/sdpa_attention.py) reads the
+  boundaries from ``packed_segments`` and attends sequence by sequence, so its cost is the sum of
+  per-sequence squares, as THD's; the mask is what any other attention class sees.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from megatron_gtpo.train.batching import MicroBatch
 from megatron_gtpo.train.model import te_available, unwrap
 from megatron_gtpo.train.routing import forward_context
+from megatron_gtpo.train.sdpa_attention import packed_segments
 
 Tensor = torch.Tensor
 
@@ -49,7 +51,7 @@ def _forward(model, mb: MicroBatch, **extra):
         return model(mb.input_ids, mb.position_ids, None, **extra)  # None: causal mask (CPU shim on gloo)
     if uses_te_attention(model):
         return model(mb.input_ids, mb.position_ids, None, packed_seq_params=thd_params(mb), **extra)
-    with rope_at_positions(model, mb.position_ids[0], mb.max_seqlen):
+    with rope_at_positions(model, mb.position_ids[0], mb.max_seqlen), packed_segments(mb.cu_seqlens):
         return model(mb.input_ids, mb.position_ids, block_causal_mask(mb.cu_seqlens, mb.input_ids.shape[1]), **extra)
 
 

@@ -9,12 +9,15 @@ same values up to fp32 summation order, less memory traffic, and a cheaper backw
 and hands every case it does not cover to the parent: attention dropout while training, a learnable
 softmax offset, an attention bias or packed-sequence parameters (THD is Transformer Engine's).
 
-Masks: None is Megatron's causal mask (``is_causal``); a boolean ``[b or 1, 1, sq, sk]`` mask uses
-Megatron's convention (True = masked out), which is SDPA's negated (True = attend).
+Masks: None is Megatron's causal mask (``is_causal``); a packed row's block-diagonal mask under
+``packed_segments`` is one causal call per sequence; any other boolean ``[b or 1, 1, sq, sk]`` mask
+(Megatron's convention, True = masked out: the CP stand-in's) becomes SDPA's additive mask.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import torch
@@ -39,14 +42,37 @@ def sdpa_attention_class():
             scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
             groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
+            segments = _SEGMENTS.get()
             if attention_mask is None:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
+            elif segments is not None and q.shape[2] == k.shape[2]:  # a packed row: each sequence on its own
+                bounds = segments + [q.shape[2]] if segments[-1] < q.shape[2] else segments
+                out = torch.cat([F.scaled_dot_product_attention(
+                    q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], is_causal=True, scale=scale, enable_gqa=groups > 1)
+                    for lo, hi in zip(bounds, bounds[1:]) if hi > lo], dim=2)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask(attention_mask, q.dtype), scale=scale,
-                                                     enable_gqa=groups > 1)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask(attention_mask, q.dtype),
+                                                     scale=scale, enable_gqa=groups > 1)
             return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
 
     return SDPADotProductAttention
+
+
+_SEGMENTS: contextvars.ContextVar = contextvars.ContextVar("packed_segments", default=None)
+
+
+@contextlib.contextmanager
+def packed_segments(cu_seqlens: torch.Tensor):
+    """While active, attention over a packed row (one row of whole sequences whose boundaries are
+    ``cu_seqlens``, with their block-diagonal causal mask) runs each sequence on its own, causal and
+    unmasked: exactly the keys the mask allows, at the sum of the sequences' squares instead of the
+    whole row's square, and no mask kept for the backward. A tail past ``cu_seqlens[-1]`` is one
+    more sequence, as the mask treats it (train/model_input.py: ``block_causal_mask``)."""
+    token = _SEGMENTS.set([int(b) for b in cu_seqlens.tolist()])
+    try:
+        yield
+    finally:
+        _SEGMENTS.reset(token)
 
 
 _LAST_MASK: list = [None, None, None]  # Megatron's boolean mask, the dtype, its additive form

@@ -32,12 +32,13 @@ def test_cp_memory_plan_divides_the_sequence_terms_per_rank():
     assert two.logits * 2 == one.logits and two.activations * 2 == one.activations  # TE: every term per local token
     assert two.weights == one.weights and two.grads == one.grads and two.optimizer == one.optimizer  # DP x CP = 8
     # the CPU stand-in keeps the gathered K and V of the WHOLE sequence (2 g d s per layer and row, which
-    # does not halve) where CP=1 keeps the rotated k, the fused QKV output and SDPA's q (2 a d + 3 g d
-    # per token, which does): so CP=2 keeps (g d - a d) s per layer more than half of CP=1
+    # does not halve) and one additive mask [s/2, s]; the packed CP=1 row keeps the rotated k, the fused
+    # QKV output, q and the per-sequence outputs (3 a d + 3 g d per token, which halves): so CP=2 keeps
+    # (g d - 2 a d) s per layer, plus the mask, more than half of CP=1
     local = dataclasses.replace(sizes, layer_spec="local", micro_batch_tokens=512)
     act1, act2 = (activation_bytes(shape, _layout(cp), local) for cp in (1, 2))
     a, g, d, s = shape.heads // 2, shape.kv_heads // 2, shape.head_dim, 512
-    assert 2 * act2 == act1 + shape.layers * (g * d - a * d) * s * local.param_bytes, (act1, act2)
+    assert 2 * act2 == act1 + (shape.layers * (g * d - 2 * a * d) * s + s * s) * local.param_bytes, (act1, act2)
 
 
 def test_cp_long_context_recipe_fits_only_with_cp(capsys):

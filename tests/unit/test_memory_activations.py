@@ -65,9 +65,9 @@ def test_local_spec_activations_are_exactly_what_megatron_saves_for_backward(mb,
 
 
 def test_packed_micro_batch_activations_are_those_of_one_budget_long_row():
-    """A packed micro-batch (the default) on the local spec keeps exactly what one sequence of its
-    packed length keeps (the block-diagonal mask attends over the whole row), whatever
-    ``micro_batch_size`` says; the padded plan of the same layout would be several times larger."""
+    """A packed micro-batch (the default) on the local spec keeps exactly what the plan says of one
+    row of its packed length (attention sequence by sequence: each sequence's output and their
+    concatenation, no mask), whatever ``micro_batch_size`` says."""
     from megatron_gtpo.train.batching import packed_micro_batches
     from megatron_gtpo.train.model_input import forward
     from tests.unit.test_train_batching import ROWS, batch_of
@@ -80,7 +80,7 @@ def test_packed_micro_batch_activations_are_those_of_one_budget_long_row():
     saved = _saved_bytes(model, lambda: forward(model, mb))
     lay = layout_of(shape, micro_batch_size=4, seq_len=16)
     packed = MemorySizes(param_bytes=4, layer_spec="local", micro_batch_tokens=tokens)
-    assert saved == activation_bytes(shape, lay, packed)  # SDPA's additive mask included, once
+    assert saved == activation_bytes(shape, lay, packed)
     assert micro_batch_dims(lay, packed) == (1, 54) and micro_batch_dims(lay, MemorySizes()) == (4, 16)
     mem = estimate_memory(shape, lay, packed)
     assert mem.logits == 2 * 54 * shape.vocab * 2  # one packed row, two copies (logits_bytes 2)
