@@ -28,6 +28,9 @@ def kill_tree(pid: int, sig: int = 9) -> None:
 
     ``os.killpg`` on the launcher's group is not enough: torchrun starts each rank in a new
     session (its own process group), so the ranks would survive the kill and keep training.
+    The tree is frozen (SIGSTOP) before the first SIGKILL: killed one by one, a rank that outlived
+    its peer by a few milliseconds on a loaded machine saw the closed socket and printed a
+    traceback, which an outage of the whole job never produces (CI, 2026-12-06).
     ``pid`` is the caller's ``Popen`` child and is not reaped here: its ``wait()`` keeps the
     return code (-9), which a reaping wait would turn into 0.
     """
@@ -38,16 +41,27 @@ def kill_tree(pid: int, sig: int = 9) -> None:
         procs = [root, *root.children(recursive=True)]  # collected first: orphans are re-parented
     except psutil.NoSuchProcess:
         return
+    if sig == signal.SIGKILL:
+        for proc in procs:
+            _signal(proc, signal.SIGSTOP)
+        with contextlib.suppress(psutil.NoSuchProcess):  # children forked while the walk ran
+            procs += [p for p in root.children(recursive=True) if p not in procs]
+            for proc in procs:
+                _signal(proc, signal.SIGSTOP)
     for proc in procs:
-        try:
-            proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
+        _signal(proc, sig)
     psutil.wait_procs(procs[1:], timeout=60)
     try:
         os.killpg(pid, sig)  # whatever the group started and the tree walk missed
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _signal(proc, sig: int) -> None:
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        proc.send_signal(sig)
 
 
 INNER_TIMEOUT_S = 1500
