@@ -62,7 +62,9 @@ def run(out: str, variant: str, *, repo: str = REPO) -> dict[str, float]:
     start, first_step, lines = time.perf_counter(), None, []
     # One stream, read as it comes: the first step's line is timed here (the ranks print unbuffered).
     proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "MGTPO_LAUNCHER": launcher, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "MGTPO_LAUNCHER": launcher, "PYTHONUNBUFFERED": "1",
+                                 # ``repo``'s own code even where its .venv is a link to this one's
+                                 "PYTHONPATH": repo})
     for line in proc.stdout:
         lines.append(line)
         if first_step is None and FIRST_STEP.search(line):
