@@ -359,7 +359,7 @@ def micro_batch_dims(layout: Layout, sizes: MemorySizes) -> tuple[int, int]:
     """(rows, tokens per row) of the largest micro-batch: padded, ``micro_batch_size`` rows of the
     longest sequence; packed, one row of the token budget; either rounded up to the padding multiple
     (under CP: ``cp_index.cp_sequence_multiple``, each rank then holding 1/cp of the tokens).
-    The local spec attends over a packed row as a whole (a block-diagonal mask, train/model_input.py)."""
+    The local spec attends over a packed row sequence by sequence (train/sdpa_attention.py)."""
     multiple = cp_sequence_multiple(sizes.sequence_multiple, layout.cp)
     if sizes.micro_batch_tokens:
         return 1, -(-sizes.micro_batch_tokens // multiple) * multiple

@@ -19,11 +19,11 @@ The server's own requests (the weight requests come from ``sync/wire.py``):
               -> {} at once: the job generates in the background (rollout/inflight.py), across
                  weight pushes as ``partial`` says
     fetch     {job}                                   -> once the job is done, ``generate``'s answer
+    close     {}                                      -> {} and the server exits
 
 ``window`` (optional: absent when nothing was generated) is the wall-clock interval (``time.time()``
 seconds on the server) from the start of the engine's first step for that call or job to the end of
 its last: what ``rollout/overlap_s`` measures against the trainer's train phase (rollout/overlap.py).
-    close     {}                                      -> {} and the server exits
 
 Only token ids go to the server (not the prompt text, answer or id), and the completions come back
 without their prompt, which the trainer still holds. The :class:`~megatron_gtpo.rollout.config.Sampling`
@@ -32,6 +32,7 @@ record travels as its fields (``asdict``) and is rebuilt, validated, on the serv
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -155,8 +156,9 @@ def decode_window(result: dict) -> tuple[float, float] | None:
     window = result.get("window")
     if window is None:
         return None
-    if len(window) != 2 or not window[0] <= window[1]:
-        raise SchemaError(f"generate answer: window must be [start, end] with start <= end, got {window!r:.80}")
+    if len(window) != 2 or not all(map(math.isfinite, window)) or not window[0] <= window[1]:
+        raise SchemaError(f"generate answer: window must be two finite [start, end] with start <= end, "
+                          f"got {window!r:.80}")
     return float(window[0]), float(window[1])
 
 

@@ -76,10 +76,10 @@ from megatron_gtpo.models.hf_config import (LLAMA3_ROPE_DEFAULTS, head_dim_of, n
 from megatron_gtpo.models.shape import shape_from_hf_config
 from megatron_gtpo.parallel import cpu_shims, strict
 from megatron_gtpo.parallel.cp_attention import cp_layer_spec
-from megatron_gtpo.train.sdpa_attention import with_sdpa_attention
 from megatron_gtpo.parallel.dims import ParallelDims
 from megatron_gtpo.parallel.cp_index import cp_sequence_multiple
 from megatron_gtpo.parallel.layout import context_parallel_problems, model_split_problems
+from megatron_gtpo.train.sdpa_attention import with_sdpa_attention
 from megatron_gtpo.utils.configuration import ConfigError
 
 def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:

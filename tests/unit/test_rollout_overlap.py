@@ -52,7 +52,7 @@ def test_the_answer_carries_the_window_and_a_forged_one_is_refused():
     plain, _ = msg.encode_completions(2, done)  # nothing generated (or an older server): no window
     check(plain, msg.GENERATE_REPLY)
     assert "window" not in plain and msg.decode_window(plain) is None
-    for forged in ([101.5, 100.0], [1.0], [1.0, 2.0, 3.0], [float("nan"), 1.0]):
+    for forged in ([101.5, 100.0], [1.0], [1.0, 2.0, 3.0], [float("nan"), 1.0], [0.0, float("inf")]):
         with pytest.raises(SchemaError, match="window"):
             msg.decode_window({**result, "window": forged})
     with pytest.raises(SchemaError, match="window"):
